@@ -1,0 +1,102 @@
+"""The safetensors files of a checkpoint folder: which tensor lives where, read one at a time.
+
+Only the JSON headers are read up front; tensor data is read memory-mapped, tensor by tensor, so a
+149 GiB checkpoint never needs 149 GiB of RAM. Only safetensors are read (no pickle).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+INDEX_FILE = "model.safetensors.index.json"
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used, with a message that says which file or tensor and why."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    dtype: str  # safetensors dtype name, e.g. "F8_E4M3"
+    shape: tuple[int, ...]
+    file: str  # shard file name inside the folder
+
+
+def read_header(path: Path) -> dict[str, TensorInfo]:
+    """Tensor names, dtypes and shapes from one safetensors file, without reading its data."""
+    try:
+        with path.open("rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > MAX_HEADER_BYTES:
+                raise CheckpointError(f"{path}: safetensors header of {n} bytes is not plausible")
+            header = json.loads(f.read(n))
+    except (OSError, struct.error, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from exc
+    return {name: TensorInfo(meta["dtype"], tuple(meta["shape"]), path.name)
+            for name, meta in header.items() if name != "__metadata__"}
+
+
+class SafetensorsFolder:
+    """All tensors of a folder of safetensors shards, located through the index file when present."""
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        self.files = self._shard_files()
+        self.infos: dict[str, TensorInfo] = {}
+        for file in self.files:
+            for name, info in read_header(self.folder / file).items():
+                if name in self.infos:
+                    raise CheckpointError(f"{self.folder}: tensor {name} appears in both "
+                                          f"{self.infos[name].file} and {file}")
+                self.infos[name] = info
+        self._check_index()
+        self._handles: dict[str, object] = {}
+
+    def _shard_files(self) -> list[str]:
+        index = self.folder / INDEX_FILE
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+                raise CheckpointError(f"{index}: not a valid safetensors index ({exc})") from exc
+            files = sorted(set(weight_map.values()))
+            missing = [f for f in files if not (self.folder / f).is_file()]
+            if missing:
+                raise CheckpointError(f"{self.folder}: the index names shard files that are not there: "
+                                      f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''} "
+                                      f"(an interrupted download? run it again)")
+            return files
+        files = sorted(p.name for p in self.folder.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"{self.folder}: no *.safetensors files (only safetensors checkpoints are read)")
+        return files
+
+    def _check_index(self) -> None:
+        index = self.folder / INDEX_FILE
+        if not index.is_file():
+            return
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        for name, file in weight_map.items():
+            info = self.infos.get(name)
+            if info is None or info.file != file:
+                where = "is in no shard" if info is None else f"is in {info.file}"
+                raise CheckpointError(f"{index}: maps {name} to {file}, but it {where}")
+
+    def read(self, name: str) -> torch.Tensor:
+        """One tensor, copied out of its memory-mapped shard."""
+        info = self.infos[name]
+        handle = self._handles.get(info.file)
+        if handle is None:
+            handle = safe_open(str(self.folder / info.file), framework="pt")
+            self._handles[info.file] = handle
+        return handle.get_tensor(name)  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        self._handles.clear()

@@ -1,0 +1,41 @@
+"""The one module that reads environment variables; each is typed, and a malformed one is an error.
+
+Every serve option can also come from `DSV4SERVE_<OPTION>` (e.g. DSV4SERVE_MAX_PREFILL_LENGTH=4096);
+a command-line flag wins over its variable. Other variables:
+- DSV4SERVE_CACHE_DIR: where built-in models such as dsv4-tiny are built [~/.cache/dsv4serve,
+  or $XDG_CACHE_HOME/dsv4serve].
+Hugging Face's own variables (HF_HOME, HF_HUB_OFFLINE, HF_TOKEN, ...) are read by huggingface_hub.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+PREFIX = "DSV4SERVE_"
+
+
+@dataclass(frozen=True)
+class Environment:
+    options: Mapping[str, str]  # option name (max_prefill_length) -> raw text, for DSV4SERVE_* set
+    cache_dir: Path
+
+
+def option_env_name(option: str) -> str:
+    return PREFIX + option.upper()
+
+
+def read_environment(environ: Mapping[str, str] | None = None,
+                     option_names: tuple[str, ...] = ()) -> Environment:
+    env = os.environ if environ is None else environ
+    options = {name: env[option_env_name(name)] for name in option_names
+               if env.get(option_env_name(name), "") != ""}
+    if env.get(PREFIX + "CACHE_DIR"):
+        cache = Path(env[PREFIX + "CACHE_DIR"]).expanduser()
+    elif env.get("XDG_CACHE_HOME"):
+        cache = Path(env["XDG_CACHE_HOME"]) / "dsv4serve"
+    else:
+        cache = Path.home() / ".cache" / "dsv4serve"
+    return Environment(options=options, cache_dir=cache)

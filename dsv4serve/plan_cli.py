@@ -1,0 +1,80 @@
+"""`dsv4serve plan`: what the server would do with a model, from its config alone (no weights, no GPU)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from typing import Any
+
+from dsv4serve.env import Environment
+from dsv4serve.model.args import ModelArgs
+from dsv4serve.model.schema import checkpoint_schema
+from dsv4serve.report import format_table, settings_json, settings_rows
+from dsv4serve.units import gib, parse_bytes
+
+
+def add_plan_options(parser: argparse.ArgumentParser) -> None:
+    size = _size_type()
+    parser.add_argument("--gpu-memory", type=size, metavar="SIZE", help="plan for a GPU of this size (e.g. 32GiB)")
+    parser.add_argument("--host-memory", type=size, metavar="SIZE", help="plan for this much host RAM (e.g. 128GiB)")
+    parser.add_argument("--platform", choices=("native", "wsl2"), default="native",
+                        help="wsl2 keeps a larger memory margin and a lower pinned-memory budget")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def _size_type():
+    def convert(text: str) -> int:
+        try:
+            return parse_bytes(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from exc
+    convert.__name__ = "size"
+    return convert
+
+
+def weight_bytes_by_group(args: ModelArgs) -> dict[str, int]:
+    """Checkpoint bytes by kind of weight; everything of the MTP block is counted as 'mtp'."""
+    out: dict[str, int] = defaultdict(int)
+    for spec in checkpoint_schema(args):
+        group = "mtp" if spec.layer is not None and spec.layer >= args.n_layers else spec.group
+        out[group] += spec.nbytes
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def build_plan(ns: argparse.Namespace, env: Environment) -> dict[str, Any]:
+    from dsv4serve.cli import resolve_from_cli
+
+    # a plan for a GPU is made as if that GPU were present
+    cfg, location, args = resolve_from_cli(ns, env, config_only=True, simulate_gpu=ns.gpu_memory is not None)
+    weights = weight_bytes_by_group(args)
+    chunk = cfg.max_prefill_length
+    return {
+        "model": {"name": location.name, "path": str(location.path), "layers": args.n_layers,
+                  "mtp_layers": args.n_mtp_layers, "layer_kinds": list(args.layer_kinds)},
+        "machine": {"gpu_memory_bytes": ns.gpu_memory, "host_memory_bytes": ns.host_memory,
+                    "platform": ns.platform},
+        "weights": {"total_bytes": sum(weights.values()), "by_kind_bytes": weights},
+        "prefill_chunk": {"requested": chunk.value, "source": chunk.source.value, "note": chunk.note},
+        "settings": settings_json(cfg),
+        "settings_rows": settings_rows(cfg),
+    }
+
+
+def run_plan(ns: argparse.Namespace, env: Environment) -> int:
+    plan = build_plan(ns, env)
+    if ns.json:
+        plan.pop("settings_rows")
+        json.dump(plan, sys.stdout, indent=2)
+        print()
+        return 0
+    w = plan["weights"]
+    rows = [{"kind": k, "bytes": f"{v:,}", "size": gib(v)} for k, v in w["by_kind_bytes"].items()]
+    rows.append({"kind": "total", "bytes": f"{w['total_bytes']:,}", "size": gib(w["total_bytes"])})
+    print(f"model {plan['model']['name']}: {plan['model']['layers']} layers + {plan['model']['mtp_layers']} MTP")
+    print("\nweights\n" + format_table(rows, ("kind", "bytes", "size")))
+    print("\neffective settings\n" + format_table(plan["settings_rows"], ("flag", "value", "source", "note")))
+    c = plan["prefill_chunk"]
+    print(f"\nprefill chunk: {c['requested'] if c['requested'] else 'auto'} ({c['source']}): {c['note']}")
+    return 0

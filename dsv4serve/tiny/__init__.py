@@ -1,0 +1,1 @@
+"""`dsv4-tiny`: a seeded, random-weight DeepSeek-V4 checkpoint in the official layout."""

@@ -1,0 +1,38 @@
+"""Shared fixtures: the built-in dsv4-tiny checkpoint, built once per test session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
+REAL_MODEL = SHARED / "data" / "DeepSeek-V4-Flash"
+
+
+@pytest.fixture(scope="session")
+def tiny_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A cache folder holding dsv4-tiny; DSV4SERVE_TEST_CACHE reuses one across runs (local dev)."""
+    from dsv4serve.tiny.builder import ensure_tiny
+
+    reuse = os.environ.get("DSV4SERVE_TEST_CACHE")
+    cache = Path(reuse) if reuse else tmp_path_factory.mktemp("dsv4serve-cache")
+    ensure_tiny(cache)
+    return cache
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tiny_cache: Path) -> Path:
+    from dsv4serve.tiny.builder import tiny_folder
+
+    return tiny_folder(tiny_cache)
+
+
+@pytest.fixture(scope="session")
+def real_model_dir() -> Path:
+    if not (REAL_MODEL / "config.json").is_file():
+        pytest.fail(f"{REAL_MODEL} is missing: the real DeepSeek-V4-Flash config and tensor list live in "
+                    "../shared/data beside the repository")
+    return REAL_MODEL
