@@ -1,0 +1,131 @@
+"""Typed, tagged messages between the API process and the worker (msgspec msgpack, never pickle).
+
+Every message is a frozen msgspec Struct with a tag; decoding an unknown tag or a malformed field is
+an error, not a guess. Only plain data crosses: token ids, numbers, strings.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+from dsv4serve.worker.sampling_params import SamplingParams  # a frozen dataclass: msgspec carries it
+
+
+# ------------------------------------------------------------------------------ API -> worker
+
+class AddRequest(msgspec.Struct, frozen=True, tag="add", forbid_unknown_fields=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+
+
+class AbortRequest(msgspec.Struct, frozen=True, tag="abort", forbid_unknown_fields=True):
+    request_id: str
+
+
+class Shutdown(msgspec.Struct, frozen=True, tag="shutdown", forbid_unknown_fields=True):
+    pass
+
+
+ToWorker = Union[AddRequest, AbortRequest, Shutdown]
+
+
+# ------------------------------------------------------------------------------ worker -> API
+
+class ChunkPlanInfo(msgspec.Struct, frozen=True):
+    requested: int | None  # the user's cap, None when automatic
+    effective_tokens: int
+    binding: str  # user-cap | memory | kv-pool | alignment | model-len
+    reason: str
+    warning: str | None = None
+
+
+class Ready(msgspec.Struct, frozen=True, tag="ready", forbid_unknown_fields=True):
+    """What the worker actually allocated, not what was asked for."""
+
+    device: str
+    kv_capacity_tokens: int
+    max_running_requests: int
+    max_model_len: int
+    chunk: ChunkPlanInfo
+    expert_slots: int | None  # None: every expert resident
+    vocab_size: int
+    eos_token_id: int
+
+
+class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
+    token_id: int
+    logprob: float
+
+
+class TokenOut(msgspec.Struct, frozen=True, array_like=True):
+    token_id: int
+    logprob: float | None = None
+    top: list[TokenLogprob] | None = None
+
+
+class RequestOutput(msgspec.Struct, frozen=True, tag="out", forbid_unknown_fields=True):
+    request_id: str
+    tokens: list[TokenOut]  # new tokens since the last output of this request
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    finish_reason: str | None = None  # stop | length | abort | error; None while running
+    error: str | None = None
+
+
+class Rejected(msgspec.Struct, frozen=True, tag="rejected", forbid_unknown_fields=True):
+    request_id: str
+    status: int  # HTTP status the API should answer with (503: queue full)
+    message: str
+
+
+class Stats(msgspec.Struct, frozen=True, tag="stats", forbid_unknown_fields=True):
+    num_running: int
+    num_waiting: int
+    kv_usage: float  # 0..1
+    prefill_chunk_tokens: int
+    oom_recoveries_total: int
+    prefix_cache_queries_total: int
+    prefix_cache_hits_total: int
+
+
+class WorkerFailed(msgspec.Struct, frozen=True, tag="failed", forbid_unknown_fields=True):
+    """The worker cannot go on (startup or a fatal error); it exits after sending this."""
+
+    message: str
+
+
+FromWorker = Union[Ready, RequestOutput, Rejected, Stats, WorkerFailed]
+
+
+class Codec:
+    """Encoder/decoder pair for one direction; decoding anything but that direction's messages fails."""
+
+    def __init__(self, incoming: object):
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(incoming)
+
+    def encode(self, message: msgspec.Struct) -> bytes:
+        return self._encoder.encode(message)
+
+    def decode(self, data: bytes):
+        return self._decoder.decode(data)
+
+
+class WorkerLaunch(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Everything a worker needs to start, copied from the frozen config (passed as bytes)."""
+
+    to_worker: str  # ipc endpoints
+    from_worker: str
+    model_path: str
+    device: str  # cpu | cuda
+    max_num_seqs: int
+    max_queued_requests: int
+    max_model_len: int
+    max_model_len_explicit: bool
+    max_prefill_length: int | None  # the user's cap; None = planned
+    num_tokens: int | None  # the user's KV capacity; None = planned
+    log_level: str = "info"
+    fault_oom_above_bytes: int | None = None  # TESTING ONLY (see FaultInjection)

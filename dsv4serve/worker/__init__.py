@@ -1,0 +1,1 @@
+"""The worker process: scheduler, KV pool, chunk planner, runner."""

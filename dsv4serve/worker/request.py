@@ -1,0 +1,45 @@
+"""A request as the scheduler sees it: token ids and counters, never a tensor."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from dsv4serve.ipc.messages import TokenOut
+from dsv4serve.worker.sampling_params import SamplingParams
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    arrival: int  # admission order
+    output: list[TokenOut] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose state the runner holds (prompt + outputs)
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+    num_pages: int = 0  # KV pages reserved for this request
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    num_sent_tokens: int = 0  # outputs already sent to the API process
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return [t.token_id for t in self.output]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output)
+
+    def token_ids(self, start: int, stop: int) -> list[int]:
+        """Prompt-then-output tokens in [start, stop)."""
+        n_prompt = len(self.prompt_token_ids)
+        head = self.prompt_token_ids[start:min(stop, n_prompt)]
+        tail = [t.token_id for t in self.output[max(start - n_prompt, 0):max(stop - n_prompt, 0)]]
+        return head + tail
