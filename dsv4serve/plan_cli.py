@@ -50,13 +50,20 @@ def build_plan(ns: argparse.Namespace, env: Environment) -> dict[str, Any]:
     cfg, location, args = resolve_from_cli(ns, env, config_only=True, simulate_gpu=ns.gpu_memory is not None)
     weights = weight_bytes_by_group(args)
     chunk = cfg.max_prefill_length
+    memory = _memory_plan(ns, cfg, args)
+    prefill = {"requested": chunk.value, "source": chunk.source.value, "note": chunk.note}
+    if memory is not None:
+        c = memory.chunk
+        prefill.update(effective=c.effective_tokens, binding=c.binding, reason=c.reason, warning=c.warning)
     return {
         "model": {"name": location.name, "path": str(location.path), "layers": args.n_layers,
                   "mtp_layers": args.n_mtp_layers, "layer_kinds": list(args.layer_kinds)},
         "machine": {"gpu_memory_bytes": ns.gpu_memory, "host_memory_bytes": ns.host_memory,
                     "platform": ns.platform},
         "weights": {"total_bytes": sum(weights.values()), "by_kind_bytes": weights},
-        "prefill_chunk": {"requested": chunk.value, "source": chunk.source.value, "note": chunk.note},
+        "prefill_chunk": prefill,
+        "memory_plan": memory.to_json() if memory is not None else None,
+        "memory_plan_text": format_memory_plan(memory) if memory is not None else None,
         "settings": settings_json(cfg),
         "settings_rows": settings_rows(cfg),
     }
@@ -66,6 +73,7 @@ def run_plan(ns: argparse.Namespace, env: Environment) -> int:
     plan = build_plan(ns, env)
     if ns.json:
         plan.pop("settings_rows")
+        plan.pop("memory_plan_text")
         json.dump(plan, sys.stdout, indent=2)
         print()
         return 0
@@ -77,4 +85,45 @@ def run_plan(ns: argparse.Namespace, env: Environment) -> int:
     print("\neffective settings\n" + format_table(plan["settings_rows"], ("flag", "value", "source", "note")))
     c = plan["prefill_chunk"]
     print(f"\nprefill chunk: {c['requested'] if c['requested'] else 'auto'} ({c['source']}): {c['note']}")
+    if plan["memory_plan_text"]:
+        print("\n" + plan["memory_plan_text"])
+    else:
+        print("memory plan: give --gpu-memory SIZE (and --platform) to plan for a GPU; `serve` measures the "
+              "free memory after start-up")
     return 0
+
+
+def _memory_plan(ns: argparse.Namespace, cfg: Any, args: ModelArgs):
+    if ns.gpu_memory is None:
+        return None
+    from dsv4serve.memory_plan import Machine, PlanSettings, plan_memory, weight_bytes
+
+    machine = Machine(ns.gpu_memory, ns.host_memory, ns.platform)
+    return plan_memory(args, weight_bytes(checkpoint_schema(args), args), machine, PlanSettings.from_config(cfg))
+
+
+def format_memory_plan(p) -> str:
+    """The plan as a person reads it: what stays on the GPU, slots, KV, and the chunk with its binding."""
+    e = p.expert_slots * p.expert_slot_bytes
+    rows = [("non-expert weights", p.resident_weight_bytes),
+            ("routed experts (all)" if p.experts_resident else f"expert slots ({p.expert_slots})", e),
+            (f"KV cache ({p.kv_tokens:,} tokens)", p.kv_cache_bytes),
+            (f"sequence states ({p.max_running})", p.seq_state_bytes),
+            ("free for prefill activations", p.activation_free_bytes)]
+    table = format_table([{"gpu": n, "size": gib(b)} for n, b in rows]
+                         + [{"gpu": f"budget ({p.machine.platform} margin {gib(p.margin_bytes)} inside free)",
+                             "size": gib(p.budget_bytes)}], ("gpu", "size"))
+    c, g = p.chunk, p.geometry
+    lines = ["memory plan (" + gib(p.machine.gpu_bytes) + f" GPU, {p.machine.platform})", table, ""]
+    lines += [f"- {d}" for d in p.decisions]
+    lines += ["", f"max running requests {p.max_running}, max_model_len {p.max_model_len:,}",
+              f"prefill chunk: requested {c.requested if c.requested is not None else 'auto'}, effective "
+              f"{c.effective_tokens:,} tokens, bound by {c.binding}: {c.reason}",
+              f"  activations: {g.activation_bytes_per_token:,} B/token estimated (peak layer), "
+              f"{c.activation_bytes_per_token:,} B/token planned, {gib(g.fixed_bytes)} fixed, "
+              f"aligned to {c.alignment_tokens} tokens; memory bound {c.safe_tokens:,} tokens"]
+    if p.host_expert_bytes:
+        host = gib(p.machine.host_bytes) if p.machine.host_bytes else "unknown"
+        lines.append(f"host memory: expert bank {gib(p.host_expert_bytes)} (host RAM {host})")
+    lines += [f"WARNING: {w}" for w in p.warnings]
+    return "\n".join(lines)

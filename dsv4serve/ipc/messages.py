@@ -10,7 +10,8 @@ from typing import Union
 
 import msgspec
 
-from dsv4serve.worker.sampling_params import SamplingParams  # a frozen dataclass: msgspec carries it
+from dsv4serve.worker.chunk_planner import ChunkPlan  # frozen dataclasses: msgspec carries them
+from dsv4serve.worker.sampling_params import SamplingParams
 
 
 # ------------------------------------------------------------------------------ API -> worker
@@ -34,14 +35,6 @@ ToWorker = Union[AddRequest, AbortRequest, Shutdown]
 
 # ------------------------------------------------------------------------------ worker -> API
 
-class ChunkPlanInfo(msgspec.Struct, frozen=True):
-    requested: int | None  # the user's cap, None when automatic
-    effective_tokens: int
-    binding: str  # user-cap | memory | kv-pool | alignment | model-len
-    reason: str
-    warning: str | None = None
-
-
 class Ready(msgspec.Struct, frozen=True, tag="ready", forbid_unknown_fields=True):
     """What the worker actually allocated, not what was asked for."""
 
@@ -49,7 +42,7 @@ class Ready(msgspec.Struct, frozen=True, tag="ready", forbid_unknown_fields=True
     kv_capacity_tokens: int
     max_running_requests: int
     max_model_len: int
-    chunk: ChunkPlanInfo
+    chunk: ChunkPlan  # the planner's own frozen dataclass: requested, effective, binding, reason, ...
     expert_slots: int | None  # None: every expert resident
     vocab_size: int
     eos_token_id: int
@@ -126,6 +119,8 @@ class WorkerLaunch(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_model_len: int
     max_model_len_explicit: bool
     max_prefill_length: int | None  # the user's cap; None = planned
+    max_prefill_length_source: str  # a config Source value: explicit caps are honoured, never changed
     num_tokens: int | None  # the user's KV capacity; None = planned
+    memory_ratio: float = 0.9
     log_level: str = "info"
     fault_oom_above_bytes: int | None = None  # TESTING ONLY (see FaultInjection)

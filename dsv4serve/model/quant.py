@@ -94,12 +94,34 @@ def dequant_fp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = 
     return (values * s).to(dtype)
 
 
-def _pow2_scale(amax: torch.Tensor, max_code: float) -> torch.Tensor:
-    """Smallest power of two s with amax / s <= max_code (amax floored at 1e-4 as the reference does)."""
-    ratio = torch.clamp(amax.float(), min=1e-4) / max_code
+def pow2_ceil(ratio: torch.Tensor) -> torch.Tensor:
+    """Smallest power of two >= ratio (ratio > 0), computed exactly (the ue8m0 scale rule)."""
     mantissa, exponent = torch.frexp(ratio)
     exponent = torch.where(mantissa == 0.5, exponent - 1, exponent)  # exact powers of two stay
     return torch.ldexp(torch.ones_like(ratio), exponent)
+
+
+def _pow2_scale(amax: torch.Tensor, max_code: float) -> torch.Tensor:
+    """Smallest power of two s with amax / s <= max_code (amax floored at 1e-4 as the reference does)."""
+    return pow2_ceil(torch.clamp(amax.float(), min=1e-4) / max_code)
+
+
+def round_e2m1_codes(v: torch.Tensor) -> torch.Tensor:
+    """Codes (uint8, sign in bit 3) of the e2m1 values nearest to v (|v| <= 6); a tie goes to the even
+    code, as a hardware cast rounds."""
+    mags = torch.tensor(E2M1_VALUES[:8], dtype=torch.float32)
+    dist = (v.float().abs().unsqueeze(-1) - mags).abs()  # [..., 8]
+    ties = dist == dist.min(dim=-1, keepdim=True).values
+    codes = torch.arange(8)
+    rank = torch.where(ties, (codes % 2) * 16 + codes, torch.full_like(codes, 1 << 10))
+    code = rank.argmin(dim=-1).to(torch.uint8)
+    return torch.where(torch.signbit(v) & (code != 0), code | 0x8, code)
+
+
+def round_e2m1(v: torch.Tensor) -> torch.Tensor:
+    """v rounded to the nearest e2m1 value (ties to the even code), in v's dtype, sign kept."""
+    mags = torch.tensor(E2M1_VALUES[:8], dtype=v.dtype)
+    return torch.copysign(mags[(round_e2m1_codes(v) & 0x7).long()], v)
 
 
 def quant_fp8_block(weight: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,8 +140,8 @@ def quant_fp8_block(weight: torch.Tensor, block: tuple[int, int] = (128, 128)) -
 def quant_fp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense [out, in] (in divisible by 32) -> (int8 packed [out, in/2], e8m0 scales [out, in/32]).
 
-    Each value is rounded to the nearest e2m1 magnitude (a tie goes to the smaller one) after
-    dividing by its block's power-of-two scale.
+    Each value is rounded to the nearest e2m1 value (a tie goes to the even code) after dividing by
+    its block's power-of-two scale.
     """
     out_dim, in_dim = weight.shape
     if in_dim % FP4_BLOCK_K:
@@ -127,9 +149,4 @@ def quant_fp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     blocks = weight.float().view(out_dim, in_dim // FP4_BLOCK_K, FP4_BLOCK_K)
     scale = _pow2_scale(blocks.abs().amax(dim=-1), FP4_MAX)
     x = (blocks / scale.unsqueeze(-1)).flatten(1).clamp(-FP4_MAX, FP4_MAX)
-    magnitudes = torch.tensor(E2M1_VALUES[:8], dtype=torch.float32)
-    dist = (x.abs().unsqueeze(-1) - magnitudes).abs()
-    # nearest magnitude; on a tie argmin keeps the first (smaller) code - deterministic everywhere
-    code = dist.argmin(dim=-1).to(torch.uint8)
-    code = torch.where(torch.signbit(x) & (code != 0), code | 0x8, code)
-    return pack_fp4(code), float_to_e8m0(scale)
+    return pack_fp4(round_e2m1_codes(x)), float_to_e8m0(scale)

@@ -1,0 +1,377 @@
+"""The whole-card memory plan: what lives on the GPU, from the config alone (pure: no device calls).
+
+    plan_memory(args, weights, machine, settings) -> MemoryPlan
+
+Budget = gpu bytes x --memory-ratio; the platform margin (chunk_planner.PLATFORM_MARGIN_BYTES) is
+never planned. From the rest, in this priority order:
+1. Resident non-expert weights: everything but routed experts (attention, shared experts, embed,
+   head, norms, hc, compressors, indexer, router). The MTP block is left out unless asked for (no
+   speculative decoding in this build). If they do not fit: error naming --memory-ratio.
+2. Routed experts: all resident when they fit beside the floors (sequence states, KV floor) and an
+   OFFLOAD_CHUNK_TARGET chunk. Otherwise an expert-slot cache of N slots (one slot = one expert's
+   w1+w3+w2 with scales, of any layer) with the whole expert bank in host memory; the cache gets
+   what is left after the KV target (OFFLOAD_KV_TOKENS) and an OFFLOAD_CHUNK_TARGET chunk. When that
+   is below the minimum (n_activated_experts: one token's experts of one layer) the KV and chunk
+   targets shrink to their floors (KV_FLOOR_TOKENS, one window page) and the plan says so.
+3. KV capacity: bf16 cache bytes per token from the geometry (dsv4-model.md §2.11: one compressed
+   entry per ratio tokens in every CSA/HCA layer, plus CSA indexer keys), and the fixed per-sequence
+   state (a window of window_size keys per layer, fp32 compressor rings) x max_num_seqs. Offloaded:
+   OFFLOAD_KV_TOKENS (capped by max_model_len). Resident: the KV target, then a chunk of up to
+   RESIDENT_CHUNK_TARGET, then everything left (up to max_model_len x max_num_seqs). The auto
+   max_model_len is the model limit capped by the KV capacity.
+4. Activation headroom: what is left is the chunk planner's free memory (chunk_planner.plan_chunk),
+   always at least one window page of prefill.
+
+Explicit user values (source cli/env) are honoured exactly, or planning stops with a ConfigError that
+names the flag, the limit and why: --num-tokens, --moe-cache-size, --max-num-seqs, --max-model-len
+(must fit the KV) and --memory-ratio. --max-prefill-length: refused only when one chunk of it cannot
+fit even with no expert slots and no KV; reserved (shrinking the auto expert cache, KV to its target)
+when it fits beside the floors; otherwise honoured with a loud warning, as the chunk planner does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any
+
+from dsv4serve.config import ConfigError, Setting
+from dsv4serve.model.args import ModelArgs
+from dsv4serve.model.schema import TensorSpec
+from dsv4serve.resolve import who
+from dsv4serve.worker.chunk_planner import (GEOMETRY_SAFETY_FACTOR, PLATFORM_MARGIN_BYTES, ChunkPlan,
+                                            MemorySnapshot, PlannerLimits, PrefillGeometry, plan_chunk,
+                                            prefill_geometry)
+
+GIB = 1024**3
+OFFLOAD_CHUNK_TARGET = 4096  # experts offloaded: slots matter for decode; ds4 saw 1K->8K = +24% prefill
+RESIDENT_CHUNK_TARGET = 16384  # all resident: memory is plentiful, bigger chunks prefill faster
+OFFLOAD_KV_TOKENS = 262144  # users.md: agent prompts of 20K-300K tokens
+KV_FLOOR_TOKENS = 32768  # below this an auto plan would be useless: shrink slots instead
+
+
+def _g(n: int | float) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+# ----------------------------------------------------------------------------------- inputs
+
+@dataclass(frozen=True)
+class WeightBytes:
+    non_expert_bytes: int  # main model, everything but routed experts
+    routed_expert_bytes: int  # main model's routed experts
+    mtp_bytes: int  # the whole MTP block (its experts included)
+    expert_bytes: int  # one expert: w1 + w3 + w2 with scales = one slot
+    n_experts: int  # routed experts over all main layers
+
+
+def weight_bytes(specs: list[TensorSpec], args: ModelArgs) -> WeightBytes:
+    non_expert = routed = mtp = 0
+    one: dict[tuple[int, int], int] = {}
+    for s in specs:
+        if s.layer is not None and s.layer >= args.n_layers:
+            mtp += s.nbytes
+        elif s.group == "routed_experts":
+            routed += s.nbytes
+            one[(s.layer, s.expert)] = one.get((s.layer, s.expert), 0) + s.nbytes
+        else:
+            non_expert += s.nbytes
+    per_expert = max(one.values(), default=0)
+    return WeightBytes(non_expert, routed, mtp, per_expert, len(one))
+
+
+@dataclass(frozen=True)
+class KvGeometry:
+    bytes_per_token: Fraction  # amortized cache bytes per token, all layers
+    seq_state_bytes: int  # fixed per sequence: windows + compressor rings
+    terms: tuple[tuple[str, str], ...]
+
+
+def kv_geometry(args: ModelArgs, include_mtp: bool = False, entry_bytes: int = 2) -> KvGeometry:
+    """dsv4-model.md §2.11, for a cache stored in bf16 (entry_bytes 2 per dim)."""
+    layers = range(args.n_all_layers if include_mtp else args.n_layers)
+    per_token, window, rings = Fraction(0), 0, 0
+    for i in layers:
+        r, kind = args.compress_ratios[i], args.kind(i)
+        window += args.window_size * args.head_dim * entry_bytes  # the raw window, every layer
+        if r:
+            per_token += Fraction(args.head_dim * entry_bytes, r)  # one compressed entry per r tokens
+            coff = 2 if kind == "csa" else 1  # CSA windows overlap: rings of 2r slots of 2d
+            rings += 2 * (coff * r) * (coff * args.head_dim) * 4  # kv_state + score_state, fp32
+        if kind == "csa":
+            per_token += Fraction(args.index_head_dim * entry_bytes, r)  # indexer keys
+            rings += 2 * (2 * r) * (2 * args.index_head_dim) * 4
+    terms = (("compressed entries + indexer keys per token", f"{float(per_token):,.1f} B"),
+             ("window per sequence", f"{window:,} B"), ("compressor rings per sequence (fp32)", f"{rings:,} B"))
+    return KvGeometry(per_token, window + rings, terms)
+
+
+def kv_bytes(kv: KvGeometry, tokens: int) -> int:
+    return math.ceil(kv.bytes_per_token * tokens)
+
+
+def kv_tokens_for(kv: KvGeometry, n_bytes: int) -> int:
+    return max(0, math.floor(Fraction(n_bytes) / kv.bytes_per_token)) if kv.bytes_per_token else 0
+
+
+@dataclass(frozen=True)
+class Machine:
+    gpu_bytes: int
+    host_bytes: int | None
+    platform: str  # native | wsl2
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    memory_ratio: Setting[float]
+    num_tokens: Setting[int | None]
+    moe_cache_size: Setting[int | None]
+    max_num_seqs: Setting[int]
+    max_model_len: Setting[int]  # resolved: explicit, or the model limit (model-rule)
+    max_prefill_length: Setting[int | None]
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> "PlanSettings":
+        return cls(cfg.memory_ratio, cfg.num_tokens, cfg.moe_cache_size, cfg.max_num_seqs, cfg.max_model_len,
+                   cfg.max_prefill_length)
+
+
+# ----------------------------------------------------------------------------------- output
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    machine: Machine
+    budget_bytes: int
+    margin_bytes: int
+    resident_weight_bytes: int
+    include_mtp: bool
+    experts_resident: bool
+    expert_slots: int  # = n_experts when resident
+    expert_slot_bytes: int
+    n_experts: int
+    host_expert_bytes: int
+    kv_tokens: int
+    kv_cache_bytes: int
+    seq_state_bytes: int  # all sequences
+    max_running: int
+    max_model_len: int
+    activation_free_bytes: int  # free for activations after everything above (margin included)
+    geometry: PrefillGeometry
+    chunk: ChunkPlan
+    decisions: tuple[str, ...]
+    warnings: tuple[str, ...]
+
+    @property
+    def gpu_used_bytes(self) -> int:
+        return self.resident_weight_bytes + self.expert_slots * self.expert_slot_bytes + self.kv_cache_bytes \
+            + self.seq_state_bytes
+
+    def to_json(self) -> dict[str, Any]:
+        c = self.chunk
+        return {
+            "budget_bytes": self.budget_bytes, "platform_margin_bytes": self.margin_bytes,
+            "resident_weight_bytes": self.resident_weight_bytes, "mtp_resident": self.include_mtp,
+            "experts": {"all_resident": self.experts_resident, "slots": self.expert_slots,
+                        "slot_bytes": self.expert_slot_bytes, "total": self.n_experts,
+                        "gpu_bytes": self.expert_slots * self.expert_slot_bytes,
+                        "host_bytes": self.host_expert_bytes},
+            "kv": {"tokens": self.kv_tokens, "cache_bytes": self.kv_cache_bytes,
+                   "seq_state_bytes": self.seq_state_bytes, "max_running": self.max_running,
+                   "max_model_len": self.max_model_len},
+            "activations": {"free_bytes": self.activation_free_bytes,
+                            "bytes_per_token_estimate": self.geometry.activation_bytes_per_token,
+                            "bytes_per_token_planned": c.activation_bytes_per_token,
+                            "safety_factor": GEOMETRY_SAFETY_FACTOR, "fixed_bytes": self.geometry.fixed_bytes,
+                            "alignment_tokens": self.geometry.alignment_tokens},
+            "chunk": {"requested": c.requested, "effective": c.effective_tokens, "binding": c.binding,
+                      "safe_tokens": c.safe_tokens, "reason": c.reason, "warning": c.warning},
+            "gpu_used_bytes": self.gpu_used_bytes, "decisions": list(self.decisions),
+            "warnings": list(self.warnings),
+        }
+
+
+# ---------------------------------------------------------------------------------- planning
+
+def plan_memory(args: ModelArgs, weights: WeightBytes, machine: Machine, settings: PlanSettings,
+                include_mtp: bool = False) -> MemoryPlan:
+    s, seqs, model_len = settings, settings.max_num_seqs.value, settings.max_model_len.value
+    margin = margin_for(machine)
+    budget = int(machine.gpu_bytes * s.memory_ratio.value)
+    resident = weights.non_expert_bytes + (weights.mtp_bytes if include_mtp else 0)
+    decisions = [f"budget {_g(budget)} = {_g(machine.gpu_bytes)} x {s.memory_ratio.value} (--memory-ratio, "
+                 f"{s.memory_ratio.source.value}); {_g(margin)} {machine.platform} margin is never planned"]
+    avail = budget - margin - resident
+    if avail <= 0:
+        raise ConfigError(f"{who('memory_ratio', s.memory_ratio)} {s.memory_ratio.value}: a budget of {_g(budget)} "
+                          f"minus the {_g(margin)} {machine.platform} margin cannot hold the {_g(resident)} of "
+                          "non-expert weights that must stay on the GPU; use a larger GPU or memory ratio")
+    decisions.append(f"non-expert weights resident: {_g(resident)}" + ("" if include_mtp else
+                     f" (MTP block, {_g(weights.mtp_bytes)}, not loaded: no speculative decoding in this build)"))
+    r = _Reservations.make(args, weights, s, avail, include_mtp)
+    cap = s.max_prefill_length
+    if cap.source.explicit and cap.value is not None:
+        decisions.append(f"{who('max_prefill_length', cap)} {cap.value}: " + (
+            "activation room for it is reserved before the expert cache" if r.cap else
+            "does not fit beside the minimum expert slots and KV floor; honoured anyway, with a warning "
+            f"(the largest cap the plan can reserve is {r.largest_reservable_chunk(weights.expert_bytes):,})"))
+    slots, resident_all, kv_target, act_target = _experts(r, weights, s, decisions)
+    rest = avail - slots * weights.expert_bytes - r.seq_bytes  # for KV + activations
+    kv_tok = _kv_tokens(r, s, rest, kv_target, act_target)
+    kvb = kv_bytes(r.kv, kv_tok)
+    max_len = model_len if s.max_model_len.source.explicit else min(model_len, kv_tok)
+    decisions.append(f"KV: {kv_tok:,} tokens ({_g(kvb)} at {float(r.kv.bytes_per_token):,.1f} B/token bf16) + "
+                     f"{seqs} sequence states ({_g(r.seq_bytes)}); max_model_len {max_len:,}"
+                     + ("" if max_len == model_len else f" (model limit {model_len:,}, capped by KV capacity)"))
+    free = budget - resident - slots * weights.expert_bytes - kvb - r.seq_bytes
+    geometry, chunk = final_chunk(args, machine, s, free, kv_tok, max_len)
+    warnings = [chunk.warning] if chunk.warning else []
+    host = 0 if resident_all else weights.routed_expert_bytes
+    if host and machine.host_bytes is not None and host > machine.host_bytes:
+        warnings.append(f"the expert bank ({_g(host)}) is larger than host memory ({_g(machine.host_bytes)}): "
+                        "experts that are not in RAM page in from disk (mmap), and decode slows down")
+    if host and machine.platform == "wsl2":
+        decisions.append("WSL2 caps pinned host memory (about half of RAM, less in Docker): expert uploads stage "
+                         "through a small pinned buffer; measure it with `dsv4serve doctor`")
+    return MemoryPlan(machine, budget, margin, resident, include_mtp, resident_all, slots, weights.expert_bytes,
+                      weights.n_experts, host, kv_tok, kvb, r.seq_bytes, seqs, max_len, free, geometry, chunk,
+                      tuple(decisions), tuple(warnings))
+
+
+@dataclass(frozen=True)
+class _Reservations:
+    """The floors every plan must hold, and the activation cost of a chunk (estimate x safety)."""
+
+    kv: KvGeometry
+    seq_bytes: int
+    kv_floor: int
+    per_token: int
+    fixed: int
+    unit: int
+    cap: int | None  # explicit --max-prefill-length
+    min_slots: int
+    avail: int
+
+    @classmethod
+    def make(cls, args: ModelArgs, weights: WeightBytes, s: PlanSettings, avail: int,
+             include_mtp: bool = False) -> "_Reservations":
+        kv = kv_geometry(args, include_mtp)
+        model_len = s.max_model_len.value
+        geo = prefill_geometry(args, model_len, s.max_num_seqs.value)  # context upper bound: conservative
+        if s.num_tokens.source.explicit:
+            kv_floor = s.num_tokens.value
+            if s.max_model_len.source.explicit and model_len > kv_floor:
+                raise ConfigError(f"{who('max_model_len', s.max_model_len)} {model_len} needs a KV cache of at least "
+                                  f"{model_len} tokens, but {who('num_tokens', s.num_tokens)} {kv_floor} holds "
+                                  "fewer: raise the KV capacity or lower the context limit")
+        else:
+            kv_floor = model_len if s.max_model_len.source.explicit else min(model_len, KV_FLOOR_TOKENS)
+        cap = s.max_prefill_length.value if s.max_prefill_length.source.explicit else None
+        explicit_slots = s.moe_cache_size.value if s.moe_cache_size.source.explicit else None
+        min_slots = min(explicit_slots, weights.n_experts) if explicit_slots else args.n_activated_experts
+        r = cls(kv, s.max_num_seqs.value * kv.seq_state_bytes, kv_floor,
+                math.ceil(geo.activation_bytes_per_token * GEOMETRY_SAFETY_FACTOR), geo.fixed_bytes,
+                geo.alignment_tokens, None, min_slots, avail)
+        r.check_floors(weights, s, r.unit)
+        if cap is None:
+            return r
+        if r.act(cap) > avail:
+            flag = who("max_prefill_length", s.max_prefill_length)
+            largest = max(avail - r.fixed, 0) // r.per_token
+            raise ConfigError(f"{flag} {cap}: one {cap}-token prefill chunk needs about {_g(r.act(cap))} of "
+                              f"activations ({r.per_token:,} B/token, estimate x {GEOMETRY_SAFETY_FACTOR}), more "
+                              f"than the {_g(avail)} this GPU has beside the non-expert weights even with no expert "
+                              f"slots and no KV cache; use at most {largest}")
+        fits = r.floor_bytes(weights.expert_bytes, cap) <= avail
+        return dataclasses.replace(r, cap=cap if fits else None)  # a cap that does not fit is not reserved
+
+    def act(self, tokens: int) -> int:
+        return tokens * self.per_token + self.fixed
+
+    @property
+    def act_floor(self) -> int:
+        return self.act(self.cap if self.cap is not None else self.unit)
+
+    def floor_bytes(self, slot_bytes: int, chunk_tokens: int) -> int:
+        return (self.min_slots * slot_bytes + self.seq_bytes + kv_bytes(self.kv, self.kv_floor)
+                + self.act(chunk_tokens))
+
+    def largest_reservable_chunk(self, slot_bytes: int) -> int:
+        room = self.avail - self.floor_bytes(slot_bytes, 0)
+        return max(room, 0) // self.per_token
+
+    def check_floors(self, weights: WeightBytes, s: PlanSettings, chunk_tokens: int) -> None:
+        need = self.floor_bytes(weights.expert_bytes, chunk_tokens)
+        if need <= self.avail:
+            return
+        parts = [(f"{self.min_slots} expert slots", self.min_slots * weights.expert_bytes, "moe_cache_size"),
+                 (f"KV for {self.kv_floor:,} tokens", kv_bytes(self.kv, self.kv_floor),
+                  "num_tokens" if s.num_tokens.source.explicit else "max_model_len"),
+                 (f"{s.max_num_seqs.value} sequence states", self.seq_bytes, "max_num_seqs"),
+                 (f"one {chunk_tokens}-token prefill chunk", self.act(chunk_tokens), "memory_ratio")]
+        named = [f"{who(f, getattr(s, f))} {getattr(s, f).value}" for _, _, f in parts
+                 if getattr(s, f).source.explicit]
+        raise ConfigError(
+            f"{', '.join(named) or 'this GPU'}: after the weights, {_g(self.avail)} is left, but the plan needs "
+            f"{_g(need)}: " + "; ".join(f"{n} {_g(b)}" for n, b, _ in parts)
+            + ". Lower the named values (or use a larger GPU / --memory-ratio)")
+
+
+def _experts(r: _Reservations, w: WeightBytes, s: PlanSettings,
+             decisions: list[str]) -> tuple[int, bool, int, int]:
+    """(slots, all resident, KV target tokens, activation target bytes)."""
+    model_len, seqs, slot = s.max_model_len.value, s.max_num_seqs.value, w.expert_bytes
+    kv_target = r.kv_floor if s.num_tokens.source.explicit else max(r.kv_floor, min(model_len, OFFLOAD_KV_TOKENS))
+    res_target = r.act(r.cap if r.cap is not None else min(RESIDENT_CHUNK_TARGET, model_len))
+    off_target = r.act(r.cap if r.cap is not None else min(OFFLOAD_CHUNK_TARGET, model_len))
+    all_bytes = w.n_experts * slot
+    if s.moe_cache_size.source.explicit:
+        slots = min(s.moe_cache_size.value, w.n_experts)
+        decisions.append(f"expert slots: {slots} ({who('moe_cache_size', s.moe_cache_size)}, honoured), "
+                         f"{_g(slots * slot)}")
+        resident = slots == w.n_experts
+        return slots, resident, (model_len * seqs if resident else kv_target), (res_target if resident else off_target)
+    if all_bytes + r.seq_bytes + kv_bytes(r.kv, r.kv_floor) + off_target <= r.avail:
+        # resident: a chunk of the offload target, then the KV target, then a chunk of up to the
+        # resident target; whatever is left after that goes to the KV as well
+        left = r.avail - all_bytes - r.seq_bytes
+        kv_first = max(r.kv_floor, min(kv_target, kv_tokens_for(r.kv, left - off_target)))
+        act_target = max(off_target, min(res_target, left - kv_bytes(r.kv, kv_first)))
+        decisions.append(f"routed experts: all {w.n_experts} resident ({_g(all_bytes)})")
+        return w.n_experts, True, model_len * seqs, act_target
+    left = r.avail - r.seq_bytes - kv_bytes(r.kv, kv_target) - off_target
+    slots = min(max(left, 0) // slot, w.n_experts - 1)
+    why = (f"after the KV target ({kv_target:,} tokens) and a {r.cap or min(OFFLOAD_CHUNK_TARGET, model_len)}-token "
+           "chunk")
+    if slots < r.min_slots:
+        slots, kv_target, off_target = r.min_slots, r.kv_floor, r.act_floor
+        why = (f"the minimum ({r.min_slots}, one token's experts of one layer): the KV and chunk targets shrank to "
+               f"their floors ({r.kv_floor:,} tokens, {r.cap or r.unit}-token chunk)")
+    decisions.append(f"routed experts: {_g(all_bytes)} do not fit; GPU expert-slot cache of {slots} slots x "
+                     f"{slot / 2**20:.2f} MiB = {_g(slots * slot)} ({100 * slots / w.n_experts:.1f}% of "
+                     f"{w.n_experts}), {why}; the expert bank stays in host memory")
+    return slots, False, kv_target, off_target
+
+
+def _kv_tokens(r: _Reservations, s: PlanSettings, rest: int, kv_target: int, act_target: int) -> int:
+    if s.num_tokens.source.explicit:
+        return s.num_tokens.value
+    tokens = min(kv_target, kv_tokens_for(r.kv, rest - act_target))
+    tokens = min(max(tokens, r.kv_floor), kv_tokens_for(r.kv, rest - r.act_floor))  # the chunk floor first
+    aligned = (tokens // r.unit) * r.unit
+    return max(aligned, r.kv_floor)
+
+
+def final_chunk(args: ModelArgs, machine: Machine, settings: PlanSettings, free_bytes: int, kv_tokens: int,
+                max_model_len: int) -> tuple[PrefillGeometry, ChunkPlan]:
+    geometry = prefill_geometry(args, max_model_len, settings.max_num_seqs.value)
+    snapshot = MemorySnapshot(free_bytes, machine.gpu_bytes, machine.platform, None, "planned")  # type: ignore
+    limits = PlannerLimits(settings.max_prefill_length, kv_tokens, max_model_len)
+    return geometry, plan_chunk(snapshot, geometry, limits)
+
+
+def margin_for(machine: Machine) -> int:
+    return PLATFORM_MARGIN_BYTES[machine.platform]
+
+

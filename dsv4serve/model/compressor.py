@@ -1,0 +1,82 @@
+"""KV compressor (dsv4-model.md §2.4): gated per-channel softmax pooling over windows of `ratio`.
+
+CSA (ratio 4) windows overlap: each token projects to 2d values; the first half (`A`) joins the
+next window, the second half (`B`) its own, so entry w pools 2*ratio slots. HCA windows do not
+overlap. Entries are RMS-normed, rotated at the window's first position, then QAT-simulated: FP8 on
+the nope dims for attention keys, Hadamard + FP4 for indexer keys (`rotate`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dsv4serve.model.args import ModelArgs
+from dsv4serve.model.layers import Linear, RMSNorm
+from dsv4serve.model.numerics import (FP4_BLOCK, KV_BLOCK, Numerics, fp4_quant_dequant, fp8_quant_dequant, hadamard,
+                                      in_fp64, matmul)
+from dsv4serve.model.rope import apply_rope, rope_cos_sin
+from dsv4serve.model.state import CompressorState
+
+
+class Compressor(nn.Module):
+    def __init__(self, args: ModelArgs, ratio: int, head_dim: int, rotate: bool):
+        super().__init__()
+        self.ratio, self.head_dim, self.rotate = ratio, head_dim, rotate
+        self.overlap = ratio == 4
+        self.rope_head_dim = args.rope_head_dim
+        coff = 2 if self.overlap else 1
+        self.wkv = Linear(args.dim, coff * head_dim, fp8_act=False)
+        self.wgate = Linear(args.dim, coff * head_dim, fp8_act=False)
+        self.ape = nn.Parameter(torch.empty(ratio, coff * head_dim))
+        self.norm = RMSNorm(head_dim, args.norm_eps)
+
+    def project(self, x: torch.Tensor, num: Numerics) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, D] -> (kv, gate) [N, coff * d] fp32; the reference compresses in fp32."""
+        xf = x.float()
+        return matmul(xf, self.wkv.weight.float(), num), matmul(xf, self.wgate.weight.float(), num)
+
+    def update(self, kv: torch.Tensor, gate: torch.Tensor, start_pos: int, st: CompressorState,
+               freqs: torch.Tensor, num: Numerics) -> None:
+        """Feed one row's tokens [T, coff * d] at positions start_pos.. and append closed entries."""
+        ratio, d = self.ratio, self.head_dim
+        slots = (start_pos + torch.arange(kv.shape[0])) % ratio
+        kv = torch.cat((st.pending_kv, kv))
+        score = torch.cat((st.pending_score, gate + self.ape.float()[slots]))
+        n_windows = kv.shape[0] // ratio
+        cut = n_windows * ratio
+        st.pending_kv, st.pending_score = kv[cut:].clone(), score[cut:].clone()
+        if n_windows == 0:
+            return
+        kv = kv[:cut].view(n_windows, ratio, -1)
+        score = score[:cut].view(n_windows, ratio, -1)
+        if self.overlap:
+            kv, score = self._overlap(kv, score, st)
+        pooled = (kv * in_fp64(lambda z: z.softmax(dim=1), score)).sum(dim=1)  # [n_windows, d] fp32
+        entry = self.norm(pooled.to(num.compute_dtype))
+        positions = (st.num_entries + torch.arange(n_windows)) * ratio
+        entry = apply_rope(entry, *rope_cos_sin(freqs, positions))
+        entry = self._simulate(entry, num)
+        st.entries = torch.cat((st.entries, entry))
+
+    def _overlap(self, kv: torch.Tensor, score: torch.Tensor,
+                 st: CompressorState) -> tuple[torch.Tensor, torch.Tensor]:
+        """[W, ratio, 2d] -> [W, 2*ratio, d]: window w-1's A halves, then window w's B halves."""
+        d = self.head_dim
+        prev_kv = torch.zeros(kv.shape[0], self.ratio, d)
+        prev_score = torch.full((kv.shape[0], self.ratio, d), float("-inf"))
+        prev_kv[1:], prev_score[1:] = kv[:-1, :, :d], score[:-1, :, :d]
+        if st.prev_kv is not None:
+            prev_kv[0], prev_score[0] = st.prev_kv, st.prev_score
+        st.prev_kv, st.prev_score = kv[-1, :, :d].clone(), score[-1, :, :d].clone()
+        return torch.cat((prev_kv, kv[..., d:]), dim=1), torch.cat((prev_score, score[..., d:]), dim=1)
+
+    def _simulate(self, entry: torch.Tensor, num: Numerics) -> torch.Tensor:
+        if self.rotate:
+            if num.indexer_fp4:
+                entry = fp4_quant_dequant(hadamard(entry), FP4_BLOCK)
+            return entry
+        if num.kv_fp8:
+            nope = self.head_dim - self.rope_head_dim
+            entry = torch.cat((fp8_quant_dequant(entry[:, :nope], KV_BLOCK), entry[:, nope:]), dim=1)
+        return entry

@@ -1,0 +1,57 @@
+"""Manifold-constrained hyper-connections (mHC), dsv4-model.md §2.1.
+
+The residual is `hc_mult` streams per token. Each block site mixes them into one sub-layer input
+(`pre`), and writes back `post * out + comb^T @ streams`, where `comb` is Sinkhorn-normalized.
+All mixing runs in fp32; the streams themselves stay in the compute dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv4serve.model.numerics import Numerics, in_fp64, matmul
+
+
+def _mixes(h: torch.Tensor, fn: torch.Tensor, norm_eps: float, num: Numerics) -> torch.Tensor:
+    """h [N, hc, D] -> fn . flat(h) / rms(flat(h)) : [N, n_mix] fp32."""
+    flat = h.flatten(1).float()
+    rho = torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+    return matmul(flat, fn.float(), num) * rho
+
+
+def sinkhorn(logits: torch.Tensor, n_iters: int, eps: float) -> torch.Tensor:
+    """[N, hc, hc] logits -> near doubly-stochastic comb: row softmax, then column/row rounds."""
+    comb = in_fp64(lambda z: torch.softmax(z, dim=-1), logits).add_(eps)
+    comb.div_(comb.sum(dim=-2, keepdim=True).add_(eps))  # in place: 20 rounds of tiny ops on [N, hc, hc]
+    for _ in range(n_iters - 1):
+        comb.div_(comb.sum(dim=-1, keepdim=True).add_(eps))
+        comb.div_(comb.sum(dim=-2, keepdim=True).add_(eps))
+    return comb
+
+
+def hc_pre(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, n_iters: int,
+           hc_eps: float, norm_eps: float, num: Numerics) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """h [N, hc, D] -> (x [N, D] in h's dtype, post [N, hc] fp32, comb [N, hc, hc] fp32)."""
+    hc = h.shape[1]
+    m = _mixes(h, fn, norm_eps, num)
+    scale, base = scale.float(), base.float()
+    pre = in_fp64(torch.sigmoid, m[:, :hc] * scale[0] + base[:hc]) + hc_eps
+    post = 2 * in_fp64(torch.sigmoid, m[:, hc:2 * hc] * scale[1] + base[hc:2 * hc])
+    comb_logits = m[:, 2 * hc:].unflatten(-1, (hc, hc)) * scale[2] + base[2 * hc:].view(hc, hc)
+    comb = sinkhorn(comb_logits, n_iters, hc_eps)
+    x = (pre.unsqueeze(-1) * h.float()).sum(dim=1)
+    return x.to(h.dtype), post, comb
+
+
+def hc_post(out: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """new[k] = post[k] * out + sum_j comb[j, k] * h[j]; out [N, D], h [N, hc, D] -> [N, hc, D]."""
+    mixed = (comb.unsqueeze(-1) * h.float().unsqueeze(2)).sum(dim=1)  # a plain sum: row-invariant
+    return (post.unsqueeze(-1) * out.float().unsqueeze(1) + mixed).to(h.dtype)
+
+
+def hc_head(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+            hc_eps: float, norm_eps: float, num: Numerics) -> torch.Tensor:
+    """Final collapse of the streams: h [N, hc, D] -> [N, D] in h's dtype (no Sinkhorn, no post)."""
+    m = _mixes(h, fn, norm_eps, num)
+    pre = in_fp64(torch.sigmoid, m * scale.float() + base.float()) + hc_eps
+    return (pre.unsqueeze(-1) * h.float()).sum(dim=1).to(h.dtype)

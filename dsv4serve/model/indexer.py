@@ -1,0 +1,55 @@
+"""Lightning indexer (dsv4-model.md §2.5): picks the top-k compressed entries for CSA queries.
+
+score[t, s] = sum_h w[t, h] * ReLU(q[t, h] . k[s]), over entries visible to t; the indexer keys come
+from its own overlapping compressor (`indexer.compressor`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dsv4serve.model.args import ModelArgs
+from dsv4serve.model.compressor import Compressor
+from dsv4serve.model.layers import Linear
+from dsv4serve.model.numerics import FP4_BLOCK, Numerics, fp4_quant_dequant, hadamard
+from dsv4serve.model.rope import apply_rope
+
+
+class Indexer(nn.Module):
+    def __init__(self, args: ModelArgs, ratio: int):
+        super().__init__()
+        self.n_heads, self.head_dim, self.index_topk = args.index_n_heads, args.index_head_dim, args.index_topk
+        self.wq_b = Linear(args.q_lora_rank, self.n_heads * self.head_dim, fp8_act=True)
+        self.weights_proj = Linear(args.dim, self.n_heads, fp8_act=False)
+        self.compressor = Compressor(args, ratio, self.head_dim, rotate=True)
+        self.weight_scale = self.head_dim ** -0.5 * self.n_heads ** -0.5
+
+    def queries(self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                num: Numerics) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, D], qr [N, q_lora] -> (q [N, H_I, d_I] compute dtype, head weights [N, H_I] fp32)."""
+        q = self.wq_b(qr, num).unflatten(-1, (self.n_heads, self.head_dim))
+        q = apply_rope(q, cos, sin)
+        if num.indexer_fp4:
+            q = fp4_quant_dequant(hadamard(q), FP4_BLOCK)
+        weights = self.weights_proj(x, num).float() * self.weight_scale
+        return q, weights
+
+    def select(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
+               visible: torch.Tensor) -> torch.Tensor:
+        """q [T, H_I, d_I], weights [T, H_I], keys [S, d_I], visible [T, S] -> chosen [T, S] bool.
+
+        Scores are accumulated in fp32. Each query keeps its top `index_topk` visible entries; equal
+        scores (common: ReLU zeros, FP4-quantized q and k) go to the earlier entry, so the choice does
+        not depend on how many not-yet-visible entries a chunk holds.
+        """
+        n_entries = keys.shape[0]
+        if n_entries == 0:
+            return visible
+        # an elementwise product and a last-dim sum: each score independent of how many keys exist
+        scores = (q.float().unsqueeze(2) * keys.float()).sum(dim=-1).relu_()  # [T, H_I, S]
+        scores = (scores * weights.unsqueeze(-1)).sum(dim=1)  # [T, S]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        top = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :self.index_topk]
+        chosen = torch.zeros_like(visible).scatter_(1, top, True)
+        return chosen & visible

@@ -1,0 +1,135 @@
+"""The official arithmetic that the checkpoint was trained with, as switchable simulations.
+
+DeepSeek's reference (`inference/model.py`, `kernel.py`; dsv4-model.md §2.10) runs:
+- FP8 activation quantization per 128 channels before every projection the checkpoint stores in
+  FP8 or FP4 (`fp8_act`);
+- a quantize-dequantize of the KV nope dims to FP8 with blocks of 64 (`kv_fp8`);
+- a Hadamard rotation plus an FP4 (e2m1, blocks of 32) quantize-dequantize of the indexer q and k
+  (`indexer_fp4`).
+Scales are ue8m0 powers of two: s = 2^ceil(log2(max(amax, floor) / max_code)).
+
+A dimension that is not a multiple of the block size (tiny test models) quantizes its last
+partial block as a block of its own; the real model never has one.
+
+`NUMERICS_OFF` reproduces transformers' arithmetic (no simulation, fp32 activations).
+
+`batch_invariant` makes every token's arithmetic independent of which other tokens share the
+forward: projections run one token at a time (a CPU GEMM's sum order depends on the row count),
+and attention gathers exactly each query's keys. With the fp64-rounded transcendental functions
+(`in_fp64`, always on) and the indexer's stable tie-break, the logits are bitwise the same for any
+chunking and batching, which the quantizers need (a one-ulp difference can flip an FP8 rounding).
+Decode (one token per row) costs the same either way; only multi-token prefill is slower.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from dsv4serve.model.quant import FP4_MAX, FP8_MAX, pow2_ceil, round_e2m1
+
+FP8_AMAX_FLOOR = 1e-4
+FP4_AMAX_FLOOR = 6.0 * 2.0 ** -126
+ACT_BLOCK = 128  # FP8 activation block along K (kernel.py act_quant)
+KV_BLOCK = 64  # FP8 QAT block on the KV nope dims
+FP4_BLOCK = 32  # FP4 QAT block on the indexer q / k
+
+
+
+@dataclass(frozen=True)
+class Numerics:
+    fp8_act: bool = True
+    kv_fp8: bool = True
+    indexer_fp4: bool = True
+    compute_dtype: torch.dtype = torch.bfloat16  # dtype of activations between fp32 islands
+    batch_invariant: bool = True
+
+
+NUMERICS_OFF = Numerics(fp8_act=False, kv_fp8=False, indexer_fp4=False, compute_dtype=torch.float32)
+NUMERICS_ON = Numerics()
+
+
+def _blocked(x: torch.Tensor, block: int) -> tuple[torch.Tensor, int]:
+    """[..., K] fp32 -> [..., ceil(K/block), block], zero-padding the last partial block."""
+    k = x.shape[-1]
+    pad = (-k) % block
+    if pad:
+        x = F.pad(x, (0, pad))
+    return x.unflatten(-1, (-1, block)), k
+
+
+def fp8_quant_dequant(x: torch.Tensor, block: int) -> torch.Tensor:
+    """Round x to e4m3 with one ue8m0 scale per `block` channels; same shape and dtype as x."""
+    xb, k = _blocked(x.float(), block)
+    amax = xb.abs().amax(dim=-1, keepdim=True).clamp_min(FP8_AMAX_FLOOR)
+    scale = pow2_ceil(amax / FP8_MAX)
+    q = (xb / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
+    return (q * scale).flatten(-2)[..., :k].to(x.dtype)
+
+
+def fp4_quant_dequant(x: torch.Tensor, block: int = FP4_BLOCK) -> torch.Tensor:
+    """Round x to e2m1 with one ue8m0 scale per `block` channels; same shape and dtype as x."""
+    xb, k = _blocked(x.float(), block)
+    amax = xb.abs().amax(dim=-1, keepdim=True).clamp_min(FP4_AMAX_FLOOR)
+    scale = pow2_ceil(amax / FP4_MAX)
+    q = round_e2m1((xb / scale).clamp(-FP4_MAX, FP4_MAX))
+    return (q * scale).flatten(-2)[..., :k].to(x.dtype)
+
+
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    """Orthonormal Walsh-Hadamard transform over the last dim (a power of two), in >= fp32."""
+    n = x.shape[-1]
+    if n & (n - 1):
+        raise ValueError(f"Hadamard transform needs a power-of-two dim, got {n}")
+    y = x.to(torch.promote_types(x.dtype, torch.float32))
+    h = 1
+    while h < n:  # butterfly stages: pairs (i, i + h) inside blocks of 2h
+        y = y.unflatten(-1, (-1, 2, h))
+        a, b = y[..., 0, :], y[..., 1, :]
+        y = torch.stack((a + b, a - b), dim=-2).flatten(-3)
+        h *= 2
+    return (y * n ** -0.5).to(x.dtype)
+
+
+def in_fp64(fn, x: torch.Tensor) -> torch.Tensor:
+    """fn(x) evaluated in fp64 and rounded back to x's dtype.
+
+    CPU kernels evaluate transcendental functions (exp, sigmoid, cos, ...) with vector code for the
+    bulk of a tensor and other code for its tail, so an fp32 result can differ by an ulp with the
+    tensor's size. In fp64 those differences vanish in the final rounding: batch invariance.
+    """
+    return fn(x.double()).to(x.dtype)
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor, num: Numerics) -> torch.Tensor:
+    """x [..., K] @ weight[N, K]^T in x's dtype; one token at a time when batch-invariant."""
+    if not num.batch_invariant:
+        return F.linear(x, weight)
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] == 1:  # decode: the very same call as one row of a prefill
+        out = F.linear(rows.clone(), weight)
+    else:
+        out = torch.cat([F.linear(rows[i:i + 1].clone(), weight) for i in range(rows.shape[0])])
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def act_quant(x: torch.Tensor, num: Numerics) -> torch.Tensor:
+    """The FP8 activation simulation of an FP8/FP4 projection's input (identity when off)."""
+    return fp8_quant_dequant(x, ACT_BLOCK) if num.fp8_act else x
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, num: Numerics, fp8_act: bool,
+           x_quantized: bool = False) -> torch.Tensor:
+    """y = x W^T, output in the compute dtype.
+
+    `fp8_act` marks a projection the checkpoint stores in FP8/FP4: with the simulation on, its
+    input is quantized per 128 channels first (`x_quantized`: the caller already did, for an input
+    shared by two projections; quantizing is idempotent, so this only saves time). The product runs
+    in the weight's dtype (fp32 by default: dequantized FP8/FP4 weights and e4m3 activations are
+    exact there, like the kernel's fp32 accumulation).
+    """
+    if fp8_act and num.fp8_act and not x_quantized:
+        x = fp8_quant_dequant(x, ACT_BLOCK)
+    return matmul(x.to(weight.dtype), weight, num).to(num.compute_dtype)

@@ -1,0 +1,166 @@
+"""The DeepSeek-V4 transformer (reference CPU path), module names mirroring the official
+`inference/model.py` so that `load_state_dict` takes the official tensor names 1:1.
+
+A forward runs a batch of rows; each row is a chunk of one request's tokens plus that request's
+`SequenceState`. Prefill in one pass, in chunks of any size, and decode are all the same call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from dsv4serve.model.args import ModelArgs
+from dsv4serve.model.attention import Attention, RowSpan
+from dsv4serve.model.hc import hc_head, hc_post, hc_pre
+from dsv4serve.model.layers import Linear, RMSNorm
+from dsv4serve.model.moe import MoE
+from dsv4serve.model.numerics import Numerics, matmul
+from dsv4serve.model.state import LayerState, SequenceState
+
+
+@dataclass
+class BatchRow:
+    token_ids: torch.Tensor  # [T] int64, the next T tokens of the request
+    state: SequenceState  # advanced in place by the forward
+
+
+@dataclass
+class ForwardOutput:
+    logits: list[torch.Tensor]  # per row: [vocab] fp32 (last position) or [T, vocab] (all positions)
+    hidden: list[torch.Tensor] | None = None  # per row: [T, hc, D] streams before the HC head (for MTP)
+
+
+def _hc_params(module: nn.Module, prefix: str, n_mix: int, hc_dim: int, n_scales: int) -> None:
+    setattr(module, f"{prefix}_fn", nn.Parameter(torch.empty(n_mix, hc_dim)))
+    setattr(module, f"{prefix}_base", nn.Parameter(torch.empty(n_mix)))
+    setattr(module, f"{prefix}_scale", nn.Parameter(torch.empty(n_scales)))
+
+
+class Block(nn.Module):
+    def __init__(self, layer_id: int, args: ModelArgs):
+        super().__init__()
+        self.layer_id = layer_id
+        self.norm_eps, self.hc_eps, self.hc_iters = args.norm_eps, args.hc_eps, args.hc_sinkhorn_iters
+        self.attn = Attention(layer_id, args)
+        self.ffn = MoE(layer_id, args)
+        self.attn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        n_mix = (2 + args.hc_mult) * args.hc_mult
+        _hc_params(self, "hc_attn", n_mix, args.hc_mult * args.dim, 3)
+        _hc_params(self, "hc_ffn", n_mix, args.hc_mult * args.dim, 3)
+
+    def forward(self, h: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor,
+                spans: list[RowSpan], states: list[LayerState], num: Numerics) -> torch.Tensor:
+        """h [N, hc, D] compute dtype -> [N, hc, D]."""
+        x, post, comb = hc_pre(h, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base,
+                               self.hc_iters, self.hc_eps, self.norm_eps, num)
+        x = self.attn(self.attn_norm(x), positions, spans, states, num)
+        h = hc_post(x, h, post, comb)
+        x, post, comb = hc_pre(h, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base,
+                               self.hc_iters, self.hc_eps, self.norm_eps, num)
+        x = self.ffn(self.ffn_norm(x), token_ids, num)
+        return hc_post(x, h, post, comb)
+
+
+class MTPBlock(Block):
+    """The multi-token-prediction draft block: a standard block fed with the main model's streams
+    and the embedding of the next token; it shares `embed` and `head` with the main model."""
+
+    def __init__(self, layer_id: int, args: ModelArgs):
+        super().__init__(layer_id, args)
+        self.e_proj = Linear(args.dim, args.dim, fp8_act=True)
+        self.h_proj = Linear(args.dim, args.dim, fp8_act=True)
+        self.enorm = RMSNorm(args.dim, args.norm_eps)
+        self.hnorm = RMSNorm(args.dim, args.norm_eps)
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        _hc_params(self, "hc_head", args.hc_mult, args.hc_mult * args.dim, 1)
+
+    def embed_inputs(self, h: torch.Tensor, e: torch.Tensor, num: Numerics) -> torch.Tensor:
+        """h [N, hc, D] main streams, e [N, D] next-token embeddings -> block input [N, hc, D]."""
+        e = self.e_proj(self.enorm(e), num)
+        hp = self.h_proj(self.hnorm(h).flatten(0, 1), num).view(h.shape)
+        return (e.unsqueeze(1) + hp).to(num.compute_dtype)
+
+
+def _spans(rows: list[BatchRow], use_mtp_pos: bool = False) -> tuple[list[RowSpan], torch.Tensor]:
+    spans, positions, begin = [], [], 0
+    for row in rows:
+        n = int(row.token_ids.shape[0])
+        if n == 0:
+            raise ValueError("a batch row needs at least one token")
+        start = row.state.mtp_num_tokens if use_mtp_pos else row.state.num_tokens
+        spans.append(RowSpan(begin, begin + n, start))
+        positions.append(torch.arange(start, start + n))
+        begin += n
+    return spans, torch.cat(positions)
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs, include_mtp: bool = True):
+        super().__init__()
+        self.args = args
+        self.embed = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(Block(i, args) for i in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.head = Linear(args.dim, args.vocab_size, fp8_act=False)
+        _hc_params(self, "hc_head", args.hc_mult, args.hc_mult * args.dim, 1)
+        n_mtp = args.n_mtp_layers if include_mtp else 0
+        self.mtp = nn.ModuleList(MTPBlock(args.n_layers + j, args) for j in range(n_mtp))
+
+    def new_state(self, num: Numerics) -> SequenceState:
+        return SequenceState.new(self.args, num.compute_dtype, include_mtp=len(self.mtp) > 0)
+
+    @torch.inference_mode()
+    def forward(self, rows: list[BatchRow], num: Numerics, all_logits: bool = False,
+                return_hidden: bool = False) -> ForwardOutput:
+        """Run each row's tokens after its state; advances every row's state by its token count."""
+        for row in rows:
+            if row.state.layers and row.state.layers[0].window_kv.dtype != num.compute_dtype:
+                raise ValueError("a SequenceState must be used with the numerics it was created for")
+        ids = torch.cat([r.token_ids for r in rows]).long()  # [N]
+        spans, positions = _spans(rows)
+        h = self.embed(ids).to(num.compute_dtype)
+        h = h.unsqueeze(1).expand(-1, self.args.hc_mult, -1).contiguous()  # [N, hc, D]
+        for i, layer in enumerate(self.layers):
+            h = layer(h, ids, positions, spans, [r.state.layers[i] for r in rows], num)
+        for row, span in zip(rows, spans):
+            row.state.num_tokens += span.end - span.begin
+        picked = self._pick(h, spans, all_logits)
+        logits = self.logits(picked, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, self.norm, num)
+        hidden = [h[s.begin:s.end] for s in spans] if return_hidden else None
+        return ForwardOutput(self._split(logits, spans, all_logits), hidden)
+
+    @torch.inference_mode()
+    def forward_mtp(self, rows: list[BatchRow], hidden: list[torch.Tensor], num: Numerics,
+                    depth: int = 0, all_logits: bool = False) -> ForwardOutput:
+        """Draft logits from MTP block `depth`: row i pairs main streams hidden[i] [T, hc, D] at
+        positions p.. with the tokens that follow them (`token_ids`, positions p+1..)."""
+        block = self.mtp[depth]
+        ids = torch.cat([r.token_ids for r in rows]).long()
+        spans, positions = _spans(rows, use_mtp_pos=True)
+        h = block.embed_inputs(torch.cat(hidden).to(num.compute_dtype), self.embed(ids).to(num.compute_dtype), num)
+        h = block(h, ids, positions, spans, [r.state.mtp_layers[depth] for r in rows], num)
+        for row, span in zip(rows, spans):
+            row.state.mtp_num_tokens += span.end - span.begin
+        picked = self._pick(h, spans, all_logits)
+        logits = self.logits(picked, block.hc_head_fn, block.hc_head_scale, block.hc_head_base, block.norm, num)
+        return ForwardOutput(self._split(logits, spans, all_logits), [h[s.begin:s.end] for s in spans])
+
+    def logits(self, h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+               norm: RMSNorm, num: Numerics) -> torch.Tensor:
+        """Streams [M, hc, D] -> HC head -> final norm -> fp32 head: [M, vocab] fp32."""
+        y = norm(hc_head(h, fn, scale, base, self.args.hc_eps, self.args.norm_eps, num))
+        return matmul(y.float(), self.head.weight.float(), num)
+
+    @staticmethod
+    def _pick(h: torch.Tensor, spans: list[RowSpan], all_logits: bool) -> torch.Tensor:
+        return h if all_logits else h[torch.tensor([s.end - 1 for s in spans])]
+
+    @staticmethod
+    def _split(logits: torch.Tensor, spans: list[RowSpan], all_logits: bool) -> list[torch.Tensor]:
+        if all_logits:
+            return [logits[s.begin:s.end] for s in spans]
+        return list(logits.unbind(0))

@@ -1,0 +1,125 @@
+"""The worker process: loads the model, answers the handshake, then runs the engine loop.
+
+Started with the spawn method; its only argument is a msgpack-encoded WorkerLaunch. Anything that
+stops it from starting is reported to the API process as WorkerFailed before it exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+
+import msgspec
+import torch
+
+from dsv4serve.ipc.channel import Endpoints, WorkerChannel
+from dsv4serve.ipc.messages import (AbortRequest, AddRequest, Ready, RequestOutput, Shutdown, Stats,
+                                    WorkerFailed, WorkerLaunch)
+from dsv4serve.worker.engine_setup import EngineParts, build_engine
+from dsv4serve.worker.request import Request, Status
+
+log = logging.getLogger("dsv4serve.worker")
+STATS_INTERVAL_S = 0.2
+IDLE_POLL_S = 0.05
+
+
+def worker_main(launch_bytes: bytes) -> None:
+    launch = msgspec.msgpack.decode(launch_bytes, type=WorkerLaunch)
+    logging.basicConfig(level=launch.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s[worker]: %(message)s")
+    channel = WorkerChannel(Endpoints(launch.to_worker, launch.from_worker))
+    try:
+        parts = build_engine(launch)
+    except Exception as exc:  # any startup failure is reported, never silently lost
+        log.error("worker startup failed: %s", traceback.format_exc())
+        channel.send(WorkerFailed(f"{type(exc).__name__}: {exc}"))
+        time.sleep(0.2)  # let the message leave before the process ends
+        channel.close()
+        return
+    channel.send(parts.ready)
+    try:
+        EngineLoop(parts, channel).run()
+    finally:
+        channel.close()
+
+
+class EngineLoop:
+    def __init__(self, parts: EngineParts, channel: WorkerChannel):
+        self.p, self.channel = parts, channel
+        self.oom_recoveries = 0
+        self._last_stats = 0.0
+
+    def run(self) -> None:
+        while True:
+            busy = bool(self.p.scheduler.running or self.p.scheduler.waiting)
+            msg = self.channel.recv(0 if busy else IDLE_POLL_S)
+            while msg is not None:
+                if isinstance(msg, Shutdown):
+                    return
+                self._handle(msg)
+                msg = self.channel.recv(0)
+            if self.p.scheduler.running or self.p.scheduler.waiting:
+                self.step()
+            self._maybe_stats(force=not busy)
+
+    def _handle(self, msg: AddRequest | AbortRequest) -> None:
+        if isinstance(msg, AddRequest):
+            rejected = self.p.scheduler.add(msg)
+            if rejected is not None:
+                self.channel.send(rejected)
+        else:
+            req = self.p.scheduler.abort(msg.request_id)
+            if req is not None:
+                self._send_output(req)
+
+    def step(self) -> None:
+        sched = self.p.scheduler
+        plan = sched.schedule(self.p.chunk.chunk_tokens)
+        while sched.finished_without_step:
+            self._send_output(sched.finished_without_step.pop())
+        try:
+            sampled = self.p.runner.execute(plan, sched.requests)
+        except torch.OutOfMemoryError as exc:
+            self._recover_from_oom(plan, exc)
+            return
+        for req in sched.complete(plan, sampled):
+            self._send_output(req)
+
+    def _recover_from_oom(self, plan, exc: Exception) -> None:
+        """Shrink the chunk, drop the (possibly half-advanced) states of the step, and recompute."""
+        self.oom_recoveries += 1
+        failed = plan.max_prefill_tokens
+        self.p.chunk.after_oom(failed)
+        ids = [r.request_id for r in plan.rows]
+        self.p.runner.drop(ids)
+        self.p.scheduler.reset(ids)
+        log.warning("out of memory in a step of %d tokens (%s); prefill chunk lowered to %d tokens (%s); "
+                    "retrying %d request(s)", plan.num_tokens, exc, self.p.chunk.chunk_tokens,
+                    self.p.chunk.reason, len(ids))
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def _send_output(self, req: Request) -> None:
+        new = req.output[req.num_sent_tokens:]
+        req.num_sent_tokens = len(req.output)
+        finished = req.status is Status.FINISHED
+        self.channel.send(RequestOutput(req.request_id, list(new), len(req.prompt_token_ids),
+                                        req.num_cached_tokens, req.finish_reason if finished else None))
+        if finished:
+            self.p.scheduler.forget(req.request_id)
+            self.p.runner.forget(req.request_id)
+
+    def _maybe_stats(self, force: bool) -> None:
+        now = time.monotonic()
+        if now - self._last_stats < STATS_INTERVAL_S and not (force and now - self._last_stats > 1.0):
+            return
+        self._last_stats = now
+        s = self.p.scheduler
+        self.channel.send(Stats(num_running=len(s.running), num_waiting=len(s.waiting), kv_usage=s.kv_usage,
+                                prefill_chunk_tokens=self.p.chunk.chunk_tokens,
+                                oom_recoveries_total=self.oom_recoveries,
+                                prefix_cache_queries_total=0, prefix_cache_hits_total=0))
+
+
+__all__ = ["worker_main", "Ready"]

@@ -1,0 +1,98 @@
+"""The one place that builds tensors for a step: the model forward and the sampler.
+
+The runner keeps each running request's model state (`SequenceState`), runs the scheduler's
+step plan as one batched forward, and samples the rows that reached the end of their tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dsv4serve.ipc.messages import TokenLogprob, TokenOut
+from dsv4serve.model.numerics import Numerics
+from dsv4serve.model.state import SequenceState
+from dsv4serve.model.transformer import BatchRow, Transformer
+from dsv4serve.worker.request import Request
+from dsv4serve.worker.sampling import SamplingRow, make_generator, sample
+from dsv4serve.worker.scheduler import StepPlan
+
+
+@dataclass(frozen=True)
+class FaultInjection:
+    """TESTING ONLY: raise a real torch.OutOfMemoryError when a step's prefill activations would pass
+    `oom_above_bytes` (estimated as tokens x `activation_bytes_per_token`)."""
+
+    oom_above_bytes: int | None = None
+    activation_bytes_per_token: int = 1
+
+
+class Runner:
+    def __init__(self, model: Transformer, numerics: Numerics, eos_token_id: int, device: torch.device,
+                 fault: FaultInjection = FaultInjection()):
+        self.model, self.numerics, self.device, self.fault = model, numerics, device, fault
+        self.eos_token_id = eos_token_id
+        self.states: dict[str, SequenceState] = {}
+        # a seeded request's generator lives as long as the request (not its state): a request that is
+        # preempted and recomputed continues the same random sequence
+        self.generators: dict[str, torch.Generator] = {}
+
+    def drop(self, request_ids: tuple[str, ...] | list[str]) -> None:
+        """Free the model state of these requests (preempted, finished or aborted)."""
+        for rid in request_ids:
+            self.states.pop(rid, None)
+
+    def forget(self, request_id: str) -> None:
+        """The request is over: free everything the runner kept for it."""
+        self.states.pop(request_id, None)
+        self.generators.pop(request_id, None)
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[TokenOut]:
+        rows = []
+        for req in reqs:
+            gen = None
+            if req.sampling.seed is not None:
+                gen = self.generators.get(req.request_id)
+                if gen is None:
+                    gen = self.generators[req.request_id] = make_generator(req.sampling.seed, logits.device)
+            rows.append(SamplingRow(req.sampling, req.prompt_token_ids, req.output_token_ids, self.eos_token_id, gen))
+        out = sample(logits, rows)
+        tokens = []
+        for i, req in enumerate(reqs):
+            top = out.row_top(i)
+            tokens.append(TokenOut(int(out.token_ids[i]), float(out.logprobs[i]) if req.sampling.logprobs is not None
+                                   else None, [TokenLogprob(t, lp) for t, lp in top] if top else None))
+        return tokens
+
+    def _check_fault(self, plan: StepPlan) -> None:
+        budget = self.fault.oom_above_bytes
+        if budget is not None and plan.num_tokens * self.fault.activation_bytes_per_token > budget:
+            raise torch.OutOfMemoryError(
+                f"injected for testing: {plan.num_tokens} tokens x {self.fault.activation_bytes_per_token} "
+                f"activation bytes > budget {budget} bytes")
+
+    def execute(self, plan: StepPlan, requests: dict[str, Request]) -> dict[str, TokenOut]:
+        """Run one step; returns the sampled token of every row that asked for one."""
+        self.drop(plan.dropped)
+        if not plan.rows:
+            return {}
+        self._check_fault(plan)
+        rows = []
+        for r in plan.rows:
+            state = self.states.get(r.request_id)
+            if state is None:
+                if r.start_position != 0:
+                    raise RuntimeError(f"{r.request_id}: no state to continue at position {r.start_position}")
+                state = self.states[r.request_id] = self.model.new_state(self.numerics)
+            if state.num_tokens != r.start_position:
+                raise RuntimeError(f"{r.request_id}: state at {state.num_tokens}, plan at {r.start_position}")
+            rows.append(BatchRow(torch.tensor(r.token_ids, dtype=torch.long, device=self.device), state))
+        out = self.model.forward(rows, self.numerics)
+        picks = [i for i, r in enumerate(plan.rows) if r.sample]
+        if not picks:
+            return {}
+        logits = torch.stack([out.logits[i] for i in picks]).float()  # [B, vocab]
+        reqs = [requests[plan.rows[i].request_id] for i in picks]
+        tokens = self._sample(logits, reqs)
+        return {plan.rows[i].request_id: tok for i, tok in zip(picks, tokens)}

@@ -1,0 +1,190 @@
+"""The whole-card memory plan, checked against the model document's own numbers and the users' cards."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from dsv4serve.config import ConfigError, Setting, Source
+from dsv4serve.memory_plan import (Machine, PlanSettings, kv_bytes, kv_geometry, plan_memory, weight_bytes)
+from dsv4serve.model.args import read_model_args
+from dsv4serve.model.schema import checkpoint_schema
+from dsv4serve.worker.chunk_planner import PLATFORM_MARGIN_BYTES
+
+GIB, MIB, GB = 1024**3, 1024**2, 1000**3
+REAL_BYTES = 159_609_485_896
+
+
+@pytest.fixture(scope="module")
+def real(real_model_dir):
+    args = read_model_args(real_model_dir)
+    return args, weight_bytes(checkpoint_schema(args), args)
+
+
+def settings(args, **explicit) -> PlanSettings:
+    """Defaults as resolve.py leaves them; keyword arguments become explicit (cli) values."""
+    def pick(name, default, default_source=Source.DEFAULT):
+        return Setting(explicit[name], Source.CLI) if name in explicit else Setting(default, default_source)
+    return PlanSettings(memory_ratio=pick("memory_ratio", 0.9), num_tokens=pick("num_tokens", None),
+                        moe_cache_size=pick("moe_cache_size", None), max_num_seqs=pick("max_num_seqs", 32),
+                        max_model_len=pick("max_model_len", args.max_position_embeddings, Source.MODEL_RULE),
+                        max_prefill_length=pick("max_prefill_length", None))
+
+
+def fits(plan) -> bool:
+    """The chunk's activations + the platform margin fit in what is left after weights, slots and KV."""
+    c, g = plan.chunk, plan.geometry
+    return c.effective_tokens * c.activation_bytes_per_token + g.fixed_bytes + plan.margin_bytes \
+        <= plan.activation_free_bytes
+
+
+# ------------------------------------------------------------------------- geometry vs the document
+
+def test_kv_bytes_per_token_match_the_model_document(real):
+    args, _ = real
+    kv = kv_geometry(args)
+    assert kv.bytes_per_token == 6880  # dsv4-model.md §2.11: 21 x 256 + 21 x 64 + 20 x 8
+    rings = 20 * 512 * 1024 + 21 * 80 * 1024  # HCA 512 KiB, CSA 80 KiB per layer
+    assert kv.seq_state_bytes == rings + 43 * 128 * 512 * 2  # + one 128-token bf16 window per layer
+    assert kv_bytes(kv, 2**20) == pytest.approx(6.72 * GIB, rel=0.01)  # "about 6.7 GiB at 1M"
+
+
+def test_weight_split_matches_the_checkpoint(real):
+    _, w = real
+    assert w.non_expert_bytes + w.routed_expert_bytes + w.mtp_bytes == REAL_BYTES
+    assert w.expert_bytes == 3 * (2048 * 2048 + 2048 * 128)  # w1/w3/w2: FP4 packed + e8m0 per 32
+    assert w.n_experts == 43 * 256
+    assert w.routed_expert_bytes == pytest.approx(137.06 * GIB, rel=1e-3)  # users.md: experts ~137 GiB
+
+
+# ------------------------------------------------------------------------------------ users' cards
+
+def test_32gb_wsl2_offloads_experts_and_the_chunk_fits(real):
+    args, w = real
+    plan = plan_memory(args, w, Machine(32 * GIB, 128 * GIB, "wsl2"), settings(args))
+    assert not plan.experts_resident and plan.expert_slots >= args.n_activated_experts
+    assert plan.gpu_used_bytes + plan.activation_free_bytes == plan.budget_bytes
+    assert plan.margin_bytes == PLATFORM_MARGIN_BYTES["wsl2"]
+    assert fits(plan) and plan.chunk.binding == "memory" and plan.chunk.effective_tokens >= 2048
+    assert plan.max_model_len == plan.kv_tokens <= args.max_position_embeddings
+    assert any("larger than host memory" in x for x in plan.warnings)  # 137 GiB of experts, 128 GiB RAM
+
+
+def test_32gb_wsl2_honours_an_explicit_4096_chunk(real):
+    args, w = real
+    plan = plan_memory(args, w, Machine(32 * GIB, 128 * GIB, "wsl2"), settings(args, max_prefill_length=4096))
+    assert (plan.chunk.requested, plan.chunk.effective_tokens, plan.chunk.binding) == (4096, 4096, "user-cap")
+    assert plan.chunk.warning is None and fits(plan)
+
+
+def test_h200_cannot_hold_every_expert_but_keeps_most(real):
+    """One H200 (141 GB) is smaller than the 145 GiB of main-model weights: the arithmetic, not a choice."""
+    args, w = real
+    plan = plan_memory(args, w, Machine(141 * GIB, None, "native"), settings(args))
+    assert w.non_expert_bytes + w.routed_expert_bytes > 141 * GIB
+    assert not plan.experts_resident and plan.expert_slots > 0.75 * w.n_experts
+    assert fits(plan)
+
+
+def test_a_192gb_card_keeps_every_weight_resident_and_gives_kv_the_rest(real):
+    args, w = real
+    plan = plan_memory(args, w, Machine(192 * GB, None, "native"), settings(args))
+    assert plan.experts_resident and plan.expert_slots == w.n_experts and plan.host_expert_bytes == 0
+    assert plan.kv_tokens >= 262144 and fits(plan) and plan.chunk.effective_tokens >= 8192
+
+
+@pytest.mark.parametrize("gpu", [24 * GIB, 32 * GIB, 48 * GIB, 80 * GIB, 141 * GIB])
+@pytest.mark.parametrize("platform", ["native", "wsl2"])
+def test_every_auto_plan_fits(real, gpu, platform):
+    args, w = real
+    plan = plan_memory(args, w, Machine(gpu, None, platform), settings(args))
+    assert fits(plan) and plan.chunk.warning is None
+    assert plan.chunk.effective_tokens % plan.geometry.alignment_tokens == 0
+
+
+def test_tiny_is_all_resident_on_any_card(tiny_dir):
+    args = read_model_args(tiny_dir)
+    w = weight_bytes(checkpoint_schema(args), args)
+    plan = plan_memory(args, w, Machine(8 * GIB, None, "native"), settings(args))
+    assert plan.experts_resident and fits(plan) and plan.chunk.alignment_tokens == 16
+
+
+# ---------------------------------------------------------------------------- the seed bug, whole card
+
+def test_more_kv_never_means_a_bigger_chunk(real):
+    args, w = real
+    chunks = []
+    for tokens in (65536, 262144, 524288, 1048576):
+        plan = plan_memory(args, w, Machine(32 * GIB, None, "wsl2"),
+                           settings(args, num_tokens=tokens, moe_cache_size=64))
+        assert fits(plan) and plan.kv_tokens == tokens
+        chunks.append(plan.chunk.effective_tokens)
+    assert chunks == sorted(chunks, reverse=True) and chunks[0] > chunks[-1]
+
+
+# ------------------------------------------------------------------------------ explicit user values
+
+def test_explicit_cap_is_reserved_by_shrinking_the_expert_cache(real):
+    args, w = real
+    auto = plan_memory(args, w, Machine(32 * GIB, None, "wsl2"), settings(args))
+    big = plan_memory(args, w, Machine(32 * GIB, None, "wsl2"), settings(args, max_prefill_length=12000))
+    assert big.chunk.effective_tokens == 12000 and big.chunk.warning is None and fits(big)
+    assert big.expert_slots < auto.expert_slots
+    assert any("reserved before the expert cache" in d for d in big.decisions)
+
+
+def test_explicit_cap_that_cannot_be_reserved_is_honoured_with_a_warning(real):
+    args, w = real
+    plan = plan_memory(args, w, Machine(32 * GIB, None, "wsl2"), settings(args, max_prefill_length=16384))
+    assert plan.chunk.effective_tokens == 16384 and "--max-prefill-length 16384" in plan.chunk.warning
+    assert plan.chunk.warning in plan.warnings
+
+
+def test_explicit_cap_beyond_the_card_is_refused(real):
+    args, w = real
+    with pytest.raises(ConfigError, match=r"--max-prefill-length 65536: .* use at most \d+"):
+        plan_memory(args, w, Machine(32 * GIB, None, "wsl2"), settings(args, max_prefill_length=65536))
+
+
+def test_explicit_values_are_honoured_or_refused_by_name(real):
+    args, w = real
+    plan = plan_memory(args, w, Machine(32 * GIB, None, "native"),
+                       settings(args, num_tokens=100_000, moe_cache_size=300, max_model_len=90_000))
+    assert (plan.kv_tokens, plan.expert_slots, plan.max_model_len) == (100_000, 300, 90_000)
+    with pytest.raises(ConfigError, match="--moe-cache-size 2000"):
+        plan_memory(args, w, Machine(32 * GIB, None, "native"), settings(args, moe_cache_size=2000))
+    with pytest.raises(ConfigError, match="--num-tokens 4000000"):
+        plan_memory(args, w, Machine(32 * GIB, None, "native"), settings(args, num_tokens=4_000_000))
+    with pytest.raises(ConfigError, match="--max-model-len 200000 needs .* --num-tokens 100000"):
+        plan_memory(args, w, Machine(32 * GIB, None, "native"),
+                    settings(args, num_tokens=100_000, max_model_len=200_000))
+    with pytest.raises(ConfigError, match="--memory-ratio 0.2"):
+        plan_memory(args, w, Machine(32 * GIB, None, "native"), settings(args, memory_ratio=0.2))
+
+
+# ------------------------------------------------------------------------------------ the CLI
+
+def _run(args):
+    exe = shutil.which("dsv4serve") or pytest.fail("dsv4serve is not on PATH")
+    return subprocess.run([exe, *args], capture_output=True, text=True, env=dict(os.environ), timeout=120)
+
+
+def test_plan_cli_prints_and_emits_the_memory_plan(real_model_dir):
+    base = ["plan", "--model", str(real_model_dir), "--gpu-memory", "32GiB", "--host-memory", "128GiB",
+            "--platform", "wsl2"]
+    out = _run(base + ["--max-prefill-length", "4096", "--json"])
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    c = data["prefill_chunk"]
+    assert (c["requested"], c["source"], c["effective"], c["binding"]) == (4096, "cli", 4096, "user-cap")
+    mp = data["memory_plan"]
+    assert mp["chunk"]["effective"] == 4096 and not mp["experts"]["all_resident"]
+    text = _run(base)
+    assert text.returncode == 0 and "memory plan (32.00 GiB GPU, wsl2)" in text.stdout
+    assert "bound by memory" in text.stdout and "expert slots" in text.stdout
+    bad = _run(base + ["--max-prefill-length", "65536"])
+    assert bad.returncode == 2 and "--max-prefill-length 65536" in bad.stderr and "Traceback" not in bad.stderr
