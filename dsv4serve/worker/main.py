@@ -93,7 +93,7 @@ class EngineLoop:
         self.p.chunk.after_oom(failed)
         ids = [r.request_id for r in plan.rows]
         self.p.runner.drop(ids)
-        self.p.scheduler.reset(ids)
+        self.p.scheduler.reset(plan)
         log.warning("out of memory in a step of %d tokens (%s); prefill chunk lowered to %d tokens (%s); "
                     "retrying %d request(s)", plan.num_tokens, exc, self.p.chunk.chunk_tokens,
                     self.p.chunk.reason, len(ids))
@@ -119,7 +119,8 @@ class EngineLoop:
         self.channel.send(Stats(num_running=len(s.running), num_waiting=len(s.waiting), kv_usage=s.kv_usage,
                                 prefill_chunk_tokens=self.p.chunk.chunk_tokens,
                                 oom_recoveries_total=self.oom_recoveries,
-                                prefix_cache_queries_total=0, prefix_cache_hits_total=0))
+                                prefix_cache_queries_total=s.prefix_queries_tokens,
+                                prefix_cache_hits_total=s.prefix_hits_tokens))
 
 
 __all__ = ["worker_main", "Ready"]

@@ -28,6 +28,10 @@ class Request:
     status: Status = Status.WAITING
     finish_reason: str | None = None
     num_sent_tokens: int = 0  # outputs already sent to the API process
+    prefix_checked: bool = False  # counted in the prefix-cache stats once
+    restore_key: bytes | None = None  # the cached prefix state the next row starts from
+    snapshot_at: int = 0  # save the state after this many tokens (the last whole page), 0 = not
+    snapshot_key: bytes | None = None
 
     @property
     def output_token_ids(self) -> list[int]:

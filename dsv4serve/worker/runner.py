@@ -6,6 +6,7 @@ step plan as one batched forward, and samples the rows that reached the end of t
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +38,7 @@ class Runner:
         # a seeded request's generator lives as long as the request (not its state): a request that is
         # preempted and recomputed continues the same random sequence
         self.generators: dict[str, torch.Generator] = {}
+        self.snapshots: dict[bytes, SequenceState] = {}  # saved prefix states, by page-chain key
 
     def drop(self, request_ids: tuple[str, ...] | list[str]) -> None:
         """Free the model state of these requests (preempted, finished or aborted)."""
@@ -47,6 +49,14 @@ class Runner:
         """The request is over: free everything the runner kept for it."""
         self.states.pop(request_id, None)
         self.generators.pop(request_id, None)
+
+    def _fresh_state(self, request_id: str, restore_key: bytes | None) -> SequenceState:
+        if restore_key is None:
+            return self.model.new_state(self.numerics)
+        saved = self.snapshots.get(restore_key)
+        if saved is None:
+            raise RuntimeError(f"{request_id}: the cached prefix state it should start from is gone")
+        return copy.deepcopy(saved)
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[TokenOut]:
         rows = []
@@ -75,6 +85,8 @@ class Runner:
     def execute(self, plan: StepPlan, requests: dict[str, Request]) -> dict[str, TokenOut]:
         """Run one step; returns the sampled token of every row that asked for one."""
         self.drop(plan.dropped)
+        for key in plan.evicted:
+            self.snapshots.pop(key, None)
         if not plan.rows:
             return {}
         self._check_fault(plan)
@@ -82,13 +94,14 @@ class Runner:
         for r in plan.rows:
             state = self.states.get(r.request_id)
             if state is None:
-                if r.start_position != 0:
-                    raise RuntimeError(f"{r.request_id}: no state to continue at position {r.start_position}")
-                state = self.states[r.request_id] = self.model.new_state(self.numerics)
+                state = self.states[r.request_id] = self._fresh_state(r.request_id, r.restore_key)
             if state.num_tokens != r.start_position:
                 raise RuntimeError(f"{r.request_id}: state at {state.num_tokens}, plan at {r.start_position}")
             rows.append(BatchRow(torch.tensor(r.token_ids, dtype=torch.long, device=self.device), state))
         out = self.model.forward(rows, self.numerics)
+        for r, row in zip(plan.rows, rows):
+            if r.snapshot_key is not None:
+                self.snapshots[r.snapshot_key] = copy.deepcopy(row.state)
         picks = [i for i, r in enumerate(plan.rows) if r.sample]
         if not picks:
             return {}

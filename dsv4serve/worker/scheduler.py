@@ -2,8 +2,13 @@
 
 Every step runs every decoding request (one token each) and fills the rest of the step's token
 budget, the prefill chunk the planner allows, with prompt chunks: a decode waits at most one chunk.
-KV is reserved in pages as tokens are computed; when the pool is full the most recently admitted
-request is preempted (its state dropped, recomputed later) rather than anyone waiting forever.
+KV is reserved in pages as tokens are computed; when the pool is full the least recently used cached
+prefixes are evicted first, then the most recently admitted request is preempted (its state dropped,
+recomputed later) rather than anyone waiting forever.
+
+Prefix reuse: a prompt's state is saved at its last whole page (the chunk is cut to end there), and
+a later prompt that starts with the same whole pages starts from a copy of it. The model is exact at
+any chunk boundary, so the output is the same with and without reuse.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from dsv4serve.ipc.messages import AddRequest, Rejected, TokenOut
+from dsv4serve.worker.prefix_index import PrefixIndex
 from dsv4serve.worker.request import Request, Status
 
 
@@ -21,12 +27,15 @@ class ScheduledRow:
     token_ids: tuple[int, ...]
     start_position: int
     sample: bool  # the row reaches the end of its known tokens: sample the next one
+    restore_key: bytes | None = None  # start from a copy of this cached prefix state
+    snapshot_key: bytes | None = None  # after the row, keep a copy of the state under this key
 
 
 @dataclass(frozen=True)
 class StepPlan:
     rows: tuple[ScheduledRow, ...]
     dropped: tuple[str, ...]  # requests whose state the runner must free (preempted, finished, aborted)
+    evicted: tuple[bytes, ...] = ()  # cached prefix states the runner must free
 
     @property
     def num_tokens(self) -> int:
@@ -59,6 +68,10 @@ class Scheduler:
         self._to_drop: list[str] = []
         self._preempted_now = False
         self.finished_without_step: list[Request] = []  # finished while planning; their outputs must be sent
+        self.prefix = PrefixIndex(limits.page_tokens)
+        self._evicted: list[bytes] = []
+        self.prefix_queries_tokens = 0
+        self.prefix_hits_tokens = 0
 
     # ------------------------------------------------------------------ admission
     def add(self, msg: AddRequest) -> Rejected | None:
@@ -113,16 +126,61 @@ class Scheduler:
         while (self.waiting and budget > 0 and len(self.running) < self.limits.max_running
                and not self._preempted_now):
             req = self.waiting[0]
+            if req.num_computed_tokens == 0:
+                self._attach_prefix(req)
             n = self._prefill_tokens(req, budget)
             if not n:
+                req.num_computed_tokens, req.restore_key = 0, None
                 break
+            self._count_prefix(req)
             self.waiting.popleft()
             req.status = Status.RUNNING
             self.running.append(req)
             rows.append(self._row(req, n))
             budget -= n
         dropped, self._to_drop = tuple(self._to_drop), []
-        return StepPlan(tuple(rows), dropped)
+        evicted, self._evicted = tuple(self._evicted), []
+        return StepPlan(tuple(rows), dropped, evicted)
+
+    # ------------------------------------------------------------------ prefix reuse
+    def _attach_prefix(self, req: Request) -> None:
+        """Start from the longest cached whole-page prefix; plan a snapshot at the last whole page."""
+        keys = self.prefix.page_keys(req.token_ids(0, req.num_tokens), req.num_tokens - 1)
+        hit = self.prefix.lookup(keys)
+        if hit is not None:
+            req.restore_key, req.num_computed_tokens = hit
+        last = len(keys) * self.limits.page_tokens
+        if keys and last > req.num_computed_tokens and keys[-1] not in self.prefix.entries:
+            req.snapshot_at, req.snapshot_key = last, keys[-1]
+
+    def _count_prefix(self, req: Request) -> None:
+        if not req.prefix_checked:
+            req.prefix_checked = True
+            req.num_cached_tokens = req.num_computed_tokens
+            self.prefix_queries_tokens += len(req.prompt_token_ids)
+            self.prefix_hits_tokens += req.num_cached_tokens
+
+    def _evict_until(self, free_pages: int) -> None:
+        while self.num_pages_free < free_pages:
+            victim = self.prefix.pop_lru()
+            if victim is None:
+                return
+            key, entry = victim
+            self.num_pages_free += entry.num_pages
+            self._evicted.append(key)
+
+    def _plan_snapshot(self, req: Request, end: int) -> bytes | None:
+        """Reserve pages for a snapshot of `req` at `end` tokens, if that is its planned boundary."""
+        if req.snapshot_key is None or end != req.snapshot_at:
+            return None
+        key, req.snapshot_key = req.snapshot_key, None
+        pages = -(-end // self.limits.page_tokens)
+        self._evict_until(pages)
+        if pages > self.num_pages_free or key in self.prefix.entries:
+            return None
+        self.num_pages_free -= pages
+        self.prefix.insert(key, end, pages, ready=False)
+        return key
 
     def _prefill_tokens(self, req: Request, budget: int) -> int:
         """How many of the request's pending tokens fit the budget and the free pages (0: none).
@@ -130,7 +188,10 @@ class Scheduler:
         Prompt chunks never preempt: only decodes do, so a row already planned is never dropped.
         """
         n = min(req.num_tokens - req.num_computed_tokens, budget)
+        if req.num_computed_tokens < req.snapshot_at < req.num_computed_tokens + n:
+            n = req.snapshot_at - req.num_computed_tokens  # end the chunk on the snapshot boundary
         page = self.limits.page_tokens
+        self._evict_until(-(-(req.num_computed_tokens + n) // page) - req.num_pages)
         have = (req.num_pages + self.num_pages_free) * page - req.num_computed_tokens
         n = min(n, have)
         if n <= 0:
@@ -140,8 +201,10 @@ class Scheduler:
 
     def _row(self, req: Request, n: int) -> ScheduledRow:
         start = req.num_computed_tokens
+        restore, req.restore_key = req.restore_key, None
         return ScheduledRow(req.request_id, tuple(req.token_ids(start, start + n)), start,
-                            sample=start + n == req.num_tokens)
+                            sample=start + n == req.num_tokens, restore_key=restore,
+                            snapshot_key=self._plan_snapshot(req, start + n))
 
     def _reserve_or_preempt(self, req: Request, n_tokens: int) -> bool:
         """Reserve pages so `req` holds `n_tokens`, preempting newer requests if the pool is full.
@@ -149,6 +212,7 @@ class Scheduler:
         Decodes are planned oldest first, so a victim (always newer) has no row in this step yet.
         """
         need = -(-n_tokens // self.limits.page_tokens) - req.num_pages
+        self._evict_until(need)
         while need > self.num_pages_free:
             victim = max((r for r in self.running if r is not req), key=lambda r: r.arrival, default=None)
             if victim is None or victim.arrival < req.arrival:
@@ -178,17 +242,22 @@ class Scheduler:
             self._to_drop.append(req.request_id)
 
     # ------------------------------------------------------------------ results
-    def reset(self, request_ids: list[str]) -> None:
-        """Forget the computed state of these requests (after a failed step): they recompute."""
-        for rid in request_ids:
-            req = self.requests.get(rid)
+    def reset(self, plan: StepPlan) -> None:
+        """After a failed step: its requests recompute from scratch, its planned snapshots are void."""
+        for row in plan.rows:
+            req = self.requests.get(row.request_id)
             if req is not None and req.status is Status.RUNNING:
                 self._preempt(req)
+            entry = self.prefix.entries.pop(row.snapshot_key, None) if row.snapshot_key else None
+            if entry is not None:
+                self.num_pages_free += entry.num_pages
 
     def complete(self, plan: StepPlan, sampled: dict[str, TokenOut]) -> list[Request]:
         """Advance after a step; returns the requests that produced output or finished."""
         touched: list[Request] = []
         for row in plan.rows:
+            if row.snapshot_key is not None:
+                self.prefix.mark_ready(row.snapshot_key)
             req = self.requests.get(row.request_id)
             if req is None or req.status is not Status.RUNNING:
                 continue
@@ -225,4 +294,7 @@ class Scheduler:
 
     @property
     def kv_usage(self) -> float:
-        return 1.0 - self.num_pages_free / self.num_pages_total if self.num_pages_total else 0.0
+        """Share of the pool held by requests (cached prefixes are evictable, so they count as free)."""
+        if not self.num_pages_total:
+            return 0.0
+        return (self.num_pages_total - self.num_pages_free - self.prefix.num_pages) / self.num_pages_total

@@ -36,18 +36,26 @@ def greedy(n: int) -> SamplingParams:
 
 
 @pytest.fixture(scope="module")
-def reference_tokens(tiny_dir):
+def model_alone(tiny_dir):
     """Greedy continuation computed in this process, by the model alone: no scheduler, no IPC."""
     args, state = load_dense_state_dict(tiny_dir)
     model = Transformer(args)
     model.load_state_dict(state)
-    seq = model.new_state(NUMERICS_ON)
-    logits = model.forward([BatchRow(torch.tensor(PROMPT), seq)], NUMERICS_ON).logits[0]
-    out = []
-    for _ in range(8):
-        out.append(int(logits.argmax()))
-        logits = model.forward([BatchRow(torch.tensor(out[-1:]), seq)], NUMERICS_ON).logits[0]
-    return out
+
+    def continuation(prompt: list[int], n: int) -> list[int]:
+        seq = model.new_state(NUMERICS_ON)
+        logits = model.forward([BatchRow(torch.tensor(prompt), seq)], NUMERICS_ON).logits[0]
+        out = []
+        for _ in range(n):
+            out.append(int(logits.argmax()))
+            logits = model.forward([BatchRow(torch.tensor(out[-1:]), seq)], NUMERICS_ON).logits[0]
+        return out
+    return continuation
+
+
+@pytest.fixture(scope="module")
+def reference_tokens(model_alone):
+    return model_alone(PROMPT, 8)
 
 
 def test_ready_reports_what_was_allocated(engine):
@@ -88,6 +96,21 @@ def test_seeded_sampling_is_reproducible(engine):
     assert first == second and first != other
     tok = outs[0].tokens[0]
     assert tok.logprob is not None and tok.logprob <= 0 and len(tok.top) == 2
+
+
+def test_prefix_reuse_reports_cached_tokens_and_changes_nothing(engine, model_alone):
+    lt, client = engine
+    base = list(range(2000, 2045))  # 45 tokens: two whole 16-token pages can be shared
+    longer = base + list(range(3000, 3020))
+    cold, cold_outs = lt.run(collect(client, "p1", base, greedy(5)))
+    warm, warm_outs = lt.run(collect(client, "p2", base, greedy(5)))
+    ext, ext_outs = lt.run(collect(client, "p3", longer, greedy(5)))
+    assert cold_outs[-1].num_cached_tokens == 0
+    assert warm_outs[-1].num_cached_tokens == 32 and ext_outs[-1].num_cached_tokens == 32
+    assert cold == warm == model_alone(base, 5)
+    assert ext == model_alone(longer, 5)
+    time.sleep(0.3)
+    assert client.stats.prefix_cache_hits_total >= 64
 
 
 def test_abort_on_disconnect_frees_the_request_within_a_second(engine):

@@ -15,8 +15,9 @@ def limits(**kw):
     return SchedulerLimits(**{**base, **kw})
 
 
-def add(s, rid, n_prompt, max_tokens=4, **sampling):
-    return s.add(AddRequest(rid, list(range(10, 10 + n_prompt)), SamplingParams(max_tokens=max_tokens, **sampling)))
+def add(s, rid, n_prompt, max_tokens=4, first=10, **sampling):
+    return s.add(AddRequest(rid, list(range(first, first + n_prompt)),
+                            SamplingParams(max_tokens=max_tokens, **sampling)))
 
 
 def run_step(s, chunk, token=7):
@@ -97,27 +98,29 @@ def test_abort_frees_pages_and_state_within_a_step():
 def test_full_pool_preempts_the_newest_and_recomputes_it_later():
     s = Scheduler(limits(kv_capacity_tokens=64, page_tokens=16, max_model_len=64))
     add(s, "old", 30, max_tokens=40)
-    add(s, "new", 30, max_tokens=40)
-    run_step(s, 100)  # both prefilled: 2 pages each, pool full
-    for _ in range(3):
-        run_step(s, 100)  # both decode to 33 tokens: old needs a third page
+    add(s, "new", 30, max_tokens=40, first=500)
     new = s.requests["new"]
-    assert new.num_computed_tokens == 0 and new in s.waiting  # preempted, state dropped
-    assert s.requests["old"].num_pages == 3
+    for _ in range(10):  # both prefill and decode until the 4-page pool cannot hold both
+        run_step(s, 100)
+        if new in s.waiting:
+            break
+    assert new in s.waiting and new.num_computed_tokens == 0 and new.output  # preempted, state dropped
+    assert s.requests["old"].num_pages == 3 and not s.prefix.entries  # cached prefixes went first
+    produced = len(new.output)
     while s.requests["old"].finish_reason is None:
         run_step(s, 100)
-    plan, _ = run_step(s, 100)  # the pool is free again: new resumes with prompt + outputs so far
-    row = next(r for r in plan.rows if r.request_id == "new")
-    # the row recomputes the prompt and the 3 tokens it had produced, then samples the 4th
-    assert row.start_position == 0 and row.token_ids == tuple(range(10, 40)) + (7, 7, 7) and row.sample
-    assert len(new.output) == 4
+    fed = []
+    while len(new.output) == produced:  # the pool is free again: new recomputes prompt + outputs so far
+        plan, _ = run_step(s, 100)
+        fed += [t for r in plan.rows if r.request_id == "new" for t in r.token_ids]
+    assert fed == list(range(500, 530)) + [7] * produced
 
 
 def test_reset_after_failed_step_recomputes_from_scratch():
     s = Scheduler(limits())
     add(s, "a", 50)
     plan = s.schedule(32)
-    s.reset([r.request_id for r in plan.rows])
+    s.reset(plan)
     plan2 = s.schedule(32)
     assert "a" in plan2.dropped and plan2.rows[0].start_position == 0
 
@@ -139,3 +142,47 @@ def test_a_request_that_outgrows_the_pool_finishes_instead_of_hanging():
     req = s.requests["a"]
     assert req.finish_reason == "length" and req.num_tokens == 33 and s.kv_usage == 0
     assert req in s.finished_without_step
+
+
+def test_prefix_reuse_starts_from_the_last_shared_whole_page():
+    s = Scheduler(limits(page_tokens=16))
+    add(s, "first", 40, max_tokens=1)
+    plan, _ = run_step(s, 100)
+    row = plan.rows[0]
+    assert len(row.token_ids) == 32 and row.snapshot_key is not None and not row.sample  # cut at the page
+    plan, _ = run_step(s, 100)
+    assert plan.rows[0].start_position == 32 and plan.rows[0].sample
+    add(s, "again", 40, max_tokens=1)  # same prompt
+    add(s, "longer", 70, max_tokens=1)  # shares the first two pages
+    add(s, "other", 40, max_tokens=1, first=900)
+    plan, _ = run_step(s, 200)
+    by_id = {r.request_id: r for r in plan.rows}
+    assert by_id["again"].start_position == 32 and by_id["again"].restore_key == row.snapshot_key
+    assert by_id["longer"].start_position == 32 and by_id["longer"].restore_key == row.snapshot_key
+    assert by_id["other"].start_position == 0 and by_id["other"].restore_key is None
+    assert s.requests["again"].num_cached_tokens == 32 and s.requests["other"].num_cached_tokens == 0
+    assert s.prefix_hits_tokens == 64 and s.prefix_queries_tokens == 40 + 40 + 70 + 40
+
+
+def test_cached_prefixes_are_evicted_before_anyone_is_preempted():
+    s = Scheduler(limits(kv_capacity_tokens=96, page_tokens=16))
+    add(s, "a", 40, max_tokens=1)
+    while s.requests.get("a") and s.requests["a"].finish_reason is None:
+        run_step(s, 100)
+    assert s.prefix.num_pages == 2 and s.kv_usage == 0  # cached pages are free to take
+    add(s, "big", 80, max_tokens=1, first=900)  # needs 5 of the 6 pages: the cached prefix must go
+    plan, _ = run_step(s, 100)
+    assert plan.evicted and not s.prefix.entries
+    assert plan.rows[0].request_id == "big" and plan.rows[0].start_position == 0
+
+
+def test_a_snapshot_of_a_failed_step_is_never_offered():
+    s = Scheduler(limits(page_tokens=16))
+    add(s, "a", 40, max_tokens=1)
+    plan = s.schedule(100)
+    assert plan.rows[0].snapshot_key is not None
+    s.reset(plan)
+    assert not s.prefix.entries
+    add(s, "b", 40, max_tokens=1)
+    plan = s.schedule(100)
+    assert all(r.restore_key is None for r in plan.rows)
