@@ -83,11 +83,11 @@ def run_plan(ns: argparse.Namespace, env: Environment) -> int:
     print(f"model {plan['model']['name']}: {plan['model']['layers']} layers + {plan['model']['mtp_layers']} MTP")
     print("\nweights\n" + format_table(rows, ("kind", "bytes", "size")))
     print("\neffective settings\n" + format_table(plan["settings_rows"], ("flag", "value", "source", "note")))
-    c = plan["prefill_chunk"]
-    print(f"\nprefill chunk: {c['requested'] if c['requested'] else 'auto'} ({c['source']}): {c['note']}")
     if plan["memory_plan_text"]:
         print("\n" + plan["memory_plan_text"])
     else:
+        c = plan["prefill_chunk"]
+        print(f"\nprefill chunk: {c['requested'] if c['requested'] else 'auto'} ({c['source']}): {c['note']}")
         print("memory plan: give --gpu-memory SIZE (and --platform) to plan for a GPU; `serve` measures the "
               "free memory after start-up")
     return 0
