@@ -40,7 +40,11 @@ class RequestRejected(RuntimeError):
         self.status = status
 
 
-class WorkerDied(RuntimeError):
+class RequestFailed(RuntimeError):
+    """The request ended without a normal finish: the worker died, or failed it (e.g. out of memory)."""
+
+
+class WorkerDied(RequestFailed):
     """The worker died while this request was in flight."""
 
 
@@ -216,6 +220,9 @@ class EngineClient:
                 if isinstance(item, Rejected):
                     finished = True
                     raise RequestRejected(item.status, item.message)
+                if item.error is not None:
+                    finished = True
+                    raise RequestFailed(item.error)
                 yield item
                 if item.finish_reason is not None:
                     finished = True

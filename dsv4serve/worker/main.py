@@ -14,8 +14,8 @@ import msgspec
 import torch
 
 from dsv4serve.ipc.channel import Endpoints, WorkerChannel
-from dsv4serve.ipc.messages import (AbortRequest, AddRequest, Ready, RequestOutput, Shutdown, Stats,
-                                    WorkerFailed, WorkerLaunch)
+from dsv4serve.ipc.messages import (AbortRequest, AddRequest, RequestOutput, Shutdown, Stats, WorkerFailed,
+                                    WorkerLaunch)
 from dsv4serve.worker.engine_setup import EngineParts, build_engine
 from dsv4serve.worker.request import Request, Status
 
@@ -87,12 +87,22 @@ class EngineLoop:
             self._send_output(req)
 
     def _recover_from_oom(self, plan, exc: Exception) -> None:
-        """Shrink the chunk, drop the (possibly half-advanced) states of the step, and recompute."""
+        """Shrink the chunk, drop the (possibly half-advanced) states of the step, and recompute.
+
+        A step of 1-token rows cannot shrink further: its requests end with an error instead of
+        retrying forever."""
         self.oom_recoveries += 1
         failed = plan.max_prefill_tokens
-        self.p.chunk.after_oom(failed)
         ids = [r.request_id for r in plan.rows]
         self.p.runner.drop(ids)
+        if failed <= 1:
+            log.error("out of memory even in a step of 1-token rows (%s): failing %d request(s)", exc, len(ids))
+            for rid in ids:
+                req = self.p.scheduler.abort(rid)
+                if req is not None:
+                    self._send_output(req, error=f"out of memory on the device even at 1-token steps: {exc}")
+            return
+        self.p.chunk.after_oom(failed)
         self.p.scheduler.reset(plan)
         log.warning("out of memory in a step of %d tokens (%s); prefill chunk lowered to %d tokens (%s); "
                     "retrying %d request(s)", plan.num_tokens, exc, self.p.chunk.chunk_tokens,
@@ -100,12 +110,12 @@ class EngineLoop:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
-    def _send_output(self, req: Request) -> None:
+    def _send_output(self, req: Request, error: str | None = None) -> None:
         new = req.output[req.num_sent_tokens:]
         req.num_sent_tokens = len(req.output)
         finished = req.status is Status.FINISHED
         self.channel.send(RequestOutput(req.request_id, list(new), len(req.prompt_token_ids),
-                                        req.num_cached_tokens, req.finish_reason if finished else None))
+                                        req.num_cached_tokens, req.finish_reason if finished else None, error))
         if finished:
             self.p.scheduler.forget(req.request_id)
             self.p.runner.forget(req.request_id)
@@ -122,5 +132,3 @@ class EngineLoop:
                                 prefix_cache_queries_total=s.prefix_queries_tokens,
                                 prefix_cache_hits_total=s.prefix_hits_tokens))
 
-
-__all__ = ["worker_main", "Ready"]
