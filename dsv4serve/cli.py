@@ -107,9 +107,8 @@ def _serve(ns: argparse.Namespace, env: Environment) -> int:
     print(format_settings(cfg), file=sys.stderr)
     log.info("model %s at %s (%s): %d layers + %d MTP, checkpoint validated", location.name, location.path,
              location.origin, args.n_layers, args.n_mtp_layers)
-    log.error("the serving engine and HTTP API are not part of this build yet: settings were resolved and the "
-              "checkpoint validated, nothing is listening on %s:%s", cfg.host.value, cfg.port.value)
-    return 2
+    from dsv4serve.api.server import serve
+    return serve(cfg, location.path)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -67,12 +67,19 @@ def test_bad_flag_values_are_rejected_by_the_parser():
     assert out.returncode == 2 and "--port" in out.stderr and "TCP port" in out.stderr
 
 
-def test_serve_validates_tiny_and_says_what_is_missing(tiny_cache):
-    out = run(["--model", "dsv4-tiny", "--max-prefill-length", "4096"],
-              env={"DSV4SERVE_CACHE_DIR": str(tiny_cache)})
-    assert "--max-prefill-length   4096" in out.stderr
-    assert "checkpoint validated" in out.stderr
-    assert out.returncode == 2 and "not part of this build yet" in out.stderr
+def test_serve_reports_serves_and_stops_cleanly_on_ctrl_c(tiny_cache, tmp_path):
+    from tests.e2e.api_server import ServerProcess
+
+    srv = ServerProcess(tiny_cache, tmp_path / "serve.log", "--max-prefill-length", "512",
+                        "--max-model-len", "1024")
+    try:
+        srv.wait_healthy()
+    finally:
+        code = srv.stop()
+    log = srv.log()
+    assert "--max-prefill-length   512" in log and "checkpoint validated" in log
+    assert "prefill chunk          requested 512, effective 512 tokens, bound by user-cap" in log
+    assert code == 0 and "the worker was shut down" in log and "Traceback" not in log
 
 
 def test_offline_hub_model_says_what_to_do(tmp_path):

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP API (FastAPI): routes, protocol models, streaming, metrics."""

@@ -1,0 +1,65 @@
+"""POST /v1/completions: text or token-id prompts (one or a batch), echo, legacy logprobs."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+
+from dsv4serve.api.choices import TextChoice
+from dsv4serve.api.errors import bad_request
+from dsv4serve.api.generation import ChoiceSpec
+from dsv4serve.api.protocol import CompletionRequest, check_completion
+from dsv4serve.api.sampling import build_sampling, check_context, check_model, stop_strings, with_seed
+from dsv4serve.api.state import AppState, get_state, read_json
+from dsv4serve.api.streaming import Reply, complete, new_id, stream
+
+router = APIRouter()
+DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for text completions
+
+
+def prompt_token_lists(state: AppState, prompt, vocab_size: int) -> list[list[int]]:
+    """Every prompt of the request as token ids (a batch gives several)."""
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if not prompt:
+        raise bad_request("prompt must not be empty", "prompt")
+    if all(isinstance(p, int) for p in prompt):
+        prompt = [prompt]
+    out = []
+    for p in prompt:
+        ids = state.tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p)
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})", "prompt")
+        out.append(ids)
+    return out
+
+
+@router.post("/v1/completions")
+async def completions(request: Request):
+    state = get_state(request)
+    req = CompletionRequest.model_validate(await read_json(request))
+    state.note_unknown(req.unknown_fields())
+    check_completion(req)
+    check_model(req.model, state.options.served_model_name)
+    ready = state.ready()
+    prompts = prompt_token_lists(state, req.prompt, ready.vocab_size)
+    max_tokens = req.max_tokens if "max_tokens" in req.model_fields_set else DEFAULT_MAX_TOKENS
+    sampling = build_sampling(req, max_tokens, req.logprobs, ready.vocab_size)
+    for ids in prompts:
+        check_context(len(ids), max_tokens, ready.max_model_len)
+    reply = Reply(new_id("cmpl"), "text_completion", state.options.served_model_name, [], [])
+    specs, n = [], req.n or 1
+    for p, ids in enumerate(prompts):
+        echo = state.tokenizer.decode(ids, skip_special_tokens=False) if req.echo else ""
+        for j in range(n):
+            index = p * n + j
+            reply.choices.append(TextChoice(index, state.tokenizer, req.logprobs, echo))
+            reply.prompt_of.append(p)
+            specs.append(ChoiceSpec(index, f"{reply.id}-{index}", ids, with_seed(sampling, j),
+                                    stop_strings(req.stop), bool(req.include_stop_str_in_output),
+                                    req.skip_special_tokens is not False))
+    if req.stream:
+        opts = req.stream_options
+        return await stream(state, request, reply, specs, bool(opts and opts.include_usage),
+                            bool(opts and opts.continuous_usage_stats))
+    return await complete(state, request, reply, specs)
