@@ -135,7 +135,8 @@ class EngineClient:
         if isinstance(msg, Ready):
             inc.ready = msg
             self._ever_ready = True
-            log.info("worker ready: %s", msg)
+            log.info("worker ready (pid %s): KV %d tokens, chunk %d tokens (%s)", inc.process.pid,
+                     msg.kv_capacity_tokens, msg.chunk.effective_tokens, msg.chunk.binding)
             if self._ready_event:
                 self._ready_event.set()
         elif isinstance(msg, Stats):

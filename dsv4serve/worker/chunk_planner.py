@@ -65,6 +65,9 @@ class PrefillGeometry:
     fixed_bytes: int  # per-step bytes that do not grow with the chunk (logits, indexer logits tile)
     alignment_tokens: int
     terms: tuple[tuple[str, int], ...] = ()  # the per-token estimate, term by term (for reports)
+    # bytes per (chunk tokens)^2: the dense reference attention materializes [T, H, keys] scores
+    # with keys ~ T; the tiled GPU kernels never do (0)
+    pairwise_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -96,7 +99,8 @@ def alignment_tokens(args: ModelArgs) -> int:
     return math.lcm(args.window_size, *ratios)
 
 
-def prefill_geometry(args: ModelArgs, context_tokens: int, max_rows: int = 1) -> PrefillGeometry:
+def prefill_geometry(args: ModelArgs, context_tokens: int, max_rows: int = 1,
+                     dense_attention: bool = False) -> PrefillGeometry:
     """Peak activation bytes of one layer's prefill, per token, from the config alone.
 
     Layers run one after another, so the peak is: the residual streams (live across the layer) plus
@@ -109,6 +113,9 @@ def prefill_geometry(args: ModelArgs, context_tokens: int, max_rows: int = 1) ->
     - the indexer's logits over all visible entries, [tile, context / 4] fp32, are computed per query
       tile of one alignment unit: a FIXED buffer, not a per-token one;
     - logits: only the last position of each row, fp32, plus one same-sized buffer for sampling.
+    `dense_attention` (the CPU reference path, dsv4serve/model/attention.py): every query scores
+    every key of the chunk, fp32 scores + masked scores + probabilities [T, H, T] and a bool mask
+    [T, T], plus the indexer's fp32 [T, H_I, T / ratio] scores: a term in T^2 (`pairwise_bytes`).
     """
     hc, dim, heads, hd = args.hc_mult, args.dim, args.n_heads, args.head_dim
     k, inter = args.n_activated_experts, args.moe_inter_dim
@@ -157,12 +164,16 @@ def prefill_geometry(args: ModelArgs, context_tokens: int, max_rows: int = 1) ->
     unit = alignment_tokens(args)
     indexer_tile = unit * math.ceil(context_tokens / csa_ratio) * 4 if has_csa else 0
     logits = 2 * max_rows * args.vocab_size * 4
+    pairwise = 0
+    if dense_attention:
+        pairwise = 3 * heads * 4 + 1 + (math.ceil(args.index_n_heads * 4 / csa_ratio) if has_csa else 0)
     return PrefillGeometry(activation_bytes_per_token=sum(b for _, b in residual) + half,
-                           fixed_bytes=indexer_tile + logits, alignment_tokens=unit, terms=terms)
+                           fixed_bytes=indexer_tile + logits, alignment_tokens=unit, terms=terms,
+                           pairwise_bytes=pairwise)
 
 
-def activation_bytes(per_token: int, fixed: int, tokens: int) -> int:
-    return tokens * per_token + fixed
+def activation_bytes(per_token: int, fixed: int, tokens: int, pairwise: int = 0) -> int:
+    return tokens * per_token + pairwise * tokens * tokens + fixed
 
 
 def bytes_per_token(snapshot: MemorySnapshot, geometry: PrefillGeometry) -> tuple[int, str]:
@@ -178,12 +189,29 @@ def _mib(n: int) -> str:
     return f"{n / MIB:,.0f} MiB"
 
 
+def pairwise_bytes(snapshot: MemorySnapshot, geometry: PrefillGeometry) -> int:
+    """The T^2 coefficient the plan uses: the estimate times the safety factor unless measured."""
+    if snapshot.measured_activation_bytes_per_token:
+        return geometry.pairwise_bytes
+    return math.ceil(geometry.pairwise_bytes * GEOMETRY_SAFETY_FACTOR)
+
+
+def max_tokens(room: int, per_token: int, pairwise: int) -> int:
+    """The largest T with pairwise*T^2 + per_token*T <= room (0 when nothing fits)."""
+    room = max(room, 0)
+    if not pairwise:
+        return room // per_token
+    t = int((-per_token + math.sqrt(per_token * per_token + 4 * pairwise * room)) / (2 * pairwise))
+    while t > 0 and pairwise * t * t + per_token * t > room:  # guard the float square root
+        t -= 1
+    return t
+
+
 def safe_tokens(snapshot: MemorySnapshot, geometry: PrefillGeometry) -> tuple[int, int, str]:
     """(aligned memory bound in tokens, bytes per token used, how that figure was obtained)."""
     per_token, how = bytes_per_token(snapshot, geometry)
     margin = PLATFORM_MARGIN_BYTES[snapshot.platform]
-    room = snapshot.free_bytes - margin - geometry.fixed_bytes
-    raw = max(room, 0) // per_token
+    raw = max_tokens(snapshot.free_bytes - margin - geometry.fixed_bytes, per_token, pairwise_bytes(snapshot, geometry))
     unit = geometry.alignment_tokens
     return (raw // unit) * unit, per_token, how
 
@@ -193,6 +221,8 @@ def plan_chunk(snapshot: MemorySnapshot, geometry: PrefillGeometry, limits: Plan
     unit, margin = geometry.alignment_tokens, PLATFORM_MARGIN_BYTES[snapshot.platform]
     memory_why = (f"{_mib(snapshot.free_bytes)} free ({snapshot.origin}) - {_mib(margin)} {snapshot.platform} "
                   f"margin - {_mib(geometry.fixed_bytes)} fixed, at {per_token:,} B/token ({how})")
+    if geometry.pairwise_bytes:
+        memory_why += f" + {pairwise_bytes(snapshot, geometry)} B x tokens^2 (dense reference attention)"
     common = dict(safe_tokens=safe, activation_bytes_per_token=per_token, alignment_tokens=unit)
     cap = limits.user_cap
     if cap.value is not None and cap.source.explicit:
@@ -208,7 +238,8 @@ def plan_chunk(snapshot: MemorySnapshot, geometry: PrefillGeometry, limits: Plan
                                                            f"{limits.max_model_len:,}"))
     tokens, binding, reason = min(candidates, key=lambda c: c[0])  # ties: memory first (listed first)
     warning = None
-    if tokens * per_token + geometry.fixed_bytes + margin > snapshot.free_bytes:
+    pairwise = pairwise_bytes(snapshot, geometry)
+    if activation_bytes(per_token, geometry.fixed_bytes, tokens, pairwise) + margin > snapshot.free_bytes:
         warning = (f"only {_mib(snapshot.free_bytes)} free: even a {tokens}-token chunk "
                    f"({_mib(tokens * per_token)} of activations) may run out of memory; out-of-memory "
                    "recovery will shrink it further")
@@ -221,9 +252,10 @@ def _honour_user_cap(cap: Setting[int | None], snapshot: MemorySnapshot, geometr
     n = int(cap.value)
     margin = PLATFORM_MARGIN_BYTES[snapshot.platform]
     flag = who("max_prefill_length", cap)  # the flag, or DSV4SERVE_MAX_PREFILL_LENGTH
-    need = activation_bytes(per_token, geometry.fixed_bytes, n)
+    pairwise = pairwise_bytes(snapshot, geometry)
+    need = activation_bytes(per_token, geometry.fixed_bytes, n, pairwise)
     if need > snapshot.total_bytes - margin:
-        largest = max((snapshot.total_bytes - margin - geometry.fixed_bytes) // per_token, 0)
+        largest = max_tokens(snapshot.total_bytes - margin - geometry.fixed_bytes, per_token, pairwise)
         raise ConfigError(
             f"{flag} {n}: one prefill chunk of {n} tokens needs about {_mib(need)} of activations "
             f"({per_token:,} B/token), more than this GPU's {_mib(snapshot.total_bytes)} minus the "

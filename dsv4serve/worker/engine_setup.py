@@ -74,7 +74,8 @@ def build_engine(launch: WorkerLaunch) -> EngineParts:
                                f"(--num-tokens or the CPU default {CPU_KV_CAPACITY_TOKENS}); raise --num-tokens or "
                                "lower --max-model-len")
         max_len = capacity
-    geometry = prefill_geometry(args, context_tokens=max_len, max_rows=launch.max_num_seqs)
+    # the CPU path runs the reference attention, whose scores grow with the square of the chunk
+    geometry = prefill_geometry(args, context_tokens=max_len, max_rows=launch.max_num_seqs, dense_attention=True)
     user_cap = Setting(launch.max_prefill_length, Source(launch.max_prefill_length_source))
     plan = plan_chunk(host_snapshot(launch.memory_ratio), geometry, PlannerLimits(user_cap, capacity, max_len))
     if plan.warning:
@@ -88,5 +89,4 @@ def build_engine(launch: WorkerLaunch) -> EngineParts:
     ready = Ready(device="cpu", kv_capacity_tokens=capacity, max_running_requests=launch.max_num_seqs,
                   max_model_len=max_len, chunk=plan, expert_slots=None, vocab_size=args.vocab_size,
                   eos_token_id=args.eos_token_id)
-    log.info("worker ready: %s", ready)
     return EngineParts(Scheduler(limits), runner, chunk, ready)

@@ -197,3 +197,21 @@ def test_probe_on_cpu_uses_a_simulated_budget():
     with pytest.raises(ValueError):
         take_snapshot("cpu")
     assert measure_activation_bytes(lambda n: None, 4096, device="cpu") is None
+
+
+
+def test_dense_reference_attention_bounds_the_chunk_by_its_square():
+    """The CPU path's attention materializes [T, H, T] scores: a big KV pool must not let a chunk
+    through whose T^2 term alone exceeds memory (the seed bug, on the reference path)."""
+    geo = PrefillGeometry(activation_bytes_per_token=800, fixed_bytes=0, alignment_tokens=UNIT, pairwise_bytes=50)
+    room = 2 * 1024**3
+    snap = MemorySnapshot(room + PLATFORM_MARGIN_BYTES["native"], 4 * 1024**3, "native", PER_TOKEN)
+    plan = plan_chunk(snap, geo, PlannerLimits(AUTO, kv_pool_tokens=131072, max_model_len=131072))
+    t = plan.effective_tokens
+    assert plan.binding == "memory" and t % UNIT == 0
+    assert 50 * t * t + PER_TOKEN * t <= room < 50 * (t + UNIT) ** 2 + PER_TOKEN * (t + UNIT)
+    assert "tokens^2" in plan.reason
+    linear_only = plan_chunk(snap, PrefillGeometry(800, 0, UNIT), PlannerLimits(AUTO, 131072, 131072))
+    assert linear_only.effective_tokens > 10 * t  # what a linear model would have allowed
+    with pytest.raises(ConfigError, match="--max-prefill-length 100000"):
+        plan_chunk(snap, geo, PlannerLimits(Setting(100000, Source.CLI), 131072, 131072))
