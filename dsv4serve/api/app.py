@@ -13,6 +13,7 @@ from dsv4serve import __version__
 from dsv4serve.api import chat_routes, completion_routes
 from dsv4serve.api.errors import APIError, bad_request, error_body, error_response, install_error_handlers
 from dsv4serve.api.metrics import Metrics
+from dsv4serve.api.openapi import install_openapi
 from dsv4serve.api.protocol import DetokenizeRequest, TokenizeRequest
 from dsv4serve.api.sampling import check_model
 from dsv4serve.api.state import AppState, ServeOptions, get_state, read_json
@@ -116,7 +117,8 @@ def _add_token_routes(app: FastAPI) -> None:
 
 
 def create_app(engine, tokenizer: TextTokenizer, options: ServeOptions) -> FastAPI:
-    app = FastAPI(title="dsv4serve", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="dsv4serve", version=__version__, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
+    install_openapi(app)
     state = AppState(engine, tokenizer, options, Metrics(engine))
     state.created = int(time.time())
     app.state.dsv4 = state

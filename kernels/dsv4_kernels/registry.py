@@ -1,0 +1,58 @@
+"""The table of Triton kernels: each names its kernel, its torch reference, its test file and the
+configurations the CPU compile checks build (tests/kernels/test_registry.py, test_compile.py).
+
+Entries are "module:attribute" strings resolved on demand, so reading the table imports neither
+triton nor torch, and a test can set TRITON_INTERPRET before any kernel module is imported.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+
+def resolve(target: str) -> Any:
+    """'package.module:attr' -> the attribute."""
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    name: str
+    kernel: str  # "module:attr" of the @triton.jit function
+    references: tuple[str, ...]  # "module:attr" of the torch functions it must match (one per form)
+    test_module: str  # repository-relative path of the test comparing them
+    compile_configs: str  # "module:attr" of ((config name, signature, constexprs), ...)
+
+    def load_kernel(self) -> Any:
+        return resolve(self.kernel)
+
+    def load_references(self) -> tuple[Any, ...]:
+        return tuple(resolve(ref) for ref in self.references)
+
+    def load_compile_configs(self) -> tuple[tuple[str, dict, dict], ...]:
+        return resolve(self.compile_configs)
+
+
+KERNELS: tuple[KernelSpec, ...] = (
+    KernelSpec(
+        name="fp8_gemm",
+        kernel="dsv4_kernels.fp8_gemm:fp8_gemm_kernel",
+        references=("dsv4_kernels.fp8_gemm_ref:fp8_gemm_ref",),
+        test_module="tests/kernels/test_fp8_gemm.py",
+        compile_configs="dsv4_kernels.fp8_gemm:COMPILE_CONFIGS",
+    ),
+    KernelSpec(  # one kernel, two forms: GATE_UP (w1, w3, SwiGLU, routing weight) and the w2 GEMM
+        name="fp4_moe_gemm",
+        kernel="dsv4_kernels.fp4_moe:fp4_moe_gemm_kernel",
+        references=("dsv4_kernels.fp4_moe_ref:gate_up_ref", "dsv4_kernels.fp4_moe_ref:down_ref",
+                    "dsv4_kernels.fp4_moe_ref:fp4_moe_ref"),
+        test_module="tests/kernels/test_fp4_moe.py",
+        compile_configs="dsv4_kernels.fp4_moe:COMPILE_CONFIGS",
+    ),
+)
+
+KERNELS_BY_NAME = MappingProxyType({spec.name: spec for spec in KERNELS})
