@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 TINY_NAME = "dsv4-tiny"
-TINY_VERSION = 1  # bump when the bytes change; the cache folder is named after it
+TINY_VERSION = 2  # bump when the bytes change; the cache folder is named after it
 TINY_SEED = 20260424
 
 # config.json, in the official checkpoint's dialect (HF-style keys, legacy compress_ratios)
@@ -41,6 +41,11 @@ TINY_CONFIG: dict[str, Any] = {
     "swiglu_limit": 10.0,
     "sliding_window": 16,
     "compress_ratios": [0, 4, 16, 4, 0],
+    # transformers' DeepseekV4Config maps legacy compress_ratios only for 4 and 128: these explicit
+    # fields (which it prefers) let HF tools (AutoConfig, AutoTokenizer) read this folder too
+    "layer_types": ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                    "compressed_sparse_attention"],
+    "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
     "compress_rope_theta": 160000,
     "rope_theta": 10000,
     "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,

@@ -77,3 +77,14 @@ def test_interrupted_build_leaves_nothing(tmp_path, monkeypatch):
 
 def test_configs_preset_matches_spec():
     assert json.loads((Path(__file__).resolve().parents[2] / "configs" / "dsv4-tiny.json").read_text()) == TINY_CONFIG
+
+
+def test_transformers_reads_the_tiny_config(tiny_dir):
+    """HF tools (AutoConfig, AutoTokenizer; load generators that use them) must accept the folder."""
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoConfig.from_pretrained(tiny_dir)
+    ours = open_checkpoint(tiny_dir).args
+    kinds = {"sliding_attention": "swa", "compressed_sparse_attention": "csa", "heavily_compressed_attention": "hca"}
+    assert tuple(kinds[t] for t in hf.layer_types) == ours.layer_kinds[: ours.n_layers]
+    assert hf.compress_rates["heavily_compressed_attention"] == ours.compress_ratios[2]
+    assert hf.mlp_layer_types.count("hash_moe") == ours.n_hash_layers
