@@ -83,11 +83,13 @@ class ChatChoice:
 class TextChoice:
     """One text-completion choice (legacy logprobs: tokens, token_logprobs, top_logprobs, text_offset)."""
 
-    def __init__(self, index: int, tokenizer: TextTokenizer, logprobs: int | None, echo_text: str = ""):
+    def __init__(self, index: int, tokenizer: TextTokenizer, logprobs: int | None, echo_text: str = "",
+                 echo_ids: list[int] | None = None):
         self.index = index
         self._tok = tokenizer
         self._logprobs = logprobs
         self._pending_echo = echo_text
+        self._echo_ids = echo_ids
         self.text = ""
         self.finish_reason: str | None = None
         self._lp = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
@@ -106,6 +108,19 @@ class TextChoice:
             into["text_offset"].append(self._offset)
             self._offset += len(text)
 
+    def _add_prompt_logprobs(self, entries: list[TokenOut | None], into: dict) -> None:
+        """The echoed prompt's tokens with their logprobs (the first has none), as vLLM returns them."""
+        ids, self._echo_ids = self._echo_ids or [], None
+        self._offset = 0
+        for token_id, entry in zip(ids, entries):
+            text = self._tok.token_text(token_id)
+            into["tokens"].append(text)
+            into["token_logprobs"].append(None if entry is None else _lp(entry.logprob))
+            into["top_logprobs"].append(None if entry is None else
+                                        {self._tok.token_text(a.token_id): _lp(a.logprob) for a in (entry.top or [])})
+            into["text_offset"].append(self._offset)
+            self._offset += len(text)
+
     def on_event(self, event: ChoiceEvent) -> dict | None:
         text = self._pending_echo + event.text
         self._pending_echo = ""
@@ -113,6 +128,8 @@ class TextChoice:
         if event.finish_reason is not None:
             self.finish_reason = event.finish_reason
         step = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        if self._logprobs is not None and self._echo_ids is not None and event.prompt_logprobs is not None:
+            self._add_prompt_logprobs(event.prompt_logprobs, step)
         if self._logprobs is not None:
             self._add_logprobs(event.tokens, step)
             for key, values in step.items():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from fastapi import APIRouter, Request
 
 from dsv4serve.api.choices import TextChoice
@@ -45,6 +47,8 @@ async def completions(request: Request):
     prompts = prompt_token_lists(state, req.prompt, ready.vocab_size)
     max_tokens = req.max_tokens if "max_tokens" in req.model_fields_set else DEFAULT_MAX_TOKENS
     sampling = build_sampling(req, max_tokens, req.logprobs, ready.vocab_size)
+    if req.echo and req.logprobs is not None:  # the echoed prompt carries its logprobs too
+        sampling = dataclasses.replace(sampling, prompt_logprobs=req.logprobs)
     for ids in prompts:
         check_context(len(ids), max_tokens, ready.max_model_len)
     reply = Reply(new_id("cmpl"), "text_completion", state.options.served_model_name, [], [])
@@ -53,7 +57,7 @@ async def completions(request: Request):
         echo = state.tokenizer.decode(ids, skip_special_tokens=False) if req.echo else ""
         for j in range(n):
             index = p * n + j
-            reply.choices.append(TextChoice(index, state.tokenizer, req.logprobs, echo))
+            reply.choices.append(TextChoice(index, state.tokenizer, req.logprobs, echo, ids if req.echo else None))
             reply.prompt_of.append(p)
             specs.append(ChoiceSpec(index, f"{reply.id}-{index}", ids, with_seed(sampling, j),
                                     stop_strings(req.stop), bool(req.include_stop_str_in_output),

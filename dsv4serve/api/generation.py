@@ -47,6 +47,7 @@ class ChoiceEvent:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0  # so far
+    prompt_logprobs: list[TokenOut | None] | None = None  # with the first event, when asked for
 
 
 class StopStrings:
@@ -132,7 +133,7 @@ async def run_choice(app_state, spec: ChoiceSpec) -> AsyncIterator[ChoiceEvent]:
                     text += tail if matched else tail + stops.flush()
                     reason = "stop" if matched else reason
                 yield ChoiceEvent(spec.index, text, list(out.tokens), reason, num_prompt,
-                                  out.num_cached_tokens, num_out)
+                                  out.num_cached_tokens, num_out, out.prompt_logprobs)
                 if reason is not None:
                     break  # a stop string: closing the generator aborts the engine request
     except (EngineUnavailable, RequestRejected, RequestFailed) as exc:

@@ -66,6 +66,8 @@ class RequestOutput(msgspec.Struct, frozen=True, tag="out", forbid_unknown_field
     num_cached_tokens: int
     finish_reason: str | None = None  # stop | length | abort | error; None while running
     error: str | None = None
+    # with the first output of a request that asked: one entry per prompt token, the first None
+    prompt_logprobs: list[TokenOut | None] | None = None
 
 
 class Rejected(msgspec.Struct, frozen=True, tag="rejected", forbid_unknown_fields=True):

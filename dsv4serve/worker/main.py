@@ -79,10 +79,15 @@ class EngineLoop:
         while sched.finished_without_step:
             self._send_output(sched.finished_without_step.pop())
         try:
-            sampled = self.p.runner.execute(plan, sched.requests)
+            sampled, prompt_lps = self.p.runner.execute(plan, sched.requests)
         except torch.OutOfMemoryError as exc:
             self._recover_from_oom(plan, exc)
             return
+        for rid, entries in prompt_lps.items():
+            req = sched.requests.get(rid)
+            if req is not None and req.prompt_logprobs is not None:
+                for position, tok in entries:
+                    req.prompt_logprobs[position] = tok
         for req in sched.complete(plan, sampled):
             self._send_output(req)
 
@@ -111,11 +116,13 @@ class EngineLoop:
             torch.cuda.empty_cache()
 
     def _send_output(self, req: Request, error: str | None = None) -> None:
+        first = req.num_sent_tokens == 0
         new = req.output[req.num_sent_tokens:]
         req.num_sent_tokens = len(req.output)
         finished = req.status is Status.FINISHED
         self.channel.send(RequestOutput(req.request_id, list(new), len(req.prompt_token_ids),
-                                        req.num_cached_tokens, req.finish_reason if finished else None, error))
+                                        req.num_cached_tokens, req.finish_reason if finished else None, error,
+                                        req.prompt_logprobs if first else None))
         if finished:
             self.p.scheduler.forget(req.request_id)
             self.p.runner.forget(req.request_id)

@@ -32,6 +32,7 @@ class Request:
     restore_key: bytes | None = None  # the cached prefix state the next row starts from
     snapshot_at: int = 0  # save the state after this many tokens (the last whole page), 0 = not
     snapshot_key: bytes | None = None
+    prompt_logprobs: list[TokenOut | None] | None = None  # by prompt position, when asked for
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -19,6 +19,8 @@ from dsv4serve.worker.request import Request
 from dsv4serve.worker.sampling import SamplingRow, make_generator, sample
 from dsv4serve.worker.scheduler import StepPlan
 
+PromptLogprobs = dict[str, list[tuple[int, TokenOut]]]  # request id -> (prompt position, its logprob)
+
 
 @dataclass(frozen=True)
 class FaultInjection:
@@ -82,13 +84,14 @@ class Runner:
                 f"injected for testing: {plan.num_tokens} tokens x {self.fault.activation_bytes_per_token} "
                 f"activation bytes > budget {budget} bytes")
 
-    def execute(self, plan: StepPlan, requests: dict[str, Request]) -> dict[str, TokenOut]:
-        """Run one step; returns the sampled token of every row that asked for one."""
+    def execute(self, plan: StepPlan, requests: dict[str, Request]) -> tuple[dict[str, TokenOut], PromptLogprobs]:
+        """Run one step: the sampled token of every row that asked for one, and the prompt logprobs
+        (position -> TokenOut) of the rows whose request asked for them."""
         self.drop(plan.dropped)
         for key in plan.evicted:
             self.snapshots.pop(key, None)
         if not plan.rows:
-            return {}
+            return {}, {}
         self._check_fault(plan)
         rows = []
         for r in plan.rows:
@@ -98,14 +101,35 @@ class Runner:
             if state.num_tokens != r.start_position:
                 raise RuntimeError(f"{r.request_id}: state at {state.num_tokens}, plan at {r.start_position}")
             rows.append(BatchRow(torch.tensor(r.token_ids, dtype=torch.long, device=self.device), state))
-        out = self.model.forward(rows, self.numerics)
+        wants = [i for i, r in enumerate(plan.rows) if requests[r.request_id].prompt_logprobs is not None
+                 and r.start_position < len(requests[r.request_id].prompt_token_ids) - 1]
+        out = self.model.forward(rows, self.numerics, all_logits=bool(wants))
+        prompt_lps = {plan.rows[i].request_id: self._prompt_logprobs(plan.rows[i], requests[plan.rows[i].request_id],
+                                                                     out.logits[i]) for i in wants}
+        last = [lg[-1] if wants else lg for lg in out.logits]
         for r, row in zip(plan.rows, rows):
             if r.snapshot_key is not None:
                 self.snapshots[r.snapshot_key] = copy.deepcopy(row.state)
         picks = [i for i, r in enumerate(plan.rows) if r.sample]
         if not picks:
-            return {}
-        logits = torch.stack([out.logits[i] for i in picks]).float()  # [B, vocab]
+            return {}, prompt_lps
+        logits = torch.stack([last[i] for i in picks]).float()  # [B, vocab]
         reqs = [requests[plan.rows[i].request_id] for i in picks]
         tokens = self._sample(logits, reqs)
-        return {plan.rows[i].request_id: tok for i, tok in zip(picks, tokens)}
+        return {plan.rows[i].request_id: tok for i, tok in zip(picks, tokens)}, prompt_lps
+
+    @staticmethod
+    def _prompt_logprobs(row, req: Request, logits: torch.Tensor) -> list[tuple[int, TokenOut]]:
+        """logits [T, vocab] of the row's positions -> (prompt position, logprob of that prompt token)."""
+        prompt = req.prompt_token_ids
+        n = min(len(row.token_ids), len(prompt) - 1 - row.start_position)  # positions with a next prompt token
+        logp = torch.log_softmax(logits[:n].float(), dim=-1)  # [n, vocab]
+        targets = torch.tensor(prompt[row.start_position + 1:row.start_position + 1 + n])
+        chosen = logp.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+        k = req.sampling.prompt_logprobs or 0
+        top_v, top_i = logp.topk(k, dim=-1) if k else (None, None)
+        out = []
+        for j in range(n):
+            top = [TokenLogprob(int(t), float(v)) for t, v in zip(top_i[j].tolist(), top_v[j].tolist())] if k else None
+            out.append((row.start_position + 1 + j, TokenOut(int(targets[j]), float(chosen[j]), top)))
+        return out

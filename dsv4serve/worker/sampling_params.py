@@ -31,6 +31,9 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and stop_token_ids are masked until this many output tokens exist
     max_tokens: int | None = None  # None: up to the end of the context
     logprobs: int | None = None  # None: no alternatives; N in 0..20: the N most likely alternatives
+    # logprobs of the prompt's own tokens (each given the tokens before it), with N alternatives;
+    # a request that asks for them computes its whole prompt (no prefix-cache reuse)
+    prompt_logprobs: int | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -61,8 +64,9 @@ class SamplingParams:
             if self.min_tokens > self.max_tokens:
                 raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), "
                                  f"got {self.min_tokens}")
-        if self.logprobs is not None:
-            _check_int(self, "logprobs", lambda v: 0 <= v <= MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _check_int(self, name, lambda v: 0 <= v <= MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]")
 
 
 def _check_float(params: SamplingParams, name: str, ok, rule: str) -> None:

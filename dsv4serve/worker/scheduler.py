@@ -86,6 +86,8 @@ class Scheduler:
             return Rejected(msg.request_id, 400, f"the prompt needs {need} tokens of KV; this server holds "
                                                  f"{self.limits.kv_capacity_tokens}")
         req = Request(msg.request_id, list(msg.prompt_token_ids), msg.sampling, self._arrivals)
+        if msg.sampling.prompt_logprobs is not None:
+            req.prompt_logprobs = [None] * len(req.prompt_token_ids)
         self._arrivals += 1
         self.requests[req.request_id] = req
         self.waiting.append(req)
@@ -146,7 +148,8 @@ class Scheduler:
     def _attach_prefix(self, req: Request) -> None:
         """Start from the longest cached whole-page prefix; plan a snapshot at the last whole page."""
         keys = self.prefix.page_keys(req.token_ids(0, req.num_tokens), req.num_tokens - 1)
-        hit = self.prefix.lookup(keys)
+        # prompt logprobs need the logits of every prompt position: such a request computes them all
+        hit = self.prefix.lookup(keys) if req.prompt_logprobs is None else None
         if hit is not None:
             req.restore_key, req.num_computed_tokens = hit
         last = len(keys) * self.limits.page_tokens

@@ -135,7 +135,13 @@ def test_completions_text_and_token_prompts(sdk):
     out = sdk.completions.create(model="dsv4-tiny", prompt="The sky is", max_tokens=3, echo=True, logprobs=1)
     choice = out.choices[0]
     assert out.object == "text_completion" and choice.text.startswith("The sky is")
-    assert len(choice.logprobs.tokens) == out.usage.completion_tokens == 3
+    # echo + logprobs: the prompt's tokens come first, each with its logprob (the first has none)
+    lp = choice.logprobs
+    assert len(lp.tokens) == out.usage.prompt_tokens + out.usage.completion_tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v <= 0 for v in lp.token_logprobs[1:]) and all(len(t) >= 1 for t in lp.top_logprobs[1:])
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    assert "".join(lp.tokens[:out.usage.prompt_tokens]) == "The sky is"
     ids = sdk.completions.create(model="dsv4-tiny", prompt=[33310, 2058], max_tokens=2)
     assert ids.usage.prompt_tokens == 2 and ids.usage.prompt_tokens_details.cached_tokens is not None
     chunks = list(sdk.completions.create(model="dsv4-tiny", prompt="Hi", max_tokens=2, stream=True))

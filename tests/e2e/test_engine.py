@@ -113,6 +113,26 @@ def test_prefix_reuse_reports_cached_tokens_and_changes_nothing(engine, model_al
     assert client.stats.prefix_cache_hits_total >= 64
 
 
+def test_prompt_logprobs_equal_the_model_run_alone(engine, tiny_dir, model_alone):
+    lt, client = engine
+    prompt = list(range(4000, 4037))
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2)
+    _, outs = lt.run(collect(client, "plp", prompt, params))
+    got = outs[0].prompt_logprobs
+    assert len(got) == len(prompt) and got[0] is None
+    args, state = load_dense_state_dict(tiny_dir)
+    model = Transformer(args)
+    model.load_state_dict(state)
+    logits = model.forward([BatchRow(torch.tensor(prompt), model.new_state(NUMERICS_ON))], NUMERICS_ON,
+                           all_logits=True).logits[0]
+    want = torch.log_softmax(logits.float(), dim=-1)
+    for p in range(1, len(prompt)):
+        assert got[p].token_id == prompt[p]
+        assert got[p].logprob == pytest.approx(float(want[p - 1, prompt[p]]), abs=1e-5)
+        best = want[p - 1].topk(2)
+        assert [t.token_id for t in got[p].top] == best.indices.tolist()
+
+
 def test_abort_on_disconnect_frees_the_request_within_a_second(engine):
     lt, client = engine
 
