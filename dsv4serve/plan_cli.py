@@ -10,7 +10,7 @@ from typing import Any
 
 from dsv4serve.env import Environment
 from dsv4serve.model.args import ModelArgs
-from dsv4serve.model.schema import checkpoint_schema
+from dsv4serve.model.schema import TensorSpec, checkpoint_schema
 from dsv4serve.report import format_table, settings_json, settings_rows
 from dsv4serve.units import gib, parse_bytes
 
@@ -34,10 +34,10 @@ def _size_type():
     return convert
 
 
-def weight_bytes_by_group(args: ModelArgs) -> dict[str, int]:
+def weight_bytes_by_group(args: ModelArgs, specs: list[TensorSpec]) -> dict[str, int]:
     """Checkpoint bytes by kind of weight; everything of the MTP block is counted as 'mtp'."""
     out: dict[str, int] = defaultdict(int)
-    for spec in checkpoint_schema(args):
+    for spec in specs:
         group = "mtp" if spec.layer is not None and spec.layer >= args.n_layers else spec.group
         out[group] += spec.nbytes
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
@@ -48,9 +48,10 @@ def build_plan(ns: argparse.Namespace, env: Environment) -> dict[str, Any]:
 
     # a plan for a GPU is made as if that GPU were present
     cfg, location, args = resolve_from_cli(ns, env, config_only=True, simulate_gpu=ns.gpu_memory is not None)
-    weights = weight_bytes_by_group(args)
+    specs = checkpoint_schema(args)  # 69K entries for the real model: built once per plan
+    weights = weight_bytes_by_group(args, specs)
     chunk = cfg.max_prefill_length
-    memory = _memory_plan(ns, cfg, args)
+    memory = _memory_plan(ns, cfg, args, specs)
     prefill = {"requested": chunk.value, "source": chunk.source.value, "note": chunk.note}
     if memory is not None:
         c = memory.chunk
@@ -93,13 +94,13 @@ def run_plan(ns: argparse.Namespace, env: Environment) -> int:
     return 0
 
 
-def _memory_plan(ns: argparse.Namespace, cfg: Any, args: ModelArgs):
+def _memory_plan(ns: argparse.Namespace, cfg: Any, args: ModelArgs, specs: list[TensorSpec]):
     if ns.gpu_memory is None:
         return None
     from dsv4serve.memory_plan import Machine, PlanSettings, plan_memory, weight_bytes
 
     machine = Machine(ns.gpu_memory, ns.host_memory, ns.platform)
-    return plan_memory(args, weight_bytes(checkpoint_schema(args), args), machine, PlanSettings.from_config(cfg))
+    return plan_memory(args, weight_bytes(specs, args), machine, PlanSettings.from_config(cfg))
 
 
 def format_memory_plan(p) -> str:

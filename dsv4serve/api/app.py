@@ -16,7 +16,7 @@ from dsv4serve.api.metrics import Metrics
 from dsv4serve.api.openapi import install_openapi
 from dsv4serve.api.protocol import DetokenizeRequest, TokenizeRequest
 from dsv4serve.api.sampling import check_model
-from dsv4serve.api.state import AppState, ServeOptions, get_state, read_json
+from dsv4serve.api.state import AppState, ServeOptions, get_state, read_request
 from dsv4serve.api.tokenizer import TextTokenizer
 from dsv4serve.chat import ChatFormatError, render_prompt
 
@@ -81,9 +81,7 @@ def _add_info_routes(app: FastAPI) -> None:
 def _add_token_routes(app: FastAPI) -> None:
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        state = get_state(request)
-        req = TokenizeRequest.model_validate(await read_json(request))
-        state.note_unknown(req.unknown_fields())
+        state, req = await read_request(request, TokenizeRequest)
         check_model(req.model, state.options.served_model_name)
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of prompt or messages", "prompt")
@@ -105,9 +103,7 @@ def _add_token_routes(app: FastAPI) -> None:
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        state = get_state(request)
-        req = DetokenizeRequest.model_validate(await read_json(request))
-        state.note_unknown(req.unknown_fields())
+        state, req = await read_request(request, DetokenizeRequest)
         check_model(req.model, state.options.served_model_name)
         vocab = state.tokenizer.vocab_size
         bad = [t for t in req.tokens if not 0 <= t < vocab]

@@ -9,7 +9,7 @@ from dsv4serve.api.errors import bad_request
 from dsv4serve.api.generation import ChoiceSpec
 from dsv4serve.api.protocol import ChatCompletionRequest, check_chat
 from dsv4serve.api.sampling import build_sampling, check_context, check_model, stop_strings, with_seed
-from dsv4serve.api.state import AppState, get_state, read_json
+from dsv4serve.api.state import AppState, read_request
 from dsv4serve.api.streaming import Reply, complete, new_id, stream
 from dsv4serve.chat import ChatFormatError, prompt_opens_reasoning, render_prompt
 
@@ -47,9 +47,7 @@ def render_chat(state: AppState, req: ChatCompletionRequest) -> str:
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request):
-    state = get_state(request)
-    req = ChatCompletionRequest.model_validate(await read_json(request))
-    state.note_unknown(req.unknown_fields())
+    state, req = await read_request(request, ChatCompletionRequest)
     check_chat(req)
     check_model(req.model, state.options.served_model_name)
     ready = state.ready()

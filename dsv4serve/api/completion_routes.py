@@ -11,7 +11,7 @@ from dsv4serve.api.errors import bad_request
 from dsv4serve.api.generation import ChoiceSpec
 from dsv4serve.api.protocol import CompletionRequest, check_completion
 from dsv4serve.api.sampling import build_sampling, check_context, check_model, stop_strings, with_seed
-from dsv4serve.api.state import AppState, get_state, read_json
+from dsv4serve.api.state import AppState, read_request
 from dsv4serve.api.streaming import Reply, complete, new_id, stream
 
 router = APIRouter()
@@ -38,9 +38,7 @@ def prompt_token_lists(state: AppState, prompt, vocab_size: int) -> list[list[in
 
 @router.post("/v1/completions")
 async def completions(request: Request):
-    state = get_state(request)
-    req = CompletionRequest.model_validate(await read_json(request))
-    state.note_unknown(req.unknown_fields())
+    state, req = await read_request(request, CompletionRequest)
     check_completion(req)
     check_model(req.model, state.options.served_model_name)
     ready = state.ready()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from fastapi import Request
 
@@ -68,3 +69,14 @@ async def read_json(request: Request) -> dict:
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     return body
+
+
+M = TypeVar("M")
+
+
+async def read_request(request: Request, model: type[M]) -> tuple[AppState, M]:
+    """The app state and the body validated as `model`; unknown fields are noted (logged once)."""
+    state = get_state(request)
+    req = model.model_validate(await read_json(request))
+    state.note_unknown(req.unknown_fields())
+    return state, req
