@@ -45,7 +45,11 @@ def _argparse_type(parse):  # argparse reports ValueError/TypeError messages as 
 
 def build_parser(command: str) -> argparse.ArgumentParser:
     if command == "doctor":
-        return argparse.ArgumentParser(prog="dsv4serve doctor", description="environment report")
+        from dsv4serve.doctor import add_doctor_options
+        parser = argparse.ArgumentParser(prog="dsv4serve doctor", description="environment report: what the "
+                                         "server will run on, each line OK or what to fix")
+        add_doctor_options(parser)
+        return parser
     prog = "dsv4serve" if command == "serve" else f"dsv4serve {command}"
     desc = ("Serve DeepSeek-V4 behind an OpenAI-style API. Subcommands: serve (default), plan, doctor."
             if command == "serve" else "Print the memory plan the server would use: reads config.json, loads "
@@ -122,8 +126,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         env = read_environment(option_names=tuple(options()))
         if command == "doctor":
-            print("dsv4serve doctor: not part of this build yet", file=sys.stderr)
-            return 2
+            from dsv4serve.doctor import run_doctor
+            return run_doctor(ns, env)
         if command == "plan":
             from dsv4serve.plan_cli import run_plan
             return run_plan(ns, env)

@@ -21,6 +21,10 @@ never planned. From the rest, in this priority order:
    max_model_len is the model limit capped by the KV capacity.
 4. Activation headroom: what is left is the chunk planner's free memory (chunk_planner.plan_chunk),
    always at least one window page of prefill.
+5. Host memory (offloaded experts): the expert bank (dsv4serve/experts/bank.py) takes host RAM minus
+   HOST_MARGIN_BYTES; what does not fit stays in the checkpoint's shards and pages in from disk
+   (a warning). The pin budget is estimated (WSL2: about half of RAM, less in Docker) and measured at
+   startup.
 
 Explicit user values (source cli/env) are honoured exactly, or planning stops with a ConfigError that
 names the flag, the limit and why: --num-tokens, --moe-cache-size, --max-num-seqs, --max-model-len
@@ -50,6 +54,8 @@ OFFLOAD_CHUNK_TARGET = 4096  # experts offloaded: slots matter for decode; ds4 s
 RESIDENT_CHUNK_TARGET = 16384  # all resident: memory is plentiful, bigger chunks prefill faster
 OFFLOAD_KV_TOKENS = 262144  # users.md: agent prompts of 20K-300K tokens
 KV_FLOOR_TOKENS = 32768  # below this an auto plan would be useless: shrink slots instead
+HOST_MARGIN_BYTES = 8 * GIB  # host RAM the expert bank leaves to the OS, the API process and the worker
+WSL2_PIN_FRACTION = 0.5  # users.md: WSL2 caps pinned host memory near half of RAM
 
 
 def _g(n: int | float) -> str:
@@ -89,6 +95,13 @@ class KvGeometry:
     terms: tuple[tuple[str, str], ...]
 
 
+def _carry_bytes(ratio: int, d: int) -> int:
+    """A compressor's fp32 carry per sequence (model/kv_pool.py): kv + score of up to `ratio` pending
+    tokens (2d wide when windows overlap, ratio 4), plus the overlap's previous `A` half (ratio x d)."""
+    overlap = ratio == 4
+    return 2 * ratio * (2 if overlap else 1) * d * 4 + (2 * ratio * d * 4 if overlap else 0)
+
+
 def kv_geometry(args: ModelArgs, include_mtp: bool = False, entry_bytes: int = 2) -> KvGeometry:
     """dsv4-model.md §2.11, for a cache stored in bf16 (entry_bytes 2 per dim)."""
     layers = range(args.n_all_layers if include_mtp else args.n_layers)
@@ -98,13 +111,12 @@ def kv_geometry(args: ModelArgs, include_mtp: bool = False, entry_bytes: int = 2
         window += args.window_size * args.head_dim * entry_bytes  # the raw window, every layer
         if r:
             per_token += Fraction(args.head_dim * entry_bytes, r)  # one compressed entry per r tokens
-            coff = 2 if kind == "csa" else 1  # CSA windows overlap: rings of 2r slots of 2d
-            rings += 2 * (coff * r) * (coff * args.head_dim) * 4  # kv_state + score_state, fp32
+            rings += _carry_bytes(r, args.head_dim)
         if kind == "csa":
             per_token += Fraction(args.index_head_dim * entry_bytes, r)  # indexer keys
-            rings += 2 * (2 * r) * (2 * args.index_head_dim) * 4
+            rings += _carry_bytes(r, args.index_head_dim)
     terms = (("compressed entries + indexer keys per token", f"{float(per_token):,.1f} B"),
-             ("window per sequence", f"{window:,} B"), ("compressor rings per sequence (fp32)", f"{rings:,} B"))
+             ("window per sequence", f"{window:,} B"), ("compressor carry per sequence (fp32)", f"{rings:,} B"))
     return KvGeometry(per_token, window + rings, terms)
 
 
@@ -162,6 +174,7 @@ class MemoryPlan:
     chunk: ChunkPlan
     decisions: tuple[str, ...]
     warnings: tuple[str, ...]
+    host: "HostSplit | None" = None  # where the expert bank lives in host memory; None: all resident
 
     @property
     def gpu_used_bytes(self) -> int:
@@ -176,7 +189,8 @@ class MemoryPlan:
             "experts": {"all_resident": self.experts_resident, "slots": self.expert_slots,
                         "slot_bytes": self.expert_slot_bytes, "total": self.n_experts,
                         "gpu_bytes": self.expert_slots * self.expert_slot_bytes,
-                        "host_bytes": self.host_expert_bytes},
+                        "host_bytes": self.host_expert_bytes,
+                        "host_memory": dataclasses.asdict(self.host) if self.host else None},
             "kv": {"tokens": self.kv_tokens, "cache_bytes": self.kv_cache_bytes,
                    "seq_state_bytes": self.seq_state_bytes, "max_running": self.max_running,
                    "max_model_len": self.max_model_len},
@@ -228,15 +242,42 @@ def plan_memory(args: ModelArgs, weights: WeightBytes, machine: Machine, setting
     geometry, chunk = final_chunk(args, machine, s, free, kv_tok, max_len)
     warnings = [chunk.warning] if chunk.warning else []
     host = 0 if resident_all else weights.routed_expert_bytes
-    if host and machine.host_bytes is not None and host > machine.host_bytes:
-        warnings.append(f"the expert bank ({_g(host)}) is larger than host memory ({_g(machine.host_bytes)}): "
-                        "experts that are not in RAM page in from disk (mmap), and decode slows down")
-    if host and machine.platform == "wsl2":
-        decisions.append("WSL2 caps pinned host memory (about half of RAM, less in Docker): expert uploads stage "
-                         "through a small pinned buffer; measure it with `dsv4serve doctor`")
+    split = host_split(host, machine, decisions, warnings) if host else None
     return MemoryPlan(machine, budget, margin, resident, include_mtp, resident_all, slots, weights.expert_bytes,
                       weights.n_experts, host, kv_tok, kvb, r.seq_bytes, seqs, max_len, free, geometry, chunk,
-                      tuple(decisions), tuple(warnings))
+                      tuple(decisions), tuple(warnings), split)
+
+
+@dataclass(frozen=True)
+class HostSplit:
+    """The expert bank in host memory: what RAM holds, what stays on disk, what may be pinned."""
+
+    bank_bytes: int
+    margin_bytes: int
+    ram_bytes: int | None  # None: host memory not given
+    disk_bytes: int | None
+    pin_estimate_bytes: int | None  # measured at startup (experts/pinning.py); this is the expectation
+
+
+def host_split(bank: int, machine: Machine, decisions: list[str], warnings: list[str]) -> HostSplit:
+    """Item 5 of the plan: the bank against host RAM minus the margin, and the expected pin budget."""
+    if machine.host_bytes is None:
+        decisions.append(f"expert bank {_g(bank)} in host memory (give --host-memory to check it fits; the pin "
+                         "budget is measured at startup)")
+        return HostSplit(bank, HOST_MARGIN_BYTES, None, None, None)
+    room = max(0, machine.host_bytes - HOST_MARGIN_BYTES)
+    ram = min(bank, room)
+    cap = int(machine.host_bytes * WSL2_PIN_FRACTION) if machine.platform == "wsl2" else room
+    pin = min(ram, cap)
+    decisions.append(f"expert bank {_g(bank)} in host memory: {_g(ram)} in RAM ({_g(machine.host_bytes)} minus the "
+                     f"{_g(HOST_MARGIN_BYTES)} margin), about {_g(pin)} of it pinned" +
+                     (" (WSL2 caps pinning near half of RAM, less inside Docker)" if machine.platform == "wsl2"
+                      else "") + "; the real pin budget is measured at startup, pageable staging beyond it")
+    if bank > ram:
+        warnings.append(f"the expert bank ({_g(bank)}) is larger than host memory ({_g(machine.host_bytes)}) minus "
+                        f"the {_g(HOST_MARGIN_BYTES)} margin: {_g(bank - ram)} of experts stay in the checkpoint "
+                        "files and page in from disk (mmap) on a miss, and decode slows down")
+    return HostSplit(bank, HOST_MARGIN_BYTES, ram, bank - ram, pin)
 
 
 @dataclass(frozen=True)

@@ -123,8 +123,12 @@ def format_memory_plan(p) -> str:
               f"  activations: {g.activation_bytes_per_token:,} B/token estimated (peak layer), "
               f"{c.activation_bytes_per_token:,} B/token planned, {gib(g.fixed_bytes)} fixed, "
               f"aligned to {c.alignment_tokens} tokens; memory bound {c.safe_tokens:,} tokens"]
-    if p.host_expert_bytes:
-        host = gib(p.machine.host_bytes) if p.machine.host_bytes else "unknown"
-        lines.append(f"host memory: expert bank {gib(p.host_expert_bytes)} (host RAM {host})")
+    h = p.host
+    if h is not None and h.ram_bytes is not None:
+        lines.append(f"host memory: expert bank {gib(h.bank_bytes)} (host RAM {gib(p.machine.host_bytes)}, margin "
+                     f"{gib(h.margin_bytes)}): {gib(h.ram_bytes)} in RAM, {gib(h.disk_bytes)} on disk (mmap); "
+                     f"pin budget about {gib(h.pin_estimate_bytes)} (measured at startup)")
+    elif h is not None:
+        lines.append(f"host memory: expert bank {gib(h.bank_bytes)} (host RAM unknown: give --host-memory)")
     lines += [f"WARNING: {w}" for w in p.warnings]
     return "\n".join(lines)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from fastapi import APIRouter, Request
 
 from dsv4serve.api.choices import ChatChoice
@@ -12,6 +14,9 @@ from dsv4serve.api.sampling import build_sampling, check_context, check_model, s
 from dsv4serve.api.state import AppState, read_request
 from dsv4serve.api.streaming import Reply, complete, new_id, stream
 from dsv4serve.chat import ChatFormatError, prompt_opens_reasoning, render_prompt
+from dsv4serve.chat import tokens as T
+from dsv4serve.chat.tools import forced_call_opening
+from dsv4serve.worker.sampling_params import SamplingParams
 
 router = APIRouter()
 
@@ -45,6 +50,19 @@ def render_chat(state: AppState, req: ChatCompletionRequest) -> str:
         raise bad_request(str(exc), "messages") from exc
 
 
+def force_tool_call(state: AppState, req: ChatCompletionRequest, sampling: SamplingParams,
+                    opens_reasoning: bool) -> SamplingParams:
+    """tool_choice "required" or a named function: the reply is forced to open a DSML call (after its
+    reasoning, when the prompt opened one), so the model cannot answer without calling."""
+    opening = forced_call_opening(req.tool_choice) if req.tools else None
+    if opening is None:
+        return sampling
+    after = None
+    if opens_reasoning:
+        (after,) = state.tokenizer.encode(T.THINK_END)
+    return dataclasses.replace(sampling, forced_tokens=tuple(state.tokenizer.encode(opening)), forced_after=after)
+
+
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request):
     state, req = await read_request(request, ChatCompletionRequest)
@@ -59,6 +77,7 @@ async def chat_completions(request: Request):
     check_context(len(prompt_ids), max_tokens, ready.max_model_len)
     reply = Reply(new_id("chatcmpl"), "chat.completion", state.options.served_model_name, [], [])
     opens = prompt_opens_reasoning(prompt)
+    sampling = force_tool_call(state, req, sampling, opens)
     specs = []
     for i in range(req.n or 1):
         reply.choices.append(ChatChoice(i, state.tokenizer, opens, bool(req.logprobs)))

@@ -1,8 +1,10 @@
 """Prometheus metrics, one registry per app, names as in the contract (prefix `dsv4serve:`).
 
 Request-level histograms and counters are recorded by the API as requests finish; the engine's own
-numbers (running / waiting, KV usage, prefix cache, chunk, OOM recoveries, restarts) are read from
-the EngineClient at scrape time by a collector, so they are never stale copies.
+numbers (running / waiting, KV usage, prefix cache, chunk, OOM recoveries, restarts, the expert-slot
+cache) are read from the EngineClient at scrape time by a collector, so they are never stale copies.
+The expert-slot cache's hit rate is `expert_cache_hits_total / expert_cache_queries_total`, as for
+the prefix cache.
 """
 
 from __future__ import annotations
@@ -18,6 +20,14 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                20.0, 40.0, 80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+EXPERT_CACHE_COUNTERS = (
+    ("expert_cache_queries", "Routed-expert lookups in the GPU expert-slot cache."),
+    ("expert_cache_hits", "Expert-slot cache lookups that found the expert on the GPU."),
+    ("expert_cache_h2d_bytes", "Expert weight bytes copied host -> device (misses and prefetches)."),
+    ("expert_cache_stalls", "Times the compute waited for an expert copy to finish."),
+    ("expert_cache_prefetches", "Experts copied ahead for the next layer during prefill."),
+)
 
 
 class _EngineCollector:
@@ -52,6 +62,8 @@ class _EngineCollector:
                       stats.oom_recoveries_total if stats else 0)
         yield counter("worker_restarts", "Worker processes restarted after a death.",
                       self._engine.worker_restarts_total)
+        for name, doc in EXPERT_CACHE_COUNTERS:
+            yield counter(name, doc, getattr(stats, f"{name}_total") if stats else 0)
 
 
 class Metrics:

@@ -19,6 +19,7 @@ def worker_launch(cfg: ServeConfig, model_path) -> WorkerLaunch:
         max_model_len=cfg.max_model_len.value, max_model_len_explicit=cfg.max_model_len.source.explicit,
         max_prefill_length=cfg.max_prefill_length.value,
         max_prefill_length_source=cfg.max_prefill_length.source.value, num_tokens=cfg.num_tokens.value,
+        moe_cache_size=cfg.moe_cache_size.value,
         memory_ratio=cfg.memory_ratio.value, log_level=cfg.log_level.value, fault_oom_above_bytes=None)
 
 
@@ -28,10 +29,12 @@ def format_ready(ready: Ready) -> str:
     slots = "all resident" if ready.expert_slots is None else str(ready.expert_slots)
     lines = ["worker ready (what was allocated)",
              f"  device                 {ready.device}",
-             f"  KV capacity            {ready.kv_capacity_tokens} tokens",
+             f"  KV capacity            {ready.kv_capacity_tokens} tokens ({ready.kv_pages} pages of "
+             f"{ready.page_tokens} tokens, {ready.sequence_slots} sequence slots)",
              f"  max running requests   {ready.max_running_requests}",
              f"  max model len          {ready.max_model_len} tokens",
              f"  expert slots           {slots}",
+             *([f"  expert bank            {ready.expert_bank}"] if ready.expert_bank else []),
              f"  prefill chunk          requested {requested}, effective {chunk.effective_tokens} tokens, "
              f"bound by {chunk.binding}: {chunk.reason}"]
     if chunk.warning:

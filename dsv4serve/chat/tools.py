@@ -81,6 +81,18 @@ def render_tool_calls(calls: list[tuple[str, dict[str, Any]]]) -> str:
     return f"\n\n{T.TOOL_CALLS_START}\n" + "\n".join(invokes) + f"\n{T.TOOL_CALLS_END}"
 
 
+def forced_call_opening(tool_choice: Any) -> str | None:
+    """What a reply must go on with when tool_choice demands a call: for "required" the call block and
+    an invoke whose function the model names; for a named function the whole invoke opening. None for
+    "auto" / "none" / absent. The same text render_tool_calls writes, so the parser reads it as a call."""
+    if tool_choice == "required":
+        return f'\n\n{T.TOOL_CALLS_START}\n{T.INVOKE_START} name="'
+    if isinstance(tool_choice, dict):
+        name = tool_choice["function"]["name"]
+        return f'\n\n{T.TOOL_CALLS_START}\n{T.INVOKE_START} name="{name}">\n'
+    return None
+
+
 # --- reading DSML the model wrote -------------------------------------------------------------
 
 _INVOKE_RE = re.compile(re.escape(T.INVOKE_START) + r'\s+name="([^"]*)"\s*>')

@@ -46,6 +46,10 @@ class Ready(msgspec.Struct, frozen=True, tag="ready", forbid_unknown_fields=True
     expert_slots: int | None  # None: every expert resident
     vocab_size: int
     eos_token_id: int
+    expert_bank: str | None = None  # where the offloaded experts live (pinned / pageable / on disk), and why
+    kv_pages: int = 0  # the paged KV pool: pages of `page_tokens` tokens and sequence slots
+    page_tokens: int = 0
+    sequence_slots: int = 0
 
 
 class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
@@ -84,6 +88,12 @@ class Stats(msgspec.Struct, frozen=True, tag="stats", forbid_unknown_fields=True
     oom_recoveries_total: int
     prefix_cache_queries_total: int
     prefix_cache_hits_total: int
+    # the GPU expert-slot cache (dsv4serve/experts/slot_cache.py); all 0 while every expert is resident
+    expert_cache_queries_total: int = 0  # routed-expert lookups by the compute
+    expert_cache_hits_total: int = 0  # lookups that found the expert in a slot
+    expert_cache_h2d_bytes_total: int = 0  # expert bytes copied host -> device (misses and prefetches)
+    expert_cache_stalls_total: int = 0  # the compute waited for a copy (CPU: a miss served synchronously)
+    expert_cache_prefetches_total: int = 0  # experts copied ahead for the next layer
 
 
 class WorkerFailed(msgspec.Struct, frozen=True, tag="failed", forbid_unknown_fields=True):
@@ -123,6 +133,7 @@ class WorkerLaunch(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_prefill_length: int | None  # the user's cap; None = planned
     max_prefill_length_source: str  # a config Source value: explicit caps are honoured, never changed
     num_tokens: int | None  # the user's KV capacity; None = planned
+    moe_cache_size: int | None = None  # GPU expert slots; None = every routed expert resident
     memory_ratio: float = 0.9
     log_level: str = "info"
     fault_oom_above_bytes: int | None = None  # TESTING ONLY (see FaultInjection)

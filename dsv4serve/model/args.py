@@ -15,6 +15,7 @@ Three config dialects are understood:
 from __future__ import annotations
 
 import dataclasses
+import math
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,6 +89,12 @@ class ModelArgs:
     @property
     def n_all_layers(self) -> int:
         return self.n_layers + self.n_mtp_layers
+
+    @property
+    def page_tokens(self) -> int:
+        """Tokens per KV page: the least common multiple of window_size and every compress ratio, so a
+        page holds whole compressed entries in every layer (128 for DeepSeek-V4-Flash)."""
+        return math.lcm(self.window_size, *(r for r in self.compress_ratios if r))
 
     def kind(self, layer_id: int) -> LayerKind:
         return self.layer_kinds[layer_id]

@@ -19,7 +19,7 @@ from dsv4serve.model.indexer import Indexer
 from dsv4serve.model.layers import Linear, RMSNorm
 from dsv4serve.model.numerics import KV_BLOCK, Numerics, act_quant, fp8_quant_dequant
 from dsv4serve.model.rope import apply_rope, inv_freq, rope_cos_sin
-from dsv4serve.model.state import LayerState
+from dsv4serve.model.kv_pool import LayerCache
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,8 @@ class RowSpan:
     begin: int  # first packed token of the row
     end: int
     start_pos: int  # absolute position of the row's first token
+    slot: int  # the row's sequence slot in the KV pool
+    pages: torch.Tensor  # [num_pages] int64, the row's page table
 
 
 def sparse_attention(q: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor, sink: torch.Tensor,
@@ -66,8 +68,8 @@ class Attention(nn.Module):
         self.indexer = Indexer(args, self.compress_ratio) if args.kind(layer_id) == "csa" else None
         self.register_buffer("freqs", inv_freq(args, bool(self.compress_ratio)), persistent=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, spans: list[RowSpan],
-                states: list[LayerState], num: Numerics) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, spans: list[RowSpan], cache: LayerCache,
+                num: Numerics) -> torch.Tensor:
         """x [N, D] compute dtype (attn_norm output), positions [N] -> [N, D] compute dtype."""
         cos, sin = rope_cos_sin(self.freqs, positions)
         xq = act_quant(x, num)  # shared by wq_a and wkv
@@ -80,11 +82,10 @@ class Attention(nn.Module):
             nope = self.head_dim - self.rope_head_dim
             kv = torch.cat((fp8_quant_dequant(kv[:, :nope], KV_BLOCK), kv[:, nope:]), dim=1)
         extras = self._compressed_inputs(x, qr, cos, sin, num)
-        o = torch.empty(q.shape, dtype=num.compute_dtype)
-        for span, st in zip(spans, states):
+        o = torch.empty(q.shape, dtype=num.compute_dtype, device=q.device)
+        for span in spans:
             rows = slice(span.begin, span.end)
-            o[rows] = self._attend_row(q[rows], kv[rows], span.start_pos, st,
-                                       {k: v[rows] for k, v in extras.items()}, num)
+            o[rows] = self._attend_row(q[rows], kv[rows], span, cache, {k: v[rows] for k, v in extras.items()}, num)
         o = apply_rope(o, cos, sin, inverse=True)
         return self._project_out(o, num)
 
@@ -99,33 +100,40 @@ class Attention(nn.Module):
             out["ikv"], out["igate"] = self.indexer.compressor.project(x, num)
         return out
 
-    def _attend_row(self, q: torch.Tensor, kv: torch.Tensor, start_pos: int, st: LayerState,
+    def _attend_row(self, q: torch.Tensor, kv: torch.Tensor, span: RowSpan, cache: LayerCache,
                     extras: dict[str, torch.Tensor], num: Numerics) -> torch.Tensor:
-        """One row's T tokens: q [T, H, d], kv [T, d] -> [T, H, d]; updates the row's state."""
-        n_new, n_prev = kv.shape[0], st.window_kv.shape[0]
-        keys = torch.cat((st.window_kv, kv))
-        q_pos = start_pos + torch.arange(n_new)
-        k_pos = start_pos - n_prev + torch.arange(n_prev + n_new)
+        """One row's T tokens: q [T, H, d], kv [T, d] -> [T, H, d]; updates the row's cache."""
+        start_pos, slot, dev = span.start_pos, span.slot, kv.device
+        window = self.window_size
+        n_new, n_prev = kv.shape[0], min(start_pos, window - 1)
+        ring = cache.swa[slot]
+        prev_pos = torch.arange(start_pos - n_prev, start_pos, device=dev)
+        keys = torch.cat((ring[prev_pos % window], kv))
+        q_pos = start_pos + torch.arange(n_new, device=dev)
+        k_pos = start_pos - n_prev + torch.arange(n_prev + n_new, device=dev)
         delta = q_pos[:, None] - k_pos[None, :]
-        allowed = (delta >= 0) & (delta < self.window_size)  # the window includes the query itself
-        st.window_kv = keys[max(0, keys.shape[0] - (self.window_size - 1)):]  # the next query's window
+        allowed = (delta >= 0) & (delta < window)  # the window includes the query itself
+        kept = q_pos[-window:]  # the ring's content for the next step
+        ring[kept % window] = kv[-window:].to(ring.dtype)
         if self.compressor is not None:
-            self.compressor.update(extras["kv"], extras["gate"], start_pos, st.compressor, self.freqs, num)
-            entries = st.compressor.entries
+            self.compressor.update(extras["kv"], extras["gate"], start_pos, cache.comp, slot, span.pages,
+                                   self.freqs, num)
+            entries = cache.comp.read(span.pages, (start_pos + n_new) // self.compress_ratio)
             n_ready = (q_pos + 1) // self.compress_ratio  # entries a query may use: w < (t+1)/ratio
-            visible = torch.arange(entries.shape[0])[None, :] < n_ready[:, None]
+            visible = torch.arange(entries.shape[0], device=dev)[None, :] < n_ready[:, None]
             if self.indexer is not None:
-                self.indexer.compressor.update(extras["ikv"], extras["igate"], start_pos, st.indexer,
-                                               self.freqs, num)
-                visible = self.indexer.select(extras["iq"], extras["iw"], st.indexer.entries, visible)
+                self.indexer.compressor.update(extras["ikv"], extras["igate"], start_pos, cache.idx, slot,
+                                               span.pages, self.freqs, num)
+                idx_keys = cache.idx.read(span.pages, (start_pos + n_new) // self.compress_ratio)
+                visible = self.indexer.select(extras["iq"], extras["iw"], idx_keys, visible)
             keys = torch.cat((keys, entries))
             allowed = torch.cat((allowed, visible), dim=1)
         if not num.batch_invariant:
             return sparse_attention(q, keys, allowed, self.attn_sink, self.softmax_scale).to(num.compute_dtype)
-        out = torch.empty(q.shape, dtype=num.compute_dtype)
+        out = torch.empty(q.shape, dtype=num.compute_dtype, device=q.device)
         for t in range(n_new):  # each query over exactly its own keys, in position / entry order
             mine = keys[allowed[t].nonzero().squeeze(1)]
-            every = torch.ones(1, mine.shape[0], dtype=torch.bool)
+            every = torch.ones(1, mine.shape[0], dtype=torch.bool, device=q.device)
             out[t] = sparse_attention(q[t:t + 1], mine, every, self.attn_sink, self.softmax_scale)[0]
         return out
 

@@ -16,7 +16,7 @@ from dsv4serve.model.layers import Linear, RMSNorm
 from dsv4serve.model.numerics import (FP4_BLOCK, KV_BLOCK, Numerics, fp4_quant_dequant, fp8_quant_dequant, hadamard,
                                       in_fp64, matmul)
 from dsv4serve.model.rope import apply_rope, rope_cos_sin
-from dsv4serve.model.state import CompressorState
+from dsv4serve.model.kv_pool import CompressedCache
 
 
 class Compressor(nn.Module):
@@ -36,39 +36,43 @@ class Compressor(nn.Module):
         xf = x.float()
         return matmul(xf, self.wkv.weight.float(), num), matmul(xf, self.wgate.weight.float(), num)
 
-    def update(self, kv: torch.Tensor, gate: torch.Tensor, start_pos: int, st: CompressorState,
-               freqs: torch.Tensor, num: Numerics) -> None:
-        """Feed one row's tokens [T, coff * d] at positions start_pos.. and append closed entries."""
-        ratio, d = self.ratio, self.head_dim
-        slots = (start_pos + torch.arange(kv.shape[0])) % ratio
-        kv = torch.cat((st.pending_kv, kv))
-        score = torch.cat((st.pending_score, gate + self.ape.float()[slots]))
+    def update(self, kv: torch.Tensor, gate: torch.Tensor, start_pos: int, cache: CompressedCache, slot: int,
+               pages: torch.Tensor, freqs: torch.Tensor, num: Numerics) -> None:
+        """Feed one row's tokens [T, coff * d] at positions start_pos.. of the sequence in `slot`: closed
+        windows become entries in the row's pages, the rest stays in the slot's carry."""
+        ratio = self.ratio
+        dev = kv.device
+        n_pending = start_pos % ratio  # tokens after the last closed window
+        slots = (start_pos + torch.arange(kv.shape[0], device=dev)) % ratio
+        kv = torch.cat((cache.pending_kv[slot, :n_pending], kv))
+        score = torch.cat((cache.pending_score[slot, :n_pending], gate + self.ape.float()[slots]))
         n_windows = kv.shape[0] // ratio
         cut = n_windows * ratio
-        st.pending_kv, st.pending_score = kv[cut:].clone(), score[cut:].clone()
+        cache.pending_kv[slot, :kv.shape[0] - cut] = kv[cut:]
+        cache.pending_score[slot, :kv.shape[0] - cut] = score[cut:]
         if n_windows == 0:
             return
+        first = start_pos // ratio  # entries closed before this row
         kv = kv[:cut].view(n_windows, ratio, -1)
         score = score[:cut].view(n_windows, ratio, -1)
         if self.overlap:
-            kv, score = self._overlap(kv, score, st)
+            kv, score = self._overlap(kv, score, cache, slot, has_prev=first > 0)
         pooled = (kv * in_fp64(lambda z: z.softmax(dim=1), score)).sum(dim=1)  # [n_windows, d] fp32
         entry = self.norm(pooled.to(num.compute_dtype))
-        positions = (st.num_entries + torch.arange(n_windows)) * ratio
+        positions = (first + torch.arange(n_windows, device=dev)) * ratio
         entry = apply_rope(entry, *rope_cos_sin(freqs, positions))
-        entry = self._simulate(entry, num)
-        st.entries = torch.cat((st.entries, entry))
+        cache.write(pages, first, self._simulate(entry, num))
 
-    def _overlap(self, kv: torch.Tensor, score: torch.Tensor,
-                 st: CompressorState) -> tuple[torch.Tensor, torch.Tensor]:
+    def _overlap(self, kv: torch.Tensor, score: torch.Tensor, cache: CompressedCache, slot: int,
+                 has_prev: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """[W, ratio, 2d] -> [W, 2*ratio, d]: window w-1's A halves, then window w's B halves."""
         d = self.head_dim
-        prev_kv = torch.zeros(kv.shape[0], self.ratio, d)
-        prev_score = torch.full((kv.shape[0], self.ratio, d), float("-inf"))
+        prev_kv = kv.new_zeros(kv.shape[0], self.ratio, d)
+        prev_score = score.new_full((kv.shape[0], self.ratio, d), float("-inf"))
         prev_kv[1:], prev_score[1:] = kv[:-1, :, :d], score[:-1, :, :d]
-        if st.prev_kv is not None:
-            prev_kv[0], prev_score[0] = st.prev_kv, st.prev_score
-        st.prev_kv, st.prev_score = kv[-1, :, :d].clone(), score[-1, :, :d].clone()
+        if has_prev:
+            prev_kv[0], prev_score[0] = cache.prev_kv[slot], cache.prev_score[slot]
+        cache.prev_kv[slot], cache.prev_score[slot] = kv[-1, :, :d], score[-1, :, :d]
         return torch.cat((prev_kv, kv[..., d:]), dim=1), torch.cat((prev_score, score[..., d:]), dim=1)
 
     def _simulate(self, entry: torch.Tensor, num: Numerics) -> torch.Tensor:

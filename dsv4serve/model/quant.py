@@ -88,7 +88,7 @@ def dequant_fp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = 
     if tuple(scale.shape) != (out_dim, -(-k // FP4_BLOCK_K)):
         raise ValueError(f"FP4 scale shape {tuple(scale.shape)} does not fit weight [{out_dim}, {k}] "
                          f"(expected [{out_dim}, {-(-k // FP4_BLOCK_K)}])")
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
     values = table[unpack_fp4(packed).long()]
     s = e8m0_to_float(scale).repeat_interleave(FP4_BLOCK_K, 1)[:, :k]
     return (values * s).to(dtype)

@@ -18,7 +18,8 @@ from dsv4serve.model.hc import hc_head, hc_post, hc_pre
 from dsv4serve.model.layers import Linear, RMSNorm
 from dsv4serve.model.moe import MoE
 from dsv4serve.model.numerics import Numerics, matmul
-from dsv4serve.model.state import LayerState, SequenceState
+from dsv4serve.model.kv_pool import KvPool, LayerCache
+from dsv4serve.model.state import SequenceState
 
 
 @dataclass
@@ -53,11 +54,11 @@ class Block(nn.Module):
         _hc_params(self, "hc_ffn", n_mix, args.hc_mult * args.dim, 3)
 
     def forward(self, h: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor,
-                spans: list[RowSpan], states: list[LayerState], num: Numerics) -> torch.Tensor:
+                spans: list[RowSpan], cache: LayerCache, num: Numerics) -> torch.Tensor:
         """h [N, hc, D] compute dtype -> [N, hc, D]."""
         x, post, comb = hc_pre(h, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base,
                                self.hc_iters, self.hc_eps, self.norm_eps, num)
-        x = self.attn(self.attn_norm(x), positions, spans, states, num)
+        x = self.attn(self.attn_norm(x), positions, spans, cache, num)
         h = hc_post(x, h, post, comb)
         x, post, comb = hc_pre(h, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base,
                                self.hc_iters, self.hc_eps, self.norm_eps, num)
@@ -91,11 +92,23 @@ def _spans(rows: list[BatchRow], use_mtp_pos: bool = False) -> tuple[list[RowSpa
         n = int(row.token_ids.shape[0])
         if n == 0:
             raise ValueError("a batch row needs at least one token")
-        start = row.state.mtp_num_tokens if use_mtp_pos else row.state.num_tokens
-        spans.append(RowSpan(begin, begin + n, start))
-        positions.append(torch.arange(start, start + n))
+        st = row.state
+        start = st.mtp_num_tokens if use_mtp_pos else st.num_tokens
+        st.pool.reserve(st, start + n)
+        dev = row.token_ids.device
+        spans.append(RowSpan(begin, begin + n, start, st.slot, torch.tensor(st.pages, dtype=torch.long, device=dev)))
+        positions.append(torch.arange(start, start + n, device=dev))
         begin += n
     return spans, torch.cat(positions)
+
+
+def _pool_of(rows: list[BatchRow], num: Numerics) -> KvPool:
+    pool = rows[0].state.pool
+    if any(r.state.pool is not pool for r in rows):
+        raise ValueError("the rows of one forward must share a KV pool")
+    if pool.dtype != num.compute_dtype:
+        raise ValueError(f"a KV pool of {pool.dtype} cannot serve numerics computing in {num.compute_dtype}")
+    return pool
 
 
 class Transformer(nn.Module):
@@ -109,23 +122,29 @@ class Transformer(nn.Module):
         _hc_params(self, "hc_head", args.hc_mult, args.hc_mult * args.dim, 1)
         n_mtp = args.n_mtp_layers if include_mtp else 0
         self.mtp = nn.ModuleList(MTPBlock(args.n_layers + j, args) for j in range(n_mtp))
+        self._standalone_pools: dict[torch.dtype, KvPool] = {}
 
     def new_state(self, num: Numerics) -> SequenceState:
-        return SequenceState.new(self.args, num.compute_dtype, include_mtp=len(self.mtp) > 0)
+        """A sequence in this model's own growable pool, for direct use of the model (tests, benchmarks);
+        the engine runs sequences of its fixed pool instead."""
+        pool = self._standalone_pools.get(num.compute_dtype)
+        if pool is None:
+            pool = KvPool(self.args, num.compute_dtype, num_pages=16, num_slots=4, include_mtp=len(self.mtp) > 0,
+                          device=self.embed.weight.device, standalone=True)
+            self._standalone_pools[num.compute_dtype] = pool
+        return pool.new_sequence()
 
     @torch.inference_mode()
     def forward(self, rows: list[BatchRow], num: Numerics, all_logits: bool = False,
                 return_hidden: bool = False) -> ForwardOutput:
         """Run each row's tokens after its state; advances every row's state by its token count."""
-        for row in rows:
-            if row.state.layers and row.state.layers[0].window_kv.dtype != num.compute_dtype:
-                raise ValueError("a SequenceState must be used with the numerics it was created for")
+        pool = _pool_of(rows, num)
         ids = torch.cat([r.token_ids for r in rows]).long()  # [N]
         spans, positions = _spans(rows)
         h = self.embed(ids).to(num.compute_dtype)
         h = h.unsqueeze(1).expand(-1, self.args.hc_mult, -1).contiguous()  # [N, hc, D]
         for i, layer in enumerate(self.layers):
-            h = layer(h, ids, positions, spans, [r.state.layers[i] for r in rows], num)
+            h = layer(h, ids, positions, spans, pool.layers[i], num)
         for row, span in zip(rows, spans):
             row.state.num_tokens += span.end - span.begin
         picked = self._pick(h, spans, all_logits)
@@ -139,10 +158,13 @@ class Transformer(nn.Module):
         """Draft logits from MTP block `depth`: row i pairs main streams hidden[i] [T, hc, D] at
         positions p.. with the tokens that follow them (`token_ids`, positions p+1..)."""
         block = self.mtp[depth]
+        pool = _pool_of(rows, num)
+        if len(pool.layers) <= block.layer_id:
+            raise ValueError("this KV pool holds no MTP layers")
         ids = torch.cat([r.token_ids for r in rows]).long()
         spans, positions = _spans(rows, use_mtp_pos=True)
         h = block.embed_inputs(torch.cat(hidden).to(num.compute_dtype), self.embed(ids).to(num.compute_dtype), num)
-        h = block(h, ids, positions, spans, [r.state.mtp_layers[depth] for r in rows], num)
+        h = block(h, ids, positions, spans, pool.layers[block.layer_id], num)
         for row, span in zip(rows, spans):
             row.state.mtp_num_tokens += span.end - span.begin
         picked = self._pick(h, spans, all_logits)
@@ -157,7 +179,7 @@ class Transformer(nn.Module):
 
     @staticmethod
     def _pick(h: torch.Tensor, spans: list[RowSpan], all_logits: bool) -> torch.Tensor:
-        return h if all_logits else h[torch.tensor([s.end - 1 for s in spans])]
+        return h if all_logits else h[torch.tensor([s.end - 1 for s in spans], device=h.device)]
 
     @staticmethod
     def _split(logits: torch.Tensor, spans: list[RowSpan], all_logits: bool) -> list[torch.Tensor]:

@@ -9,7 +9,10 @@ import torch
 
 from dsv4serve.checkpoint.loader import iter_dense, open_checkpoint
 from dsv4serve.config import Setting, Source
+from dsv4serve.experts.attach import attach_expert_cache, iter_resident_dense
+from dsv4serve.experts.slot_cache import ExpertSlotCache
 from dsv4serve.ipc.messages import Ready, WorkerLaunch
+from dsv4serve.model.kv_pool import KvPool
 from dsv4serve.model.numerics import NUMERICS_OFF, NUMERICS_ON, Numerics
 from dsv4serve.model.transformer import Transformer
 from dsv4serve.worker.chunk_planner import ChunkPlan, PlannerLimits, plan_chunk, prefill_geometry, shrink_after_oom
@@ -50,6 +53,7 @@ class EngineParts:
     runner: Runner
     chunk: ChunkState
     ready: Ready
+    expert_cache: ExpertSlotCache | None = None  # the routed experts' slot cache when they are offloaded
 
 
 def build_engine(launch: WorkerLaunch) -> EngineParts:
@@ -59,13 +63,16 @@ def build_engine(launch: WorkerLaunch) -> EngineParts:
     ckpt = open_checkpoint(launch.model_path)
     args = ckpt.args
     model = Transformer(args, include_mtp=ckpt.layout == "official")
-    state = dict(iter_dense(ckpt, torch.float32, progress=True))
+    expert_cache = attach_expert_cache(model, ckpt, launch.moe_cache_size, device)  # None: all resident
+    weights = iter_dense(ckpt, torch.float32, progress=True) if expert_cache is None else \
+        iter_resident_dense(ckpt, torch.float32)
+    state = dict(weights)
     model.load_state_dict(state, strict=True)
     del state
     model.eval()
     numerics: Numerics = NUMERICS_ON if args.dtype == "fp8" else NUMERICS_OFF
     capacity = launch.num_tokens or CPU_KV_CAPACITY_TOKENS
-    page = args.window_size
+    page = args.page_tokens
     capacity = (capacity // page) * page
     max_len = launch.max_model_len
     if max_len > capacity:
@@ -85,8 +92,15 @@ def build_engine(launch: WorkerLaunch) -> EngineParts:
                              kv_capacity_tokens=capacity, page_tokens=page, max_model_len=max_len,
                              eos_token_id=args.eos_token_id)
     fault = FaultInjection(launch.fault_oom_above_bytes, geometry.activation_bytes_per_token)
-    runner = Runner(model, numerics, args.eos_token_id, device, fault)
+    pool = KvPool(args, numerics.compute_dtype, num_pages=capacity // page, num_slots=limits.num_slots,
+                  device=device)
+    log.info("KV pool: %d pages of %d tokens, %d sequence slots (%d for prefix snapshots), %.1f MiB",
+             pool.num_pages, page, pool.num_slots, limits.num_prefix_slots, pool.num_bytes / 2**20)
+    runner = Runner(model, pool, numerics, args.eos_token_id, device, fault)
     ready = Ready(device="cpu", kv_capacity_tokens=capacity, max_running_requests=launch.max_num_seqs,
-                  max_model_len=max_len, chunk=plan, expert_slots=None, vocab_size=args.vocab_size,
-                  eos_token_id=args.eos_token_id)
-    return EngineParts(Scheduler(limits), runner, chunk, ready)
+                  max_model_len=max_len, chunk=plan,
+                  expert_slots=None if expert_cache is None else expert_cache.n_slots,
+                  vocab_size=args.vocab_size, eos_token_id=args.eos_token_id,
+                  expert_bank=None if expert_cache is None else expert_cache.bank.report.describe(),
+                  kv_pages=pool.num_pages, page_tokens=page, sequence_slots=pool.num_slots)
+    return EngineParts(Scheduler(limits), runner, chunk, ready, expert_cache)

@@ -137,5 +137,6 @@ class EngineLoop:
                                 prefill_chunk_tokens=self.p.chunk.chunk_tokens,
                                 oom_recoveries_total=self.oom_recoveries,
                                 prefix_cache_queries_total=s.prefix_queries_tokens,
-                                prefix_cache_hits_total=s.prefix_hits_tokens))
+                                prefix_cache_hits_total=s.prefix_hits_tokens,
+                                **(self.p.expert_cache.stats.stats_fields() if self.p.expert_cache else {})))
 

@@ -1,8 +1,9 @@
 """Which page-aligned prompt prefixes have a saved model state, keyed by a hash chain of their pages.
 
 The key of the first k pages is blake2b(key of the first k-1 pages + the k-th page's token ids), so
-equal keys mean equal prefixes (up to a 128-bit collision). Entries hold KV pages of the shared pool
-and are evicted least recently used. Tensor-free: the runner keeps the states themselves.
+equal keys mean equal prefixes (up to a 128-bit collision). An entry holds references on the KV pages
+of its prefix (shared with the requests that start from it) and a snapshot slot with the window ring
+and compressor carry at its end; entries are evicted least recently used. Tensor-free.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from dataclasses import dataclass
 @dataclass
 class PrefixEntry:
     num_tokens: int
-    num_pages: int
+    pages: list[int]  # page ids, one reference each held by this entry
+    slot: int  # the snapshot slot
     ready: bool = True  # False until the step that saves the state has run
 
 
@@ -35,22 +37,23 @@ class PrefixIndex:
             keys.append(prev)
         return keys
 
-    def lookup(self, keys: list[bytes]) -> tuple[bytes, int] | None:
-        """The longest cached prefix among `keys`: (key, tokens), refreshed as recently used."""
+    def lookup(self, keys: list[bytes]) -> PrefixEntry | None:
+        """The longest cached prefix among `keys`, refreshed as recently used."""
         for k in range(len(keys), 0, -1):
             entry = self.entries.get(keys[k - 1])
             if entry is not None and entry.ready:
                 self.entries.move_to_end(keys[k - 1])
-                return keys[k - 1], entry.num_tokens
+                return entry
         return None
 
-    def insert(self, key: bytes, num_tokens: int, num_pages: int, ready: bool = True) -> None:
-        self.entries[key] = PrefixEntry(num_tokens, num_pages, ready)
+    def insert(self, key: bytes, entry: PrefixEntry) -> None:
+        self.entries[key] = entry
 
-    def mark_ready(self, key: bytes) -> None:
-        entry = self.entries.get(key)
-        if entry is not None:
-            entry.ready = True
+    def mark_ready(self, slot: int) -> None:
+        """The step that saves the snapshot in `slot` has run."""
+        for entry in self.entries.values():
+            if entry.slot == slot:
+                entry.ready = True
 
     def pop_lru(self) -> tuple[bytes, PrefixEntry] | None:
         """Remove the least recently used saved state (never one still being saved)."""
@@ -58,7 +61,3 @@ class PrefixIndex:
             if entry.ready:
                 return key, self.entries.pop(key)
         return None
-
-    @property
-    def num_pages(self) -> int:
-        return sum(e.num_pages for e in self.entries.values())

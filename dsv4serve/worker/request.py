@@ -24,12 +24,14 @@ class Request:
     output: list[TokenOut] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose state the runner holds (prompt + outputs)
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
-    num_pages: int = 0  # KV pages reserved for this request
+    pages: list[int] = field(default_factory=list)  # KV page ids this request holds a reference on
+    pages_sent: int = 0  # pages already handed to the runner (its sequence's page table)
+    slot: int | None = None  # sequence slot (window ring + compressor carry) while running
     status: Status = Status.WAITING
     finish_reason: str | None = None
     num_sent_tokens: int = 0  # outputs already sent to the API process
     prefix_checked: bool = False  # counted in the prefix-cache stats once
-    restore_key: bytes | None = None  # the cached prefix state the next row starts from
+    restore_slot: int | None = None  # the next row starts from a copy of this prefix snapshot slot
     snapshot_at: int = 0  # save the state after this many tokens (the last whole page), 0 = not
     snapshot_key: bytes | None = None
     prompt_logprobs: list[TokenOut | None] | None = None  # by prompt position, when asked for

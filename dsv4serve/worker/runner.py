@@ -1,23 +1,24 @@
 """The one place that builds tensors for a step: the model forward and the sampler.
 
-The runner keeps each running request's model state (`SequenceState`), runs the scheduler's
-step plan as one batched forward, and samples the rows that reached the end of their tokens.
+The runner owns the paged KV pool and each running request's handle on it (`SequenceState`: slot,
+page table, length), follows the scheduler's step plan (pages, prefix snapshots saved and restored)
+in one batched forward, and samples the rows that reached the end of their tokens.
 """
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import torch
 
 from dsv4serve.ipc.messages import TokenLogprob, TokenOut
+from dsv4serve.model.kv_pool import KvPool
 from dsv4serve.model.numerics import Numerics
 from dsv4serve.model.state import SequenceState
 from dsv4serve.model.transformer import BatchRow, Transformer
 from dsv4serve.worker.request import Request
 from dsv4serve.worker.sampling import SamplingRow, make_generator, sample
-from dsv4serve.worker.scheduler import StepPlan
+from dsv4serve.worker.scheduler import ScheduledRow, StepPlan
 
 PromptLogprobs = dict[str, list[tuple[int, TokenOut]]]  # request id -> (prompt position, its logprob)
 
@@ -32,18 +33,18 @@ class FaultInjection:
 
 
 class Runner:
-    def __init__(self, model: Transformer, numerics: Numerics, eos_token_id: int, device: torch.device,
-                 fault: FaultInjection = FaultInjection()):
-        self.model, self.numerics, self.device, self.fault = model, numerics, device, fault
+    def __init__(self, model: Transformer, pool: KvPool, numerics: Numerics, eos_token_id: int,
+                 device: torch.device, fault: FaultInjection = FaultInjection()):
+        self.model, self.pool, self.numerics, self.device, self.fault = model, pool, numerics, device, fault
         self.eos_token_id = eos_token_id
         self.states: dict[str, SequenceState] = {}
         # a seeded request's generator lives as long as the request (not its state): a request that is
         # preempted and recomputed continues the same random sequence
         self.generators: dict[str, torch.Generator] = {}
-        self.snapshots: dict[bytes, SequenceState] = {}  # saved prefix states, by page-chain key
 
     def drop(self, request_ids: tuple[str, ...] | list[str]) -> None:
-        """Free the model state of these requests (preempted, finished or aborted)."""
+        """Forget the sequences of these requests (preempted, finished or aborted); the scheduler
+        took their slots and pages back."""
         for rid in request_ids:
             self.states.pop(rid, None)
 
@@ -52,13 +53,20 @@ class Runner:
         self.states.pop(request_id, None)
         self.generators.pop(request_id, None)
 
-    def _fresh_state(self, request_id: str, restore_key: bytes | None) -> SequenceState:
-        if restore_key is None:
-            return self.model.new_state(self.numerics)
-        saved = self.snapshots.get(restore_key)
-        if saved is None:
-            raise RuntimeError(f"{request_id}: the cached prefix state it should start from is gone")
-        return copy.deepcopy(saved)
+    def _sequence(self, r: ScheduledRow) -> SequenceState:
+        """The row's sequence: a new one (from a copy of a prefix snapshot when the plan says so), with
+        the pages the scheduler added since the last row."""
+        state = self.states.get(r.request_id)
+        if state is None:
+            state = self.states[r.request_id] = SequenceState(self.pool, r.slot)
+            if r.restore_slot is not None:
+                self.pool.copy_slot(r.restore_slot, r.slot)
+                state.num_tokens = r.start_position
+        if state.slot != r.slot or state.num_tokens != r.start_position:
+            raise RuntimeError(f"{r.request_id}: sequence at slot {state.slot} position {state.num_tokens}, "
+                               f"plan at slot {r.slot} position {r.start_position}")
+        state.pages.extend(r.new_pages)
+        return state
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[TokenOut]:
         rows = []
@@ -88,28 +96,20 @@ class Runner:
         """Run one step: the sampled token of every row that asked for one, and the prompt logprobs
         (position -> TokenOut) of the rows whose request asked for them."""
         self.drop(plan.dropped)
-        for key in plan.evicted:
-            self.snapshots.pop(key, None)
         if not plan.rows:
             return {}, {}
         self._check_fault(plan)
-        rows = []
-        for r in plan.rows:
-            state = self.states.get(r.request_id)
-            if state is None:
-                state = self.states[r.request_id] = self._fresh_state(r.request_id, r.restore_key)
-            if state.num_tokens != r.start_position:
-                raise RuntimeError(f"{r.request_id}: state at {state.num_tokens}, plan at {r.start_position}")
-            rows.append(BatchRow(torch.tensor(r.token_ids, dtype=torch.long, device=self.device), state))
+        rows = [BatchRow(torch.tensor(r.token_ids, dtype=torch.long, device=self.device), self._sequence(r))
+                for r in plan.rows]
         wants = [i for i, r in enumerate(plan.rows) if requests[r.request_id].prompt_logprobs is not None
                  and r.start_position < len(requests[r.request_id].prompt_token_ids) - 1]
         out = self.model.forward(rows, self.numerics, all_logits=bool(wants))
         prompt_lps = {plan.rows[i].request_id: self._prompt_logprobs(plan.rows[i], requests[plan.rows[i].request_id],
                                                                      out.logits[i]) for i in wants}
         last = [lg[-1] if wants else lg for lg in out.logits]
-        for r, row in zip(plan.rows, rows):
-            if r.snapshot_key is not None:
-                self.snapshots[r.snapshot_key] = copy.deepcopy(row.state)
+        for r in plan.rows:
+            if r.snapshot_slot is not None:
+                self.pool.copy_slot(r.slot, r.snapshot_slot)
         picks = [i for i, r in enumerate(plan.rows) if r.sample]
         if not picks:
             return {}, prompt_lps

@@ -1,6 +1,7 @@
 """Batched token sampling: one call turns a step's last-position logits into one token per row.
 
-Order of operations: penalties -> EOS/stop masking (min_tokens, ignore_eos) -> greedy argmax for
+Order of operations: penalties -> EOS/stop masking (min_tokens, ignore_eos) -> forced tokens (a row
+with one due keeps only it) -> greedy argmax for
 greedy rows; for the others temperature -> top-k -> top-p -> min-p -> draw. Every stage is a tensor
 op over the whole [B, V] batch on the logits' device; Python loops only over rows, to build the small
 per-row parameter tensors.
@@ -87,6 +88,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow],
     work = raw.clone()  # [B, V] fp32, modified in place stage by stage
     apply_penalties(work, rows)
     mask_stop_tokens(work, rows)
+    apply_forced_tokens(work, rows)
     token_ids = work.argmax(dim=-1)  # [B] the greedy choice, also for rows sampled below
     is_greedy = [row.params.is_greedy for row in rows]
     if not all(is_greedy):
@@ -101,6 +103,30 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow],
     top_ids, top_values = top_logprobs(raw, log_norm, rows)
     return SampleOutput(token_ids, chosen, top_ids, top_values,
                         tuple(row.params.logprobs for row in rows))
+
+
+def forced_token(params: SamplingParams, output_token_ids: Sequence[int]) -> int | None:
+    """The token this row must produce next (SamplingParams.forced_tokens), or None."""
+    if not params.forced_tokens:
+        return None
+    start = 0
+    if params.forced_after is not None:
+        try:
+            start = list(output_token_ids).index(params.forced_after) + 1
+        except ValueError:
+            return None  # the trigger has not come yet
+    done = len(output_token_ids) - start
+    return params.forced_tokens[done] if done < len(params.forced_tokens) else None
+
+
+def apply_forced_tokens(work: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """Rows with a forced token due keep only that token (every sampling stage then picks it)."""
+    for i, row in enumerate(rows):
+        token = forced_token(row.params, row.output_token_ids)
+        if token is not None:
+            keep = work[i, token].clone()
+            work[i].fill_(_NEG_INF)
+            work[i, token] = keep if torch.isfinite(keep) else 0.0
 
 
 def _row_tensor(values: list, like: torch.Tensor) -> torch.Tensor:

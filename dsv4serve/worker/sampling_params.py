@@ -34,6 +34,11 @@ class SamplingParams:
     # logprobs of the prompt's own tokens (each given the tokens before it), with N alternatives;
     # a request that asks for them computes its whole prompt (no prefix-cache reuse)
     prompt_logprobs: int | None = None
+    # the output must continue with these tokens: from its first token (forced_after None), or right
+    # after the first time the token `forced_after` is produced (tool_choice: the DSML call opening,
+    # after the reasoning ends)
+    forced_tokens: tuple[int, ...] = ()
+    forced_after: int | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -56,6 +61,9 @@ class SamplingParams:
         if self.seed is not None:
             _check_int(self, "seed", lambda v: _INT64_MIN <= v <= _INT64_MAX, "a 64-bit signed integer")
         _check_stop_token_ids(self.stop_token_ids, vocab_size)
+        _check_stop_token_ids(self.forced_tokens, vocab_size, "forced_tokens")
+        if self.forced_after is not None:
+            _check_stop_token_ids((self.forced_after,), vocab_size, "forced_after")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
         _check_int(self, "min_tokens", lambda v: v >= 0, ">= 0")
@@ -83,10 +91,11 @@ def _check_int(params: SamplingParams, name: str, ok, rule: str) -> None:
         raise ValueError(f"{name} must be an integer {rule}, got {value!r}")
 
 
-def _check_stop_token_ids(stop_token_ids: tuple[int, ...], vocab_size: int | None) -> None:
+def _check_stop_token_ids(stop_token_ids: tuple[int, ...], vocab_size: int | None,
+                          name: str = "stop_token_ids") -> None:
     if not isinstance(stop_token_ids, tuple):
-        raise ValueError(f"stop_token_ids must be a tuple of token ids, got {type(stop_token_ids).__name__}")
+        raise ValueError(f"{name} must be a tuple of token ids, got {type(stop_token_ids).__name__}")
     upper = vocab_size if vocab_size is not None else _INT64_MAX + 1
     for token_id in stop_token_ids:
         if not isinstance(token_id, int) or isinstance(token_id, bool) or not 0 <= token_id < upper:
-            raise ValueError(f"stop_token_ids must hold token ids in [0, {upper}), got {token_id!r}")
+            raise ValueError(f"{name} must hold token ids in [0, {upper}), got {token_id!r}")

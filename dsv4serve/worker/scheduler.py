@@ -2,13 +2,15 @@
 
 Every step runs every decoding request (one token each) and fills the rest of the step's token
 budget, the prefill chunk the planner allows, with prompt chunks: a decode waits at most one chunk.
-KV is reserved in pages as tokens are computed; when the pool is full the least recently used cached
-prefixes are evicted first, then the most recently admitted request is preempted (its state dropped,
-recomputed later) rather than anyone waiting forever.
+KV pages (ids of the runner's pool) are taken as tokens are computed; when the pool is full the
+least recently used cached prefixes are evicted first, then the most recently admitted request is
+preempted (its pages and slot released, recomputed later) rather than anyone waiting forever. A
+running request also holds a sequence slot (window ring + compressor carry).
 
-Prefix reuse: a prompt's state is saved at its last whole page (the chunk is cut to end there), and
-a later prompt that starts with the same whole pages starts from a copy of it. The model is exact at
-any chunk boundary, so the output is the same with and without reuse.
+Prefix reuse: a prompt's state is saved at its last whole page (the chunk is cut to end there): the
+entry shares the request's complete pages and the runner copies the slot into a snapshot slot. A
+later prompt that starts with the same whole pages shares those pages and starts from a copy of the
+snapshot. The model is exact at any chunk boundary, so the output is the same with and without reuse.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from collections import deque
 from dataclasses import dataclass
 
 from dsv4serve.ipc.messages import AddRequest, Rejected, TokenOut
-from dsv4serve.worker.prefix_index import PrefixIndex
+from dsv4serve.paging import IdAllocator
+from dsv4serve.worker.prefix_index import PrefixEntry, PrefixIndex
 from dsv4serve.worker.request import Request, Status
 
 
@@ -27,15 +30,16 @@ class ScheduledRow:
     token_ids: tuple[int, ...]
     start_position: int
     sample: bool  # the row reaches the end of its known tokens: sample the next one
-    restore_key: bytes | None = None  # start from a copy of this cached prefix state
-    snapshot_key: bytes | None = None  # after the row, keep a copy of the state under this key
+    slot: int  # the request's sequence slot
+    new_pages: tuple[int, ...] = ()  # pages appended to the request's page table from this row on
+    restore_slot: int | None = None  # before the row, copy this prefix snapshot slot into `slot`
+    snapshot_slot: int | None = None  # after the row, copy `slot` into this prefix snapshot slot
 
 
 @dataclass(frozen=True)
 class StepPlan:
     rows: tuple[ScheduledRow, ...]
-    dropped: tuple[str, ...]  # requests whose state the runner must free (preempted, finished, aborted)
-    evicted: tuple[bytes, ...] = ()  # cached prefix states the runner must free
+    dropped: tuple[str, ...]  # requests whose sequence the runner must forget (preempted, finished, aborted)
 
     @property
     def num_tokens(self) -> int:
@@ -54,13 +58,25 @@ class SchedulerLimits:
     page_tokens: int
     max_model_len: int
     eos_token_id: int
+    prefix_slots: int = 0  # snapshot slots for cached prefixes [0: as many as max_running]
+
+    @property
+    def num_prefix_slots(self) -> int:
+        return self.prefix_slots or self.max_running
+
+    @property
+    def num_slots(self) -> int:
+        """Sequence slots the runner's pool needs: running requests first, then prefix snapshots."""
+        return self.max_running + self.num_prefix_slots
 
 
 class Scheduler:
     def __init__(self, limits: SchedulerLimits):
         self.limits = limits
         self.num_pages_total = limits.kv_capacity_tokens // limits.page_tokens
-        self.num_pages_free = self.num_pages_total
+        self.pages = IdAllocator(self.num_pages_total)
+        self.seq_slots = IdAllocator(limits.max_running)
+        self.snapshot_slots = IdAllocator(limits.num_prefix_slots)  # slot id = max_running + this id
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -69,7 +85,6 @@ class Scheduler:
         self._preempted_now = False
         self.finished_without_step: list[Request] = []  # finished while planning; their outputs must be sent
         self.prefix = PrefixIndex(limits.page_tokens)
-        self._evicted: list[bytes] = []
         self.prefix_queries_tokens = 0
         self.prefix_hits_tokens = 0
 
@@ -132,17 +147,18 @@ class Scheduler:
                 self._attach_prefix(req)
             n = self._prefill_tokens(req, budget)
             if not n:
-                req.num_computed_tokens, req.restore_key = 0, None
+                self.pages.release(req.pages)
+                req.pages, req.num_computed_tokens, req.restore_slot = [], 0, None
                 break
             self._count_prefix(req)
             self.waiting.popleft()
             req.status = Status.RUNNING
+            req.slot = self.seq_slots.take()[0]
             self.running.append(req)
             rows.append(self._row(req, n))
             budget -= n
         dropped, self._to_drop = tuple(self._to_drop), []
-        evicted, self._evicted = tuple(self._evicted), []
-        return StepPlan(tuple(rows), dropped, evicted)
+        return StepPlan(tuple(rows), dropped)
 
     # ------------------------------------------------------------------ prefix reuse
     def _attach_prefix(self, req: Request) -> None:
@@ -151,7 +167,8 @@ class Scheduler:
         # prompt logprobs need the logits of every prompt position: such a request computes them all
         hit = self.prefix.lookup(keys) if req.prompt_logprobs is None else None
         if hit is not None:
-            req.restore_key, req.num_computed_tokens = hit
+            req.restore_slot, req.num_computed_tokens = hit.slot, hit.num_tokens
+            req.pages = self.pages.share(hit.pages)
         last = len(keys) * self.limits.page_tokens
         if keys and last > req.num_computed_tokens and keys[-1] not in self.prefix.entries:
             req.snapshot_at, req.snapshot_key = last, keys[-1]
@@ -163,27 +180,37 @@ class Scheduler:
             self.prefix_queries_tokens += len(req.prompt_token_ids)
             self.prefix_hits_tokens += req.num_cached_tokens
 
-    def _evict_until(self, free_pages: int) -> None:
-        while self.num_pages_free < free_pages:
-            victim = self.prefix.pop_lru()
-            if victim is None:
-                return
-            key, entry = victim
-            self.num_pages_free += entry.num_pages
-            self._evicted.append(key)
+    def _evict_one(self) -> bool:
+        victim = self.prefix.pop_lru()
+        if victim is None:
+            return False
+        self._free_entry(victim[1])
+        return True
 
-    def _plan_snapshot(self, req: Request, end: int) -> bytes | None:
-        """Reserve pages for a snapshot of `req` at `end` tokens, if that is its planned boundary."""
+    def _free_entry(self, entry: PrefixEntry) -> None:
+        self.pages.release(entry.pages)
+        self.snapshot_slots.release([entry.slot - self.limits.max_running])
+
+    def _evict_until(self, free_pages: int) -> None:
+        while self.pages.num_free < free_pages and self._evict_one():
+            pass
+
+    def _plan_snapshot(self, req: Request, end: int) -> int | None:
+        """Keep `req`'s state at `end` tokens, if that is its planned boundary: the entry shares the
+        request's whole pages and gets a snapshot slot; returns that slot."""
         if req.snapshot_key is None or end != req.snapshot_at:
             return None
         key, req.snapshot_key = req.snapshot_key, None
-        pages = -(-end // self.limits.page_tokens)
-        self._evict_until(pages)
-        if pages > self.num_pages_free or key in self.prefix.entries:
+        if key in self.prefix.entries:
             return None
-        self.num_pages_free -= pages
-        self.prefix.insert(key, end, pages, ready=False)
-        return key
+        if not self.snapshot_slots.num_free:
+            self._evict_one()
+        if not self.snapshot_slots.num_free:
+            return None  # every snapshot slot is being saved in this step
+        slot = self.limits.max_running + self.snapshot_slots.take()[0]
+        pages = self.pages.share(req.pages[:end // self.limits.page_tokens])
+        self.prefix.insert(key, PrefixEntry(end, pages, slot, ready=False))
+        return slot
 
     def _prefill_tokens(self, req: Request, budget: int) -> int:
         """How many of the request's pending tokens fit the budget and the free pages (0: none).
@@ -194,8 +221,8 @@ class Scheduler:
         if req.num_computed_tokens < req.snapshot_at < req.num_computed_tokens + n:
             n = req.snapshot_at - req.num_computed_tokens  # end the chunk on the snapshot boundary
         page = self.limits.page_tokens
-        self._evict_until(-(-(req.num_computed_tokens + n) // page) - req.num_pages)
-        have = (req.num_pages + self.num_pages_free) * page - req.num_computed_tokens
+        self._evict_until(-(-(req.num_computed_tokens + n) // page) - len(req.pages))
+        have = (len(req.pages) + self.pages.num_free) * page - req.num_computed_tokens
         n = min(n, have)
         if n <= 0:
             return 0
@@ -204,19 +231,20 @@ class Scheduler:
 
     def _row(self, req: Request, n: int) -> ScheduledRow:
         start = req.num_computed_tokens
-        restore, req.restore_key = req.restore_key, None
+        restore, req.restore_slot = req.restore_slot, None
+        new_pages, req.pages_sent = tuple(req.pages[req.pages_sent:]), len(req.pages)
         return ScheduledRow(req.request_id, tuple(req.token_ids(start, start + n)), start,
-                            sample=start + n == req.num_tokens, restore_key=restore,
-                            snapshot_key=self._plan_snapshot(req, start + n))
+                            sample=start + n == req.num_tokens, slot=req.slot, new_pages=new_pages,
+                            restore_slot=restore, snapshot_slot=self._plan_snapshot(req, start + n))
 
     def _reserve_or_preempt(self, req: Request, n_tokens: int) -> bool:
         """Reserve pages so `req` holds `n_tokens`, preempting newer requests if the pool is full.
 
         Decodes are planned oldest first, so a victim (always newer) has no row in this step yet.
         """
-        need = -(-n_tokens // self.limits.page_tokens) - req.num_pages
+        need = -(-n_tokens // self.limits.page_tokens) - len(req.pages)
         self._evict_until(need)
-        while need > self.num_pages_free:
+        while need > self.pages.num_free:
             victim = max((r for r in self.running if r is not req), key=lambda r: r.arrival, default=None)
             if victim is None or victim.arrival < req.arrival:
                 return False
@@ -225,10 +253,9 @@ class Scheduler:
         return True
 
     def _take_pages(self, req: Request, n_tokens: int) -> None:
-        need = -(-n_tokens // self.limits.page_tokens) - req.num_pages
+        need = -(-n_tokens // self.limits.page_tokens) - len(req.pages)
         if need > 0:
-            self.num_pages_free -= need
-            req.num_pages += need
+            req.pages += self.pages.take(need)
 
     def _preempt(self, req: Request) -> None:
         self._preempted_now = True
@@ -238,8 +265,11 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def _release(self, req: Request) -> None:
-        self.num_pages_free += req.num_pages
-        req.num_pages = 0
+        self.pages.release(req.pages)
+        req.pages, req.pages_sent = [], 0
+        if req.slot is not None:
+            self.seq_slots.release([req.slot])
+            req.slot = None
         if req in self.running:
             self.running.remove(req)
             self._to_drop.append(req.request_id)
@@ -251,16 +281,16 @@ class Scheduler:
             req = self.requests.get(row.request_id)
             if req is not None and req.status is Status.RUNNING:
                 self._preempt(req)
-            entry = self.prefix.entries.pop(row.snapshot_key, None) if row.snapshot_key else None
-            if entry is not None:
-                self.num_pages_free += entry.num_pages
+            if row.snapshot_slot is not None:
+                key = next(k for k, e in self.prefix.entries.items() if e.slot == row.snapshot_slot)
+                self._free_entry(self.prefix.entries.pop(key))
 
     def complete(self, plan: StepPlan, sampled: dict[str, TokenOut]) -> list[Request]:
         """Advance after a step; returns the requests that produced output or finished."""
         touched: list[Request] = []
         for row in plan.rows:
-            if row.snapshot_key is not None:
-                self.prefix.mark_ready(row.snapshot_key)
+            if row.snapshot_slot is not None:
+                self.prefix.mark_ready(row.snapshot_slot)
             req = self.requests.get(row.request_id)
             if req is None or req.status is not Status.RUNNING:
                 continue
@@ -297,7 +327,11 @@ class Scheduler:
 
     @property
     def kv_usage(self) -> float:
-        """Share of the pool held by requests (cached prefixes are evictable, so they count as free)."""
+        """Share of the pool's pages held by requests (pages held only by cached prefixes are evictable,
+        so they count as free)."""
         if not self.num_pages_total:
             return 0.0
-        return (self.num_pages_total - self.num_pages_free - self.prefix.num_pages) / self.num_pages_total
+        held = set()
+        for req in self.running:
+            held.update(req.pages)
+        return len(held) / self.num_pages_total

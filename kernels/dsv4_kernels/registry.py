@@ -53,6 +53,27 @@ KERNELS: tuple[KernelSpec, ...] = (
         test_module="tests/kernels/test_fp4_moe.py",
         compile_configs="dsv4_kernels.fp4_moe:COMPILE_CONFIGS",
     ),
+    KernelSpec(  # one kernel, two forms: decode (one token per request) and chunked prefill
+        name="paged_sparse_attention",
+        kernel="dsv4_kernels.sparse_attention:paged_sparse_attention_kernel",
+        references=("dsv4_kernels.sparse_attention_ref:paged_sparse_attention_ref",),
+        test_module="tests/kernels/test_sparse_attention.py",
+        compile_configs="dsv4_kernels.sparse_attention:COMPILE_CONFIGS",
+    ),
+    KernelSpec(
+        name="indexer_topk",
+        kernel="dsv4_kernels.indexer_topk:indexer_score_kernel",
+        references=("dsv4_kernels.indexer_topk_ref:indexer_topk_ref",),
+        test_module="tests/kernels/test_indexer_topk.py",
+        compile_configs="dsv4_kernels.indexer_topk:COMPILE_CONFIGS",
+    ),
+    KernelSpec(
+        name="compressor_pool",
+        kernel="dsv4_kernels.compressor_pool:compressor_pool_kernel",
+        references=("dsv4_kernels.compressor_pool_ref:compressor_pool_ref",),
+        test_module="tests/kernels/test_compressor_pool.py",
+        compile_configs="dsv4_kernels.compressor_pool:COMPILE_CONFIGS",
+    ),
 )
 
 KERNELS_BY_NAME = MappingProxyType({spec.name: spec for spec in KERNELS})

@@ -131,6 +131,17 @@ def test_tools_request_shape(sdk):
     assert isinstance(choice.message.tool_calls, list)
 
 
+def test_named_tool_choice_forces_a_call_of_that_function(http):
+    # thinking off, so the call opens at once (after reasoning it opens after </think>: tests/unit/test_tool_choice.py)
+    body = {"model": "dsv4-tiny", "messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": TOOLS,
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}}, "max_tokens": 24,
+            "logprobs": True, "chat_template_kwargs": {"thinking": False}}
+    choice = http.post("/v1/chat/completions", json=body).json()["choices"][0]
+    text = "".join(c["token"] for c in choice["logprobs"]["content"])
+    assert text.startswith('\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n')
+    assert "DSML" not in (choice["message"].get("content") or "")  # the markup never reaches content
+
+
 def test_completions_text_and_token_prompts(sdk):
     out = sdk.completions.create(model="dsv4-tiny", prompt="The sky is", max_tokens=3, echo=True, logprobs=1)
     choice = out.choices[0]

@@ -165,6 +165,22 @@ def test_full_queue_answers_503(loop_thread, tiny_dir):
         loop_thread.run(client.shutdown())
 
 
+def test_offloaded_experts_through_a_small_slot_cache_give_the_same_tokens(loop_thread, tiny_dir, reference_tokens):
+    # 3 device slots for 8 routed experts per layer: experts are evicted and copied in all the time
+    client = start_client(loop_thread, launch_for(tiny_dir, moe_cache_size=3))
+    try:
+        tokens, _ = loop_thread.run(collect(client, "offload", PROMPT, greedy(8)))
+        assert tokens == reference_tokens
+        assert client.ready_info.expert_slots == 3 and client.ready_info.expert_bank
+        time.sleep(1.5)  # the next Stats message carries the cache's counters
+        stats = client.stats
+        # 3 slots cycling through 5 layers' experts: every lookup misses and is copied in (and counted)
+        assert stats.expert_cache_queries_total == stats.expert_cache_stalls_total > 0
+        assert stats.expert_cache_h2d_bytes_total > 0
+    finally:
+        loop_thread.run(client.shutdown())
+
+
 def test_oom_in_a_prefill_chunk_shrinks_the_chunk_and_the_request_completes(loop_thread, tiny_dir,
                                                                           reference_tokens):
     # fault injection (testing only): a step whose activations pass the budget of 24 tokens (at the

@@ -55,8 +55,12 @@ def test_dsv4_tiny_geometry_runs_prefill_decode_and_mtp():
         assert out.logits[0].shape == (args.vocab_size,) and torch.isfinite(out.logits[0]).all()
         step = model([BatchRow(ids[36:37], state)], num).logits[0]
         assert torch.isfinite(step).all() and state.num_tokens == 37
-        assert state.layers[1].compressor.num_entries == 9 and state.layers[2].compressor.num_entries == 2
-        assert state.layers[1].indexer.entries.shape == (9, args.index_head_dim)
+        # 37 tokens in 16-token pages: 3 pages; CSA (ratio 4) closed 9 entries, HCA (ratio 16) 2
+        layers, pages = state.pool.layers, torch.tensor(state.pages)
+        assert len(state.pages) == 3 and layers[1].comp.per_page == 4 and layers[2].comp.per_page == 1
+        assert layers[1].idx.read(pages, 9).shape == (9, args.index_head_dim)
+        assert layers[1].comp.read(pages, 9).abs().sum(-1).gt(0).all()  # written entries are not the zero fill
+        assert layers[2].comp.read(pages, 2).abs().sum(-1).gt(0).all()
         # MTP drafts token t+2 from the streams at t and token t+1
         draft = model.forward_mtp([BatchRow(ids[1:37], state)], out.hidden, num)
         assert draft.logits[0].shape == (args.vocab_size,) and torch.isfinite(draft.logits[0]).all()

@@ -10,7 +10,8 @@ import subprocess
 import pytest
 
 from dsv4serve.config import ConfigError, Setting, Source
-from dsv4serve.memory_plan import (Machine, PlanSettings, kv_bytes, kv_geometry, plan_memory, weight_bytes)
+from dsv4serve.memory_plan import (HOST_MARGIN_BYTES, Machine, PlanSettings, kv_bytes, kv_geometry, plan_memory,
+                                   weight_bytes)
 from dsv4serve.model.args import read_model_args
 from dsv4serve.model.schema import checkpoint_schema
 from dsv4serve.worker.chunk_planner import PLATFORM_MARGIN_BYTES
@@ -48,7 +49,9 @@ def test_kv_bytes_per_token_match_the_model_document(real):
     args, _ = real
     kv = kv_geometry(args)
     assert kv.bytes_per_token == 6880  # dsv4-model.md §2.11: 21 x 256 + 21 x 64 + 20 x 8
-    rings = 20 * 512 * 1024 + 21 * 80 * 1024  # HCA 512 KiB, CSA 80 KiB per layer
+    # compressor carry, fp32 (model/kv_pool.py): HCA 2 x 128 x 512 x 4 = 512 KiB; CSA: attention
+    # 2 x 4 x 1024 x 4 + 2 x 4 x 512 x 4 = 48 KiB, indexer 2 x 4 x 256 x 4 + 2 x 4 x 128 x 4 = 12 KiB
+    rings = 20 * 512 * 1024 + 21 * 60 * 1024
     assert kv.seq_state_bytes == rings + 43 * 128 * 512 * 2  # + one 128-token bf16 window per layer
     assert kv_bytes(kv, 2**20) == pytest.approx(6.72 * GIB, rel=0.01)  # "about 6.7 GiB at 1M"
 
@@ -79,6 +82,26 @@ def test_32gb_wsl2_honours_an_explicit_4096_chunk(real):
     plan = plan_memory(args, w, Machine(32 * GIB, 128 * GIB, "wsl2"), settings(args, max_prefill_length=4096))
     assert (plan.chunk.requested, plan.chunk.effective_tokens, plan.chunk.binding) == (4096, 4096, "user-cap")
     assert plan.chunk.warning is None and fits(plan)
+
+
+def test_host_memory_holds_the_bank_minus_a_margin_and_the_pin_budget_is_shown(real):
+    args, w = real
+    wsl = plan_memory(args, w, Machine(32 * GIB, 128 * GIB, "wsl2"), settings(args)).host
+    assert wsl.bank_bytes == w.routed_expert_bytes and wsl.ram_bytes == 128 * GIB - HOST_MARGIN_BYTES
+    assert wsl.disk_bytes == w.routed_expert_bytes - wsl.ram_bytes > 0
+    assert wsl.pin_estimate_bytes == 64 * GIB  # users.md: WSL2 pins about half of RAM
+    big = plan_memory(args, w, Machine(32 * GIB, 256 * GIB, "native"), settings(args))
+    assert (big.host.ram_bytes, big.host.disk_bytes) == (w.routed_expert_bytes, 0)
+    assert big.host.pin_estimate_bytes == w.routed_expert_bytes and not big.warnings
+    assert plan_memory(args, w, Machine(32 * GIB, None, "native"), settings(args)).host.ram_bytes is None
+
+
+def test_a_small_card_shrinks_the_expert_cache_but_keeps_a_window_page_of_prefill(real):
+    args, w = real
+    plan = plan_memory(args, w, Machine(16 * GIB, None, "wsl2"), settings(args))
+    assert plan.expert_slots == args.n_activated_experts and fits(plan)
+    assert plan.chunk.effective_tokens >= args.window_size
+    assert any("shrank to their floors" in d for d in plan.decisions)
 
 
 def test_h200_cannot_hold_every_expert_but_keeps_most(real):
@@ -183,8 +206,10 @@ def test_plan_cli_prints_and_emits_the_memory_plan(real_model_dir):
     assert (c["requested"], c["source"], c["effective"], c["binding"]) == (4096, "cli", 4096, "user-cap")
     mp = data["memory_plan"]
     assert mp["chunk"]["effective"] == 4096 and not mp["experts"]["all_resident"]
+    assert mp["experts"]["host_memory"]["pin_estimate_bytes"] == 64 * GIB
     text = _run(base)
     assert text.returncode == 0 and "memory plan (32.00 GiB GPU, wsl2)" in text.stdout
     assert "bound by memory" in text.stdout and "expert slots" in text.stdout
+    assert "on disk (mmap); pin budget about 64.00 GiB" in text.stdout
     bad = _run(base + ["--max-prefill-length", "65536"])
     assert bad.returncode == 2 and "--max-prefill-length 65536" in bad.stderr and "Traceback" not in bad.stderr

@@ -307,3 +307,18 @@ def test_validate_names_the_bad_field(kwargs: dict, field: str) -> None:
 def test_validate_bounds_stop_token_ids_by_the_vocabulary() -> None:
     with pytest.raises(ValueError, match="stop_token_ids"):
         SamplingParams(stop_token_ids=(3,)).validate(vocab_size=3)
+
+
+def test_forced_tokens_win_from_the_start_or_after_their_trigger() -> None:
+    logits = torch.tensor([[5.0, 0.0, 0.0, -1.0, 0.0]]).repeat(3, 1)
+    forced = SamplingParams(temperature=0.0, forced_tokens=(3, 2))
+    after = SamplingParams(temperature=0.7, seed=1, forced_tokens=(3, 2), forced_after=4)
+    rows = [SamplingRow(forced, (), (), None),  # due: forced_tokens[0]
+            SamplingRow(after, (), (0, 4, 3), None, make_generator(1, "cpu")),  # trigger seen, 1 forced so far
+            SamplingRow(after, (), (0, 0), None, make_generator(1, "cpu"))]  # no trigger yet: sampled freely
+    out = sample(logits, rows)
+    assert out.token_ids[:2].tolist() == [3, 2]
+    done = sample(logits[:1], [SamplingRow(forced, (), (3, 2), None)])  # all forced tokens out: free again
+    assert done.token_ids.tolist() == [0]
+    # the logprob stays the model's own (raw logits), not the forced distribution's
+    assert math.isclose(float(out.logprobs[0]), float(torch.log_softmax(logits[0], -1)[3]), rel_tol=1e-6)

@@ -105,7 +105,7 @@ def test_full_pool_preempts_the_newest_and_recomputes_it_later():
         if new in s.waiting:
             break
     assert new in s.waiting and new.num_computed_tokens == 0 and new.output  # preempted, state dropped
-    assert s.requests["old"].num_pages == 3 and not s.prefix.entries  # cached prefixes went first
+    assert len(s.requests["old"].pages) == 3 and not s.prefix.entries  # cached prefixes went first
     produced = len(new.output)
     while s.requests["old"].finish_reason is None:
         run_step(s, 100)
@@ -149,7 +149,9 @@ def test_prefix_reuse_starts_from_the_last_shared_whole_page():
     add(s, "first", 40, max_tokens=1)
     plan, _ = run_step(s, 100)
     row = plan.rows[0]
-    assert len(row.token_ids) == 32 and row.snapshot_key is not None and not row.sample  # cut at the page
+    assert len(row.token_ids) == 32 and row.snapshot_slot is not None and not row.sample  # cut at the page
+    first_pages = row.new_pages
+    assert len(first_pages) == 2 and row.snapshot_slot >= 4  # snapshot slots follow the 4 running slots
     plan, _ = run_step(s, 100)
     assert plan.rows[0].start_position == 32 and plan.rows[0].sample
     add(s, "again", 40, max_tokens=1)  # same prompt
@@ -157,9 +159,14 @@ def test_prefix_reuse_starts_from_the_last_shared_whole_page():
     add(s, "other", 40, max_tokens=1, first=900)
     plan, _ = run_step(s, 200)
     by_id = {r.request_id: r for r in plan.rows}
-    assert by_id["again"].start_position == 32 and by_id["again"].restore_key == row.snapshot_key
-    assert by_id["longer"].start_position == 32 and by_id["longer"].restore_key == row.snapshot_key
-    assert by_id["other"].start_position == 0 and by_id["other"].restore_key is None
+    assert by_id["again"].start_position == 32 and by_id["again"].restore_slot == row.snapshot_slot
+    assert by_id["longer"].start_position == 32 and by_id["longer"].restore_slot == row.snapshot_slot
+    assert by_id["other"].start_position == 0 and by_id["other"].restore_slot is None
+    # the cached pages are shared, not copied: the entry and both requests hold a reference on them
+    assert by_id["again"].new_pages[:2] == first_pages == by_id["longer"].new_pages[:2]
+    assert all(s.pages.refs(p) == 3 for p in first_pages)
+    assert not set(by_id["other"].new_pages) & set(first_pages)
+    assert len({r.slot for r in plan.rows}) == 3
     assert s.requests["again"].num_cached_tokens == 32 and s.requests["other"].num_cached_tokens == 0
     assert s.prefix_hits_tokens == 64 and s.prefix_queries_tokens == 40 + 40 + 70 + 40
 
@@ -169,20 +176,26 @@ def test_cached_prefixes_are_evicted_before_anyone_is_preempted():
     add(s, "a", 40, max_tokens=1)
     while s.requests.get("a") and s.requests["a"].finish_reason is None:
         run_step(s, 100)
-    assert s.prefix.num_pages == 2 and s.kv_usage == 0  # cached pages are free to take
+    (entry,) = s.prefix.entries.values()
+    assert len(entry.pages) == 2 and s.kv_usage == 0  # cached pages are free to take
+    assert s.pages.num_free == 4 and s.snapshot_slots.num_free == 3
     add(s, "big", 80, max_tokens=1, first=900)  # needs 5 of the 6 pages: the cached prefix must go
     plan, _ = run_step(s, 100)
-    assert plan.evicted and not s.prefix.entries
     assert plan.rows[0].request_id == "big" and plan.rows[0].start_position == 0
+    assert len(plan.rows[0].token_ids) == 64  # cut at its own last whole page, which it keeps cached
+    plan, _ = run_step(s, 100)
+    assert plan.rows[0].start_position == 64 and s.requests["big"].output  # done, never preempted
+    (entry,) = s.prefix.entries.values()  # "a"'s prefix was evicted for big's fifth page
+    assert entry.num_tokens == 64 and s.snapshot_slots.num_free == 3
 
 
 def test_a_snapshot_of_a_failed_step_is_never_offered():
     s = Scheduler(limits(page_tokens=16))
     add(s, "a", 40, max_tokens=1)
     plan = s.schedule(100)
-    assert plan.rows[0].snapshot_key is not None
+    assert plan.rows[0].snapshot_slot is not None
     s.reset(plan)
-    assert not s.prefix.entries
+    assert not s.prefix.entries and s.pages.num_free == s.num_pages_total
     add(s, "b", 40, max_tokens=1)
     plan = s.schedule(100)
-    assert all(r.restore_key is None for r in plan.rows)
+    assert all(r.restore_slot is None for r in plan.rows)

@@ -1,0 +1,216 @@
+"""Time per decode step spent outside the model forward (scheduler, runner, sampler, outputs), and
+the API process's time per streamed token (IPC decode, detokenize, chat parser, SSE framing).
+
+Engine: the real worker parts from `build_engine` on dsv4-tiny, driven in-process by the worker's
+`EngineLoop` with a channel that msgpack-encodes every outgoing message (the real serialization) and
+never blocks. With N requests decoding, each timed step is split into the model forward (the model's
+`forward` wrapped with a timer), the scheduler's `schedule`, the sampler, and the rest; overhead =
+step - forward. The N levels alternate, one step at a time, so load on this shared machine hits all
+levels alike. Target: overhead < 1 ms per step at 64 running requests.
+
+API: per token of a realistic text (English, tokenized by the model's tokenizer), the work
+`run_choice` and the stream body do between the worker's message and the SSE bytes: msgpack decode
+of a one-token RequestOutput, `IncrementalDetokenizer.push`, `ChatChoice.on_event` (the DSV4
+reasoning / tool-call parser), the chunk envelope and `sse` framing. Not included: the asyncio
+queue hops and uvicorn's socket write.
+
+    python bench/bench_overhead.py [--levels 1 16 64] [--steps 30] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import msgspec
+import torch
+
+from dsv4serve.api.choices import ChatChoice
+from dsv4serve.api.detokenize import IncrementalDetokenizer
+from dsv4serve.api.generation import ChoiceEvent
+from dsv4serve.api.streaming import Reply, sse
+from dsv4serve.api.tokenizer import TextTokenizer
+from dsv4serve.env import read_environment
+from dsv4serve.ipc.messages import AddRequest, Codec, FromWorker, RequestOutput, TokenOut, WorkerLaunch
+from dsv4serve.tiny.builder import ensure_tiny
+from dsv4serve.worker.engine_setup import build_engine
+from dsv4serve.worker.main import EngineLoop
+from dsv4serve.worker.sampling_params import SamplingParams
+
+PROMPT_TOKENS = 16
+API_TEXT = ("The scheduler plans every step without touching a tensor: each decoding request gets one "
+            "token, and the rest of the budget goes to prompt chunks. Überprüfung: naïve café, 東京, 🙂. ")
+
+
+class EncodingChannel:
+    """Stands in for the worker's ZeroMQ channel: encodes what is sent (the real cost), receives nothing."""
+
+    def __init__(self) -> None:
+        self._codec = Codec(FromWorker)
+        self.sent_bytes = 0
+
+    def send(self, message: msgspec.Struct) -> None:
+        self.sent_bytes += len(self._codec.encode(message))
+
+    def recv(self, timeout_s: float) -> None:
+        return None
+
+
+@dataclass
+class Timers:
+    """Seconds spent inside wrapped callables since the last `reset`."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def wrap(self, name: str, fn: Callable) -> Callable:
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+        return timed
+
+    def reset(self) -> None:
+        self.seconds = {}
+
+
+@dataclass
+class Level:
+    """One engine with `num_running` requests decoding, its timers and its per-step samples (ms)."""
+
+    num_running: int
+    loop: EngineLoop
+    timers: Timers
+    samples: dict[str, list[float]] = field(default_factory=lambda: {
+        "step": [], "forward": [], "schedule": [], "sample": [], "overhead": []})
+
+
+def launch_for(model_path: Path, max_running: int) -> WorkerLaunch:
+    return WorkerLaunch(to_worker="", from_worker="", model_path=str(model_path), device="cpu",
+                        max_num_seqs=max_running, max_queued_requests=max_running, max_model_len=4096,
+                        max_model_len_explicit=False, max_prefill_length=None, max_prefill_length_source="default",
+                        num_tokens=None, log_level="warning")
+
+
+def start_level(model_path: Path, num_running: int, max_tokens: int) -> Level:
+    """Build an engine, admit `num_running` greedy requests and step until all of them decode."""
+    parts = build_engine(launch_for(model_path, num_running))
+    loop = EngineLoop(parts, EncodingChannel())
+    timers = Timers()
+    parts.runner.model.forward = timers.wrap("forward", parts.runner.model.forward)
+    parts.runner._sample = timers.wrap("sample", parts.runner._sample)
+    parts.scheduler.schedule = timers.wrap("schedule", parts.scheduler.schedule)
+    sampling = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens)
+    gen = torch.Generator().manual_seed(num_running)
+    for i in range(num_running):
+        prompt = torch.randint(0, 1000, (PROMPT_TOKENS,), generator=gen).tolist()
+        rejected = parts.scheduler.add(AddRequest(f"r{i}", prompt, sampling))
+        if rejected is not None:
+            raise RuntimeError(f"the engine rejected a request: {rejected.message}")
+    sched = parts.scheduler
+    while sched.waiting or any(r.num_computed_tokens < r.num_tokens - 1 for r in sched.running):
+        loop.step()
+    return Level(num_running, loop, timers)
+
+
+def timed_step(level: Level) -> None:
+    level.timers.reset()
+    t0 = time.perf_counter()
+    level.loop.step()
+    step = time.perf_counter() - t0
+    s = level.timers.seconds
+    level.samples["step"].append(1e3 * step)
+    for name in ("forward", "schedule", "sample"):
+        level.samples[name].append(1e3 * s.get(name, 0.0))
+    level.samples["overhead"].append(1e3 * (step - s.get("forward", 0.0)))
+
+
+def api_per_token_us(tokenizer: TextTokenizer, repeats: int) -> list[float]:
+    """Microseconds per streamed token of the API-side work (module docstring), one value per repeat."""
+    ids = tokenizer.encode(API_TEXT * 8)
+    codec_out, codec_in = Codec(FromWorker), Codec(FromWorker)
+    wire = [codec_out.encode(RequestOutput("r0", [TokenOut(t)], 16, 0)) for t in ids]
+    results = []
+    for _ in range(repeats):
+        detok = IncrementalDetokenizer(tokenizer)
+        choice = ChatChoice(0, tokenizer, opens_reasoning=False, logprobs=False)
+        reply = Reply("chatcmpl-bench", "chat.completion", "dsv4-tiny", [choice], [0])
+        nbytes = 0
+        t0 = time.perf_counter()
+        for i, data in enumerate(wire):
+            out = codec_in.decode(data)
+            text = detok.push([t.token_id for t in out.tokens])
+            delta = choice.on_event(ChoiceEvent(0, text, list(out.tokens), None, 16, 0, i + 1))
+            if delta is not None:
+                nbytes += len(sse(reply.envelope("chat.completion.chunk", choices=[delta])))
+        results.append(1e6 * (time.perf_counter() - t0) / len(wire))
+    return results
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
+def format_table(headers: list[str], rows: list[list[str]]) -> str:
+    """A plain fixed-width table: first column left-aligned, the rest right-aligned."""
+    widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
+    lines = ["  ".join(str(c).ljust(widths[0]) if i == 0 else str(c).rjust(widths[i]) for i, c in enumerate(r))
+             for r in [headers, *rows]]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def engine_rows(levels: list[Level]) -> tuple[dict, list[list[str]]]:
+    summary, rows = {}, []
+    for lv in levels:
+        s = {name: spread(v) for name, v in lv.samples.items()}
+        share = [o / st for o, st in zip(lv.samples["overhead"], lv.samples["step"])]
+        summary[lv.num_running] = {**s, "overhead_share": spread(share)}
+        o = s["overhead"]
+        rows.append([str(lv.num_running), f"{s['step']['median']:.1f}", f"{s['forward']['median']:.1f}",
+                     f"{s['schedule']['median']:.3f}", f"{s['sample']['median']:.3f}",
+                     f"{o['min']:.3f} / {o['median']:.3f} / {o['max']:.3f}",
+                     f"{100 * statistics.median(share):.1f}%", "yes" if o["median"] < 1.0 else "NO"])
+    return summary, rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--levels", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--steps", type=int, default=30, help="timed decode steps per level")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--api-repeats", type=int, default=7)
+    parser.add_argument("--json", type=Path, help="write the numbers here")
+    opts = parser.parse_args()
+    torch.set_num_threads(1)
+    model_path = ensure_tiny(read_environment().cache_dir)
+    max_tokens = opts.warmup + opts.steps + 8
+    levels = [start_level(model_path, n, max_tokens) for n in opts.levels]
+    for _ in range(opts.warmup):
+        for lv in levels:
+            lv.loop.step()
+    for _ in range(opts.steps):
+        for lv in levels:  # alternate: one step of each level in turn
+            timed_step(lv)
+    api = api_per_token_us(TextTokenizer.for_model(model_path), opts.api_repeats)
+    summary, rows = engine_rows(levels)
+    if opts.json:
+        opts.json.write_text(json.dumps({"steps": opts.steps, "engine_ms_per_step": summary,
+                                         "api_us_per_token": spread(api)}, indent=2))
+    print(f"\ndsv4-tiny, CPU, 1 thread, {opts.steps} decode steps per level (levels alternate), ms per step; "
+          "overhead = step - model forward (schedule and sample are part of it)")
+    print(format_table(["running", "step", "forward", "schedule", "sample", "overhead min / med / max",
+                        "share", "< 1 ms"], rows))
+    a = spread(api)
+    print(f"\nAPI process per streamed token (IPC decode + detokenize + chat parser + SSE): "
+          f"{a['min']:.1f} / {a['median']:.1f} / {a['max']:.1f} us (min / median / max of {opts.api_repeats})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,28 @@
+"""The cases `bench/gpu_check.py` runs: one module per kernel (or end-to-end check) in this folder.
+
+Each module defines `cases(device: torch.device) -> list[GpuCase]`, building its inputs at
+DeepSeek-V4-Flash's real dimensions on `device`. gpu_check.py checks `run()` against `reference()`
+with the stated tolerance, times `run` (and `baseline` when there is one) with CUDA events, and turns
+`bytes_moved` / `flops` into GB/s and TFLOP/s against the card's measured ceilings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+@dataclass(frozen=True)
+class GpuCase:
+    name: str  # e.g. "fp4_moe decode m=1"
+    run: Callable[[], torch.Tensor]  # the kernel under test; returns its output
+    reference: Callable[[], torch.Tensor]  # the torch reference on the same inputs
+    atol: float
+    rtol: float
+    bytes_moved: int  # minimum bytes the kernel must read + write (for GB/s)
+    flops: int = 0  # useful floating-point operations (for TFLOP/s); 0 when memory-bound only
+    baseline: Callable[[], torch.Tensor] | None = None  # flashinfer / torch equivalent, when there is one
+    baseline_name: str = ""
+    bound: str = "memory"  # "memory" or "compute": which ceiling the ratio is taken against

@@ -1,0 +1,123 @@
+"""Routed experts with MXFP4 weights (dsv4_kernels.fp4_moe) at DeepSeek-V4-Flash's sizes.
+
+Real config: dim 4096, moe_inter_dim 2048, 256 experts, top-6, SwiGLU limit 10; decode (T=1: six
+experts' weights read, memory-bound) and prefill (T=2048: every expert used, compute-bound).
+Weights are random packed e2m1 bytes with random e8m0 scales, made on the device; routing is a
+random distinct top-6 per token with weights in [0, 2.5).
+Reference: `fp4_moe_ref` (run with the device as the default, so its own tensors live there).
+Tolerance as tests/kernels/test_fp4_moe.py argues: products are exact, so only the fp32 summation
+order differs, which can flip a bf16 rounding and, rarely, the FP8 rounding of an activation before
+w2: rtol 2^-6, and atol 0.1 for outputs of order one summed over six experts.
+Baseline: torch bf16 matmuls per used expert on weights dequantized once (a plain grouped loop).
+flashinfer's fused MoE kernels take other weight layouts (and its MXFP4 paths target Blackwell), so
+it is not a baseline here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from bench.gpu_cases import GpuCase
+
+REAL_CONFIG = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "DeepSeek-V4-Flash"
+FP4_BLOCK = 32
+
+
+@dataclass(frozen=True)
+class MoeDims:
+    dim: int
+    inter: int
+    experts: int
+    topk: int
+    limit: float
+
+
+def real_dims() -> MoeDims:
+    from dsv4serve.model.args import read_model_args
+
+    a = read_model_args(REAL_CONFIG)
+    return MoeDims(a.dim, a.moe_inter_dim, a.n_routed_experts, a.n_activated_experts, a.swiglu_limit)
+
+
+def random_fp4(e: int, n: int, k: int, scale_byte: int, device: torch.device,
+               gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed e2m1 uint8 [E, N, K/2], e8m0 [E, N, K/32]); every code equally likely, scale 2^(byte-127)."""
+    packed = torch.randint(0, 256, (e, n, k // 2), device=device, generator=gen, dtype=torch.uint8)
+    scale = torch.full((e, n, k // FP4_BLOCK), scale_byte, device=device, dtype=torch.uint8)
+    return packed, scale.view(torch.float8_e8m0fnu)
+
+
+def torch_moe(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+              ids: torch.Tensor, limit: float) -> torch.Tensor:
+    """The baseline: x [T, D] bf16, dequantized bf16 W1/W3 [E, I, D], W2 [E, D, I] -> fp32 [T, D]."""
+    t, k = ids.shape
+    out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
+    flat = ids.flatten()
+    order = flat.argsort()
+    counts = torch.bincount(flat, minlength=w1.shape[0]).tolist()
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        slots = order[start:start + n]
+        start += n
+        tok = slots // k
+        xe = x[tok]
+        gate = (xe @ w1[e].t()).clamp(max=limit)
+        up = (xe @ w3[e].t()).clamp(-limit, limit)
+        act = (F.silu(gate.float()) * up.float() * weights.flatten()[slots, None]).to(torch.bfloat16)
+        out.index_add_(0, tok, (act @ w2[e].t()).float())
+    return out
+
+
+def _dequant_all(packed: torch.Tensor, scale: torch.Tensor, device: torch.device) -> torch.Tensor:
+    from dsv4serve.model.quant import dequant_fp4
+
+    with torch.device(device):
+        return torch.stack([dequant_fp4(packed[e], scale[e], dtype=torch.bfloat16) for e in range(packed.shape[0])])
+
+
+def _reference(device: torch.device, *args) -> torch.Tensor:
+    from dsv4_kernels.fp4_moe_ref import fp4_moe_ref
+
+    with torch.device(device):
+        return fp4_moe_ref(*args)
+
+
+def build(device: torch.device, d: MoeDims, tokens: tuple[int, ...]) -> list[GpuCase]:
+    from dsv4_kernels.fp4_moe import fp4_moe
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    w1, s1 = random_fp4(d.experts, d.inter, d.dim, 118, device, gen)  # gate/up of order one
+    w3, s3 = random_fp4(d.experts, d.inter, d.dim, 118, device, gen)
+    w2, s2 = random_fp4(d.experts, d.dim, d.inter, 121, device, gen)
+    dq = [_dequant_all(w, s, device) for w, s in ((w1, s1), (w3, s3), (w2, s2))]
+    expert_bytes = sum(w[0].numel() + s[0].numel() for w, s in ((w1, s1), (w3, s3), (w2, s2)))
+    out = []
+    for t in tokens:
+        x = (2 * torch.randn(t, d.dim, device=device, generator=gen)).to(torch.bfloat16)
+        ids = torch.rand(t, d.experts, device=device, generator=gen).argsort(dim=1)[:, :d.topk].contiguous()
+        weights = 2.5 * torch.rand(t, d.topk, device=device, generator=gen)
+        args = (x, w1, s1, w3, s3, w2, s2, weights, ids, d.limit)
+        used = int(ids.unique().numel())
+        nbytes = used * expert_bytes + 2 * t * d.dim + 4 * t * d.dim  # weights read, bf16 x in, fp32 out
+        out.append(GpuCase(
+            f"fp4_moe E={d.experts} top{d.topk} {d.dim}->{d.inter} T={t}", partial(fp4_moe, *args),
+            partial(_reference, device, *args), atol=0.1, rtol=2.0 ** -6, bytes_moved=nbytes,
+            flops=6 * t * d.topk * d.dim * d.inter, bound="memory" if t <= 16 else "compute",
+            baseline=partial(torch_moe, x, *dq, weights, ids, d.limit), baseline_name="torch bf16 loop"))
+    return out
+
+
+def cases(device: torch.device) -> list[GpuCase]:
+    return build(device, real_dims(), (1, 2048))
+
+
+def smoke_cases(device: torch.device) -> list[GpuCase]:
+    """Tiny shapes for the CPU interpreter: 8 experts, top-2, D=128, I=64."""
+    return build(device, MoeDims(128, 64, 8, 2, 10.0), (1, 24))

@@ -1,0 +1,62 @@
+"""bench/gpu_check.py's pure parts: case discovery, the correctness check, rates and error rows."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "bench" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_discovery_lists_every_case_module_and_skips_private_ones(gpu_check, tmp_path: Path) -> None:
+    assert {"fp8_gemm", "fp4_moe", "end_to_end"} <= set(gpu_check.discover(gpu_check.CASES_DIR))
+    for name in ("__init__.py", "_helpers.py", "zeta.py", "alpha.py", "notes.txt"):
+        (tmp_path / name).write_text("")
+    assert gpu_check.discover(tmp_path) == ["alpha", "zeta"]
+
+
+def test_check_passes_within_tolerance_and_fails_outside_or_on_nan(gpu_check) -> None:
+    ref = torch.tensor([1.0, -2.0, 100.0])
+    assert gpu_check.check(ref + torch.tensor([0.01, 0.0, 0.5]), ref, atol=0.02, rtol=0.01).startswith("OK")
+    assert gpu_check.check(ref + torch.tensor([0.0, 0.0, 2.0]), ref, atol=0.02, rtol=0.01).startswith("FAIL")
+    assert gpu_check.check(torch.tensor([1.0, float("nan"), 100.0]), ref, atol=1.0, rtol=1.0).startswith("FAIL")
+    assert "shape" in gpu_check.check(ref[:2], ref, atol=1.0, rtol=1.0)
+
+
+def test_run_case_turns_times_into_rates_against_the_ceiling(gpu_check, monkeypatch) -> None:
+    monkeypatch.syspath_prepend(str(REPO))  # as gpu_check does: cases import `bench.gpu_cases`
+    from bench.gpu_cases import GpuCase
+
+    x = torch.ones(4)
+    ceilings = {"copy_GBps": 1e-9, "matmul_TFLOPs": 1e-12}  # tiny ceilings: any real rate is far above
+    mem = GpuCase("mem", lambda: x * 2, lambda: x * 2, 0.0, 0.0, bytes_moved=1000,
+                  baseline=lambda: x + x, baseline_name="torch")
+    row = gpu_check.run_case(mem, torch.device("cpu"), ceilings, warmup=1, repeats=3)
+    assert row.ok.startswith("OK") and row.rate.endswith("GB/s") and row.pct_of_ceiling > 100
+    assert row.baseline == "torch" and row.speedup > 0
+    comp = GpuCase("comp", lambda: x, lambda: x + 1, 0.0, 0.0, bytes_moved=1, flops=10**6, bound="compute")
+    row = gpu_check.run_case(comp, torch.device("cpu"), ceilings, warmup=1, repeats=3)
+    assert row.ok.startswith("FAIL") and row.rate.endswith("TFLOP/s") and row.speedup is None
+
+
+def test_a_module_that_cannot_import_is_a_row_not_a_crash(gpu_check, monkeypatch) -> None:
+    monkeypatch.syspath_prepend(str(REPO))
+    opts = argparse.Namespace(cpu_smoke=False, only=None, warmup=1, repeats=1)
+    rows = gpu_check.run_module("no_such_case_module", torch.device("cpu"), {}, opts, float("inf"), [])
+    assert len(rows) == 1 and rows[0].ok.startswith("ERROR: ModuleNotFoundError")
+    text = gpu_check.format_rows(rows)
+    assert text.splitlines()[0].split()[:3] == ["case", "time", "ms"] and "no_such_case_module" in text
