@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -33,6 +33,9 @@ from dsv4serve.model.args import ModelArgs
 from dsv4serve.model.numerics import NUMERICS_OFF, NUMERICS_ON, Numerics
 from dsv4serve.model.transformer import BatchRow, Transformer
 from dsv4serve.tiny.builder import ensure_tiny
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `bench.report`
+from bench.report import format_table, spread
 
 HF_LAYER_TYPE = {"swa": "sliding_attention", "csa": "compressed_sparse_attention",
                  "hca": "heavily_compressed_attention"}
@@ -88,19 +91,8 @@ def time_phases(generate: Generate, n_prompt: int, n_new: int) -> tuple[float, f
     return n_prompt / (t1 - t0), (n_new - 1) / max((t2 - t1) - (t1 - t0), 1e-9), tokens
 
 
-def spread(values: list[float]) -> dict[str, float]:
-    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
 
-def format_table(headers: list[str], rows: list[list[str]]) -> str:
-    """A plain fixed-width table: first column left-aligned, the rest right-aligned."""
-    widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
-    lines = []
-    for r in [headers, *rows]:
-        cells = [str(c).ljust(widths[0]) if i == 0 else str(c).rjust(widths[i]) for i, c in enumerate(r)]
-        lines.append("  ".join(cells).rstrip())
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
 
 
 def summarize(rates: dict[str, dict[str, list[float]]], base: str) -> tuple[dict, list[list[str]]]:

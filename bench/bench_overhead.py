@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +42,9 @@ from dsv4serve.tiny.builder import ensure_tiny
 from dsv4serve.worker.engine_setup import build_engine
 from dsv4serve.worker.main import EngineLoop
 from dsv4serve.worker.sampling_params import SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `bench.report`
+from bench.report import format_table, spread
 
 PROMPT_TOKENS = 16
 API_TEXT = ("The scheduler plans every step without touching a tensor: each decoding request gets one "
@@ -153,17 +157,8 @@ def api_per_token_us(tokenizer: TextTokenizer, repeats: int) -> list[float]:
     return results
 
 
-def spread(values: list[float]) -> dict[str, float]:
-    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
 
-def format_table(headers: list[str], rows: list[list[str]]) -> str:
-    """A plain fixed-width table: first column left-aligned, the rest right-aligned."""
-    widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
-    lines = ["  ".join(str(c).ljust(widths[0]) if i == 0 else str(c).rjust(widths[i]) for i, c in enumerate(r))
-             for r in [headers, *rows]]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(line.rstrip() for line in lines)
 
 
 def engine_rows(levels: list[Level]) -> tuple[dict, list[list[str]]]:

@@ -35,6 +35,9 @@ import httpx
 from dsv4serve.env import read_environment
 from dsv4serve.tiny.builder import ensure_tiny
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `bench.report`
+from bench.report import format_table
+
 EXPORT_NAME = "profile_export_aiperf.json"
 
 
@@ -83,13 +86,6 @@ def batching_gain(results: list[LevelResult], high: int = 16, low: int = 1) -> f
     return hi / lo if hi is not None and lo else None
 
 
-def format_table(headers: list[str], rows: list[list[str]]) -> str:
-    """A plain fixed-width table: first column left-aligned, the rest right-aligned."""
-    widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
-    lines = ["  ".join(str(c).ljust(widths[0]) if i == 0 else str(c).rjust(widths[i]) for i, c in enumerate(r))
-             for r in [headers, *rows]]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(line.rstrip() for line in lines)
 
 
 def level_rows(results: list[LevelResult]) -> list[list[str]]:

@@ -60,6 +60,15 @@ def ratio(text: str) -> float:
     return value
 
 
+def kernel_spec(text: str) -> str:
+    """'auto' or a per-kernel backend list ("all=triton,fp4_moe=torch"), checked by the model's parser."""
+    if text.strip() == "auto":
+        return "auto"
+    from dsv4serve.model.backends import parse_backends  # imports torch: only when the option is given
+    parse_backends(text)
+    return text.strip()
+
+
 def on_off(text: str) -> bool:
     lowered = text.strip().lower()
     if lowered not in ("on", "off"):
@@ -109,6 +118,9 @@ class ServeConfig:
                                                  parse=positive_int, metavar="N")
     num_tokens: Setting[int | None] = option("KV capacity in tokens [auto: from the memory plan]",
                                              parse=positive_int, metavar="T")
+    kernels: Setting[str] = option("Triton or torch per kernel (attention, indexer, compressor, fp8_gemm, "
+                                   "fp4_moe): auto = Triton on CUDA, torch on CPU; e.g. all=triton,fp4_moe=torch",
+                                   parse=kernel_spec, default="auto", metavar="SPEC")
     api_key: Setting[str | None] = option("Bearer token required on /v1/*, /tokenize, /detokenize",
                                           metavar="K", secret=True)
     default_thinking: Setting[bool] = option("thinking mode when a request does not say", parse=on_off,

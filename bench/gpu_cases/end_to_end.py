@@ -4,7 +4,8 @@ A random checkpoint (the rules of `dsv4serve.model.random_init`, drawn tensor by
 device) for ModelArgs read from the real config.json with n_layers = 2: one CSA and one HCA layer,
 the two kinds that make up 41 of the 43 (no hash routing: 40 of 43 layers route by score). Run
 through the model's public forward (`new_state`, `forward` with BatchRows) with the numerics the
-server uses for an FP8 checkpoint.
+server uses for an FP8 checkpoint on this device (Triton kernels on CUDA, `default_backends`; the
+case name says which).
 
   prefill: a 2048-token prompt on a fresh state; checked against the same prompt in two
            1024-token chunks (the model is exact at any chunk boundary), last-position logits.
@@ -31,8 +32,14 @@ REAL_CONFIG = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "
 REAL_LAYERS = 43
 N_LAYERS = 2
 PREFILL_TOKENS = 2048
-PREFILL_NAME = f"e2e prefill {PREFILL_TOKENS} tok, {N_LAYERS} layers"
-DECODE_NAME = f"e2e decode bs=1 @{PREFILL_TOKENS}, {N_LAYERS} layers"
+
+
+def prefill_name(tokens: int) -> str:
+    return f"e2e prefill {tokens} tok, {N_LAYERS} layers"
+
+
+def decode_name(context_tokens: int) -> str:
+    return f"e2e decode bs=1 @{context_tokens}, {N_LAYERS} layers"
 
 
 def bench_args(real):
@@ -65,7 +72,10 @@ def active_params(real) -> int:
 
 def random_model(args, device: torch.device, seed: int):
     """A Transformer on `device` whose weights follow random_init's rules, drawn one tensor at a time
-    on the device (a CPU state dict at real dimensions would take minutes and ~100 GB)."""
+    on the device (a CPU state dict at real dimensions would take minutes and ~100 GB), FP8 / FP4
+    weights rounded to what their storage holds, as a real checkpoint's are (the Triton kernels'
+    weight packing checks that it is exact)."""
+    from dsv4serve.model.quant import dequant_fp4, dequant_fp8_block, quant_fp4, quant_fp8_block
     from dsv4serve.model.random_init import _sample, dense_shape
     from dsv4serve.model.schema import checkpoint_schema
     from dsv4serve.model.transformer import Transformer
@@ -76,17 +86,26 @@ def random_model(args, device: torch.device, seed: int):
         gen = torch.Generator(device=device).manual_seed(seed)
         with torch.no_grad():
             for spec in checkpoint_schema(args, include_mtp=False):
-                if spec.role not in ("fp8_scale", "fp4_scale"):
-                    params[spec.name].copy_(_sample(spec, dense_shape(spec), args, gen))
+                if spec.role in ("fp8_scale", "fp4_scale"):
+                    continue
+                value = _sample(spec, dense_shape(spec), args, gen)
+                if spec.role == "fp8_weight":
+                    value = dequant_fp8_block(*quant_fp8_block(value))
+                elif spec.role == "fp4_weight":
+                    value = dequant_fp4(*quant_fp4(value))
+                params[spec.name].copy_(value)
     return model
 
 
 def build(device: torch.device, args, prompt_tokens: int) -> list[GpuCase]:
-    from dsv4serve.model.numerics import NUMERICS_OFF, NUMERICS_ON
+    from dsv4serve.model.backends import default_backends
+    from dsv4serve.model.numerics import NUMERICS_ON
     from dsv4serve.model.transformer import BatchRow
 
-    num = NUMERICS_ON if args.dtype == "fp8" else NUMERICS_OFF
+    num = replace(NUMERICS_ON, backends=default_backends(device))  # what the server runs on this device
     model = random_model(args, device, seed=0)
+    model.use_kernels(num.backends)
+    label = "triton" if num.backends.uses_triton() else "torch"
     gen = torch.Generator(device=device).manual_seed(1)
     ids = torch.randint(0, args.vocab_size, (prompt_tokens + 1,), device=device, generator=gen)
     prompt, half = ids[:prompt_tokens], prompt_tokens // 2
@@ -95,6 +114,7 @@ def build(device: torch.device, args, prompt_tokens: int) -> list[GpuCase]:
         state = model.new_state(num)
         for chunk in chunks:
             logits = model([BatchRow(chunk, state)], num).logits[0]
+        state.pool.release(state)  # the model's standalone pool would otherwise grow every call
         return logits
 
     decode_state = model.new_state(num)
@@ -106,9 +126,9 @@ def build(device: torch.device, args, prompt_tokens: int) -> list[GpuCase]:
     active = decode_bytes_per_token(args)
     flops_per_token = 2 * active_params(args)  # one multiply-add per parameter used (attention scores aside)
     return [
-        GpuCase(PREFILL_NAME, lambda: prefill(prompt), lambda: prefill(prompt[:half], prompt[half:]),
+        GpuCase(f"{prefill_name(prompt_tokens)} [{label}]", lambda: prefill(prompt), lambda: prefill(prompt[:half], prompt[half:]),
                 atol=0.05, rtol=0.02, bytes_moved=active, flops=flops_per_token * prompt_tokens, bound="compute"),
-        GpuCase(DECODE_NAME, decode, lambda: prefill(ids), atol=0.05, rtol=0.02, bytes_moved=active,
+        GpuCase(f"{decode_name(prompt_tokens)} [{label}]", decode, lambda: prefill(ids), atol=0.05, rtol=0.02, bytes_moved=active,
                 bound="memory"),
     ]
 
@@ -137,14 +157,14 @@ def notes(times_ms: dict[str, float], ceilings: dict[str, float]) -> list[str]:
     bound_tps = ceilings["copy_GBps"] * 1e9 / bound_bytes
     lines = [f"end_to_end: bandwidth bound at batch 1 = {bound_bytes / 1e9:.1f} GB per token / "
              f"{ceilings['copy_GBps']:.0f} GB/s = {bound_tps:.0f} tokens/s"]
-    if DECODE_NAME in times_ms:
-        step_ms = times_ms[DECODE_NAME] * REAL_LAYERS / N_LAYERS
-        lines.append(f"end_to_end: decode {times_ms[DECODE_NAME] / N_LAYERS:.2f} ms per layer (head included: upper "
-                     f"bound) -> {REAL_LAYERS} layers {step_ms:.1f} ms = {1e3 / step_ms:.1f} tokens/s, "
-                     f"{100 * (1e3 / step_ms) / bound_tps:.1f}% of the bound")
-    if PREFILL_NAME in times_ms:
-        layer_ms = times_ms[PREFILL_NAME] / N_LAYERS
-        lines.append(f"end_to_end: prefill {PREFILL_TOKENS * 1e3 / times_ms[PREFILL_NAME]:.0f} tokens/s with "
-                     f"{N_LAYERS} layers -> ~{PREFILL_TOKENS * 1e3 / (layer_ms * REAL_LAYERS):.0f} tokens/s "
-                     f"projected to {REAL_LAYERS} layers")
+    for name, ms in times_ms.items():
+        if name.startswith("e2e decode"):
+            step_ms = ms * REAL_LAYERS / N_LAYERS
+            lines.append(f"end_to_end: decode {ms / N_LAYERS:.2f} ms per layer (head included: upper bound) -> "
+                         f"{REAL_LAYERS} layers {step_ms:.1f} ms = {1e3 / step_ms:.1f} tokens/s, "
+                         f"{100 * (1e3 / step_ms) / bound_tps:.1f}% of the bound")
+        elif name.startswith("e2e prefill"):
+            tokens = int(name.split()[2])  # prefill_name's token count
+            lines.append(f"end_to_end: prefill {tokens * 1e3 / ms:.0f} tokens/s with {N_LAYERS} layers -> "
+                         f"~{tokens * 1e3 / (ms / N_LAYERS * REAL_LAYERS):.0f} tokens/s projected to {REAL_LAYERS} layers")
     return lines

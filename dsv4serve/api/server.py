@@ -20,7 +20,8 @@ def worker_launch(cfg: ServeConfig, model_path) -> WorkerLaunch:
         max_prefill_length=cfg.max_prefill_length.value,
         max_prefill_length_source=cfg.max_prefill_length.source.value, num_tokens=cfg.num_tokens.value,
         moe_cache_size=cfg.moe_cache_size.value,
-        memory_ratio=cfg.memory_ratio.value, log_level=cfg.log_level.value, fault_oom_above_bytes=None)
+        memory_ratio=cfg.memory_ratio.value, log_level=cfg.log_level.value, fault_oom_above_bytes=None,
+        kernels=cfg.kernels.value)
 
 
 def format_ready(ready: Ready) -> str:

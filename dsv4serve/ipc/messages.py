@@ -137,3 +137,4 @@ class WorkerLaunch(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     memory_ratio: float = 0.9
     log_level: str = "info"
     fault_oom_above_bytes: int | None = None  # TESTING ONLY (see FaultInjection)
+    kernels: str = "auto"  # --kernels: the model's kernel backends (model/backends.py)

@@ -2,8 +2,13 @@
 compressed entries of CSA / HCA layers, a per-head sink in the softmax denominator, inverse RoPE on
 the output and the grouped low-rank output projection.
 
-Projections run on all tokens of a batch at once; the stateful part (window, compressors, indexer,
-core attention) runs row by row over `RowSpan`s of the packed tokens.
+Projections run on all tokens of a batch at once. Then, per layer: the compressors update the pool
+row by row over the `RowSpan`s of the packed tokens; the indexer picks each CSA query's entries
+(torch row by row, or one indexer_topk kernel call for the batch: `num.backends.indexer`); the core
+attention runs row by row in torch, or as one paged sparse attention kernel call for the batch that
+reads the pool through the `BatchLayout` (`num.backends.attention`). The torch path gathers a row's
+previous keys before writing its new ones into the window ring; the kernel reads the ring itself,
+so there the ring is written after the call.
 """
 
 from __future__ import annotations
@@ -31,6 +36,29 @@ class RowSpan:
     pages: torch.Tensor  # [num_pages] int64, the row's page table
 
 
+@dataclass(frozen=True)
+class BatchLayout:
+    """The packed batch as the attention and indexer kernels index it; built once per forward."""
+
+    cu_seqlens: torch.Tensor  # [B + 1] int32, row b's tokens are packed [cu[b], cu[b + 1])
+    start_pos: torch.Tensor  # [B] int32, absolute position of each row's first token
+    seq_slot: torch.Tensor  # [B] int32, each row's sequence slot (window ring)
+    block_table: torch.Tensor  # [B, max_pages] int32, each row's page table, -1 padded
+    max_rows: int  # the most tokens a row runs in this step
+    max_end: int  # the most tokens a row holds after this step
+
+    @classmethod
+    def of(cls, spans: list[RowSpan], device: torch.device) -> "BatchLayout":
+        i32 = dict(dtype=torch.int32, device=device)
+        cu = [0] + [s.end for s in spans]
+        table = torch.full((len(spans), max(int(s.pages.numel()) for s in spans)), -1, **i32)
+        for b, s in enumerate(spans):
+            table[b, :s.pages.numel()] = s.pages
+        return cls(torch.tensor(cu, **i32), torch.tensor([s.start_pos for s in spans], **i32),
+                   torch.tensor([s.slot for s in spans], **i32), table,
+                   max(s.end - s.begin for s in spans), max(s.start_pos + s.end - s.begin for s in spans))
+
+
 def sparse_attention(q: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor, sink: torch.Tensor,
                      scale: float) -> torch.Tensor:
     """q [T, H, d], keys (= values) [L, d], allowed [T, L] bool, sink [H] -> [T, H, d] fp32.
@@ -50,6 +78,7 @@ def sparse_attention(q: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor,
 class Attention(nn.Module):
     def __init__(self, layer_id: int, args: ModelArgs):
         super().__init__()
+        self.layer_id = layer_id
         self.n_heads, self.head_dim, self.rope_head_dim = args.n_heads, args.head_dim, args.rope_head_dim
         self.window_size, self.eps = args.window_size, args.norm_eps
         self.n_groups, self.o_lora_rank = args.o_groups, args.o_lora_rank
@@ -68,8 +97,8 @@ class Attention(nn.Module):
         self.indexer = Indexer(args, self.compress_ratio) if args.kind(layer_id) == "csa" else None
         self.register_buffer("freqs", inv_freq(args, bool(self.compress_ratio)), persistent=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, spans: list[RowSpan], cache: LayerCache,
-                num: Numerics) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, spans: list[RowSpan], layout: BatchLayout,
+                cache: LayerCache, num: Numerics) -> torch.Tensor:
         """x [N, D] compute dtype (attn_norm output), positions [N] -> [N, D] compute dtype."""
         cos, sin = rope_cos_sin(self.freqs, positions)
         xq = act_quant(x, num)  # shared by wq_a and wkv
@@ -82,10 +111,15 @@ class Attention(nn.Module):
             nope = self.head_dim - self.rope_head_dim
             kv = torch.cat((fp8_quant_dequant(kv[:, :nope], KV_BLOCK), kv[:, nope:]), dim=1)
         extras = self._compressed_inputs(x, qr, cos, sin, num)
-        o = torch.empty(q.shape, dtype=num.compute_dtype, device=q.device)
-        for span in spans:
-            rows = slice(span.begin, span.end)
-            o[rows] = self._attend_row(q[rows], kv[rows], span, cache, {k: v[rows] for k, v in extras.items()}, num)
+        self._update_compressors(spans, cache, extras, num)
+        topk = self._select(spans, layout, cache, extras, num) if self.indexer is not None else None
+        if num.backends.attention == "triton":
+            o = self._attend_kernel(q, kv, spans, layout, cache, topk, num)
+        else:
+            o = torch.empty(q.shape, dtype=num.compute_dtype, device=q.device)
+            for span in spans:
+                rows = slice(span.begin, span.end)
+                o[rows] = self._attend_row(q[rows], kv[rows], span, cache, None if topk is None else topk[rows], num)
         o = apply_rope(o, cos, sin, inverse=True)
         return self._project_out(o, num)
 
@@ -100,9 +134,23 @@ class Attention(nn.Module):
             out["ikv"], out["igate"] = self.indexer.compressor.project(x, num)
         return out
 
+    def _update_compressors(self, spans: list[RowSpan], cache: LayerCache, extras: dict[str, torch.Tensor],
+                            num: Numerics) -> None:
+        """Feed each row's tokens to the compressors: closed windows become entries in the row's pages
+        (rows are separate sequences, so all are written before any row attends)."""
+        for span in spans:
+            rows = slice(span.begin, span.end)
+            if self.compressor is not None:
+                self.compressor.update(extras["kv"][rows], extras["gate"][rows], span.start_pos, cache.comp,
+                                       span.slot, span.pages, self.freqs, num)
+            if self.indexer is not None:
+                self.indexer.compressor.update(extras["ikv"][rows], extras["igate"][rows], span.start_pos,
+                                               cache.idx, span.slot, span.pages, self.freqs, num)
+
     def _attend_row(self, q: torch.Tensor, kv: torch.Tensor, span: RowSpan, cache: LayerCache,
-                    extras: dict[str, torch.Tensor], num: Numerics) -> torch.Tensor:
-        """One row's T tokens: q [T, H, d], kv [T, d] -> [T, H, d]; updates the row's cache."""
+                    topk: torch.Tensor | None, num: Numerics) -> torch.Tensor:
+        """One row's T tokens: q [T, H, d], kv [T, d], the indexer's choice topk [T, index_topk] (CSA)
+        -> [T, H, d]; writes the row's keys into its window ring."""
         start_pos, slot, dev = span.start_pos, span.slot, kv.device
         window = self.window_size
         n_new, n_prev = kv.shape[0], min(start_pos, window - 1)
@@ -113,19 +161,13 @@ class Attention(nn.Module):
         k_pos = start_pos - n_prev + torch.arange(n_prev + n_new, device=dev)
         delta = q_pos[:, None] - k_pos[None, :]
         allowed = (delta >= 0) & (delta < window)  # the window includes the query itself
-        kept = q_pos[-window:]  # the ring's content for the next step
-        ring[kept % window] = kv[-window:].to(ring.dtype)
+        self._store_window(ring, kv, start_pos)
         if self.compressor is not None:
-            self.compressor.update(extras["kv"], extras["gate"], start_pos, cache.comp, slot, span.pages,
-                                   self.freqs, num)
             entries = cache.comp.read(span.pages, (start_pos + n_new) // self.compress_ratio)
             n_ready = (q_pos + 1) // self.compress_ratio  # entries a query may use: w < (t+1)/ratio
             visible = torch.arange(entries.shape[0], device=dev)[None, :] < n_ready[:, None]
-            if self.indexer is not None:
-                self.indexer.compressor.update(extras["ikv"], extras["igate"], start_pos, cache.idx, slot,
-                                               span.pages, self.freqs, num)
-                idx_keys = cache.idx.read(span.pages, (start_pos + n_new) // self.compress_ratio)
-                visible = self.indexer.select(extras["iq"], extras["iw"], idx_keys, visible)
+            if topk is not None:
+                visible = Indexer.chosen(topk, visible)
             keys = torch.cat((keys, entries))
             allowed = torch.cat((allowed, visible), dim=1)
         if not num.batch_invariant:
@@ -136,6 +178,48 @@ class Attention(nn.Module):
             every = torch.ones(1, mine.shape[0], dtype=torch.bool, device=q.device)
             out[t] = sparse_attention(q[t:t + 1], mine, every, self.attn_sink, self.softmax_scale)[0]
         return out
+
+    def _store_window(self, ring: torch.Tensor, kv: torch.Tensor, start_pos: int) -> None:
+        """Keep a row's last `window` keys kv [T, d] (positions start_pos..) in its ring [W, d]."""
+        kept = start_pos + torch.arange(max(0, kv.shape[0] - self.window_size), kv.shape[0], device=kv.device)
+        ring[kept % self.window_size] = kv[-self.window_size:].to(ring.dtype)
+
+    def _attend_kernel(self, q: torch.Tensor, kv: torch.Tensor, spans: list[RowSpan], layout: BatchLayout,
+                       cache: LayerCache, topk: torch.Tensor | None, num: Numerics) -> torch.Tensor:
+        """Every row at once: q [N, H, d], kv [N, d], topk [N, index_topk] int32 (CSA) -> [N, H, d] compute
+        dtype; then writes the rows' keys into their window rings."""
+        from dsv4_kernels.sparse_attention import paged_sparse_attention  # lazy: kernels build on import
+
+        comp = cache.comp.entries if cache.comp is not None else None
+        o = paged_sparse_attention(q, kv, cache.swa, layout.cu_seqlens, layout.start_pos, layout.seq_slot,
+                                   self.attn_sink, self.softmax_scale, comp_kv=comp,
+                                   block_table=layout.block_table if comp is not None else None, topk_idx=topk,
+                                   ratio=self.compress_ratio)
+        for span in spans:  # after the kernel: it reads the ring as it was before this step
+            self._store_window(cache.swa[span.slot], kv[span.begin:span.end], span.start_pos)
+        return o.to(num.compute_dtype)
+
+    def _select(self, spans: list[RowSpan], layout: BatchLayout, cache: LayerCache,
+                extras: dict[str, torch.Tensor], num: Numerics) -> torch.Tensor:
+        """The indexer's choice for every packed row: [N, index_topk] int32 entry indices, -1 padded."""
+        assert self.indexer is not None and cache.idx is not None
+        ratio, topk = self.compress_ratio, self.indexer.index_topk
+        if num.backends.indexer == "triton":
+            from dsv4_kernels.indexer_topk import indexer_topk  # lazy: kernels build on import
+
+            return indexer_topk(extras["iq"], extras["iw"], cache.idx.entries, layout.block_table,
+                                layout.cu_seqlens, layout.start_pos, ratio, topk, layout.max_rows,
+                                layout.max_end // ratio)
+        chosen = []
+        for span in spans:
+            rows, dev = slice(span.begin, span.end), layout.cu_seqlens.device
+            q_pos = span.start_pos + torch.arange(span.end - span.begin, device=dev)
+            n_entries = (span.start_pos + span.end - span.begin) // ratio
+            visible = torch.arange(n_entries, device=dev)[None, :] < ((q_pos + 1) // ratio)[:, None]
+            keys = cache.idx.read(span.pages, n_entries)
+            chosen.append(self.indexer.as_indices(self.indexer.select(extras["iq"][rows], extras["iw"][rows], keys,
+                                                                      visible)))
+        return torch.cat(chosen)
 
     def _project_out(self, o: torch.Tensor, num: Numerics) -> torch.Tensor:
         """o [N, H, d] -> grouped wo_a [N, G, o_lora] -> wo_b [N, D]."""

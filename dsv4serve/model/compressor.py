@@ -3,7 +3,8 @@
 CSA (ratio 4) windows overlap: each token projects to 2d values; the first half (`A`) joins the
 next window, the second half (`B`) its own, so entry w pools 2*ratio slots. HCA windows do not
 overlap. Entries are RMS-normed, rotated at the window's first position, then QAT-simulated: FP8 on
-the nope dims for attention keys, Hadamard + FP4 for indexer keys (`rotate`).
+the nope dims for attention keys, Hadamard + FP4 for indexer keys (`rotate`). The pooling runs in
+torch or in the compressor_pool kernel (`num.backends.compressor`).
 """
 
 from __future__ import annotations
@@ -57,11 +58,20 @@ class Compressor(nn.Module):
         score = score[:cut].view(n_windows, ratio, -1)
         if self.overlap:
             kv, score = self._overlap(kv, score, cache, slot, has_prev=first > 0)
-        pooled = (kv * in_fp64(lambda z: z.softmax(dim=1), score)).sum(dim=1)  # [n_windows, d] fp32
+        pooled = self._pool(kv, score, num)  # [n_windows, d] fp32
         entry = self.norm(pooled.to(num.compute_dtype))
         positions = (first + torch.arange(n_windows, device=dev)) * ratio
         entry = apply_rope(entry, *rope_cos_sin(freqs, positions))
         cache.write(pages, first, self._simulate(entry, num))
+
+    @staticmethod
+    def _pool(kv: torch.Tensor, score: torch.Tensor, num: Numerics) -> torch.Tensor:
+        """Per-channel softmax pooling over each window's slots: [W, L, d] fp32 -> [W, d] fp32."""
+        if num.backends.compressor == "triton":
+            from dsv4_kernels.compressor_pool import compressor_pool  # lazy: kernels build on import
+
+            return compressor_pool(kv, score)
+        return (kv * in_fp64(lambda z: z.softmax(dim=1), score)).sum(dim=1)
 
     def _overlap(self, kv: torch.Tensor, score: torch.Tensor, cache: CompressedCache, slot: int,
                  has_prev: bool) -> tuple[torch.Tensor, torch.Tensor]:

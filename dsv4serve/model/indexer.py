@@ -7,6 +7,7 @@ from its own overlapping compressor (`indexer.compressor`).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dsv4serve.model.args import ModelArgs
@@ -53,3 +54,20 @@ class Indexer(nn.Module):
         top = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :self.index_topk]
         chosen = torch.zeros_like(visible).scatter_(1, top, True)
         return chosen & visible
+
+    def as_indices(self, chosen: torch.Tensor) -> torch.Tensor:
+        """A choice chosen [T, S] bool (at most `index_topk` a row) -> [T, index_topk] int32 entry
+        indices in ascending order, -1 padded: the indexer_topk kernel's output layout."""
+        n_entries = chosen.shape[1]
+        cols = torch.arange(n_entries, device=chosen.device).expand_as(chosen)
+        order = torch.where(chosen, cols, cols + n_entries).sort(dim=1).values[:, :self.index_topk]
+        order = torch.where(order < n_entries, order, -1)
+        return F.pad(order, (0, self.index_topk - order.shape[1]), value=-1).to(torch.int32)
+
+    @staticmethod
+    def chosen(top: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """Entry indices top [T, K] (-1 padded, as `as_indices` or the kernel give them), visible [T, S]
+        -> the chosen visible entries [T, S] bool. A -1 marks fewer than K visible entries, all chosen."""
+        if visible.shape[1] == 0:
+            return visible
+        return torch.zeros_like(visible).scatter_(1, top.long().clamp_min(0), True) & visible

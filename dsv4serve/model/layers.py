@@ -6,18 +6,48 @@ import torch
 from torch import nn
 
 from dsv4serve.model.numerics import Numerics, linear
+from dsv4serve.model.quant import dequant_fp8_block, quant_fp8_block
 
 
 class Linear(nn.Module):
-    """A bias-free projection; `fp8_act` marks one the checkpoint stores in FP8 or FP4."""
+    """A bias-free projection; `fp8_act` marks one the checkpoint stores in FP8 or FP4 (`fp4_weight`:
+    MXFP4, the routed experts). With `num.backends.fp8_gemm == "triton"` an FP8-stored projection runs
+    the FP8 block-scaled GEMM kernel on the packed copy that `pack_fp8` made."""
 
-    def __init__(self, in_dim: int, out_dim: int, fp8_act: bool):
+    def __init__(self, in_dim: int, out_dim: int, fp8_act: bool, fp4_weight: bool = False):
         super().__init__()
-        self.fp8_act = fp8_act
+        self.fp8_act, self.fp4_weight = fp8_act, fp4_weight
         self.weight = nn.Parameter(torch.empty(out_dim, in_dim))
+        # e4m3 [out, in] and e8m0 [ceil(out/128), ceil(in/128)]; not part of the state dict
+        self.register_buffer("weight_fp8", None, persistent=False)
+        self.register_buffer("weight_fp8_scale", None, persistent=False)
+
+    @property
+    def fp8_stored(self) -> bool:
+        return self.fp8_act and not self.fp4_weight
+
+    def pack_fp8(self) -> None:
+        """Hold the weight as the checkpoint's FP8 blocks as well. The dense weight must be exactly such a
+        dequantization (it is, when loaded from an FP8 checkpoint): re-quantizing must give it back."""
+        w8, scale = quant_fp8_block(self.weight.detach())
+        if not torch.equal(dequant_fp8_block(w8, scale), self.weight.detach().float()):
+            raise ValueError(f"weight {tuple(self.weight.shape)} is not an exact FP8 128x128-block dequantization")
+        self.weight_fp8, self.weight_fp8_scale = w8, scale
 
     def forward(self, x: torch.Tensor, num: Numerics, x_quantized: bool = False) -> torch.Tensor:
+        if self.fp8_stored and num.backends.fp8_gemm == "triton":
+            return self._fp8_kernel(x)
         return linear(x, self.weight, num, self.fp8_act, x_quantized)
+
+    def _fp8_kernel(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] -> bf16 [..., out]; the kernel quantizes x per token per 128 channels itself
+        (idempotent on an input the caller quantized already)."""
+        if self.weight_fp8 is None:
+            raise RuntimeError("fp8_gemm=triton needs packed FP8 weights: call Transformer.use_kernels first")
+        from dsv4_kernels.fp8_gemm import fp8_linear  # lazy: kernel modules build their kernels on import
+
+        out = fp8_linear(x.reshape(-1, x.shape[-1]), self.weight_fp8, self.weight_fp8_scale)
+        return out.view(*x.shape[:-1], out.shape[-1])
 
 
 class RMSNorm(nn.Module):

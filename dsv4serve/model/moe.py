@@ -5,6 +5,10 @@ The routed experts are either resident modules (`experts`) or, when the memory p
 packed MXFP4 slots lent one at a time by an expert-slot cache (`use_expert_cache`, see
 dsv4serve/experts/). The two paths run the same expert arithmetic on the same dequantized values
 and sum the experts' outputs in the same (ascending expert) order, so their results are identical.
+
+With `num.backends.fp4_moe == "triton"` the resident routed experts run as two grouped MXFP4 GEMM
+launches (dsv4_kernels.fp4_moe) on packed copies that `pack_fp4` made; the expert-slot-cache path
+stays on torch.
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ from torch import nn
 from dsv4serve.model.args import ModelArgs
 from dsv4serve.model.layers import Linear
 from dsv4serve.model.numerics import Numerics, act_quant, in_fp64, linear, matmul
-from dsv4serve.model.quant import dequant_fp4
+from dsv4serve.model.quant import dequant_fp4, quant_fp4
+
+FP4_PARTS = ("w1", "w3", "w2")
 
 
 class ExpertSource(Protocol):
@@ -65,29 +71,39 @@ class Gate(nn.Module):
 
 
 class Expert(nn.Module):
-    def __init__(self, dim: int, inter_dim: int, swiglu_limit: float):
+    """`routed`: a routed expert, stored in MXFP4 (the shared expert is stored in FP8)."""
+
+    def __init__(self, dim: int, inter_dim: int, swiglu_limit: float, routed: bool = False):
         super().__init__()
-        self.w1 = Linear(dim, inter_dim, fp8_act=True)
-        self.w2 = Linear(inter_dim, dim, fp8_act=True)
-        self.w3 = Linear(dim, inter_dim, fp8_act=True)
+        self.w1 = Linear(dim, inter_dim, fp8_act=True, fp4_weight=routed)
+        self.w2 = Linear(inter_dim, dim, fp8_act=True, fp4_weight=routed)
+        self.w3 = Linear(dim, inter_dim, fp8_act=True, fp4_weight=routed)
         self.swiglu_limit = swiglu_limit
 
     def forward(self, x: torch.Tensor, num: Numerics, weights: torch.Tensor | None = None) -> torch.Tensor:
-        return swiglu_expert(x, self.w1.weight, self.w3.weight, self.w2.weight, self.swiglu_limit, num, weights)
+        """As `swiglu_expert`, through the Linear modules (so an FP8-stored expert may take the kernel)."""
+        gate, up = self.w1(x, num, x_quantized=True), self.w3(x, num, x_quantized=True)
+        act = swiglu(gate, up, self.swiglu_limit, weights)
+        return self.w2(act.to(num.compute_dtype), num)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, swiglu_limit: float, weights: torch.Tensor | None) -> torch.Tensor:
+    """Clamped SwiGLU of the gate / up projections [n, I] -> fp32 [n, I], times the routing weight [n, 1]."""
+    gate, up = gate.float(), up.float()
+    if swiglu_limit > 0:
+        gate = gate.clamp(max=swiglu_limit)
+        up = up.clamp(min=-swiglu_limit, max=swiglu_limit)
+    act = in_fp64(F.silu, gate) * up
+    return weights * act if weights is not None else act
 
 
 def swiglu_expert(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, swiglu_limit: float,
                   num: Numerics, weights: torch.Tensor | None = None) -> torch.Tensor:
     """x [n, D] already through `act_quant` -> [n, D] compute dtype; the routing weight [n, 1]
     scales before w2, in fp32. w1, w3 [I, D], w2 [D, I] dense."""
-    gate = linear(x, w1, num, True, x_quantized=True).float()
-    up = linear(x, w3, num, True, x_quantized=True).float()
-    if swiglu_limit > 0:
-        gate = gate.clamp(max=swiglu_limit)
-        up = up.clamp(min=-swiglu_limit, max=swiglu_limit)
-    act = in_fp64(F.silu, gate) * up
-    if weights is not None:
-        act = weights * act
+    gate = linear(x, w1, num, True, x_quantized=True)
+    up = linear(x, w3, num, True, x_quantized=True)
+    act = swiglu(gate, up, swiglu_limit, weights)
     return linear(act.to(num.compute_dtype), w2, num, True)
 
 
@@ -98,23 +114,62 @@ class MoE(nn.Module):
         self.n_routed_experts = args.n_routed_experts
         self.swiglu_limit = args.swiglu_limit
         self.gate = Gate(layer_id, args)
-        self.experts = nn.ModuleList(Expert(args.dim, args.moe_inter_dim, args.swiglu_limit)
+        self.experts = nn.ModuleList(Expert(args.dim, args.moe_inter_dim, args.swiglu_limit, routed=True)
                                      for _ in range(args.n_routed_experts))
         shared_dim = args.n_shared_experts * args.moe_inter_dim
         self.shared_experts = Expert(args.dim, shared_dim, args.swiglu_limit)
         self.expert_source: ExpertSource | None = None
+        for part in FP4_PARTS:  # stacked MXFP4 copies for the fp4_moe kernel: [E, N, K/2] int8, [E, N, K/32] e8m0
+            self.register_buffer(f"{part}_fp4", None, persistent=False)
+            self.register_buffer(f"{part}_fp4_scale", None, persistent=False)
+
+    def pack_fp4(self) -> None:
+        """Stack the resident routed experts as packed MXFP4 for the kernel. The dense weights must be
+        exact MXFP4 dequantizations (they are, loaded from the checkpoint): re-packing must give them back."""
+        if not len(self.experts):
+            raise RuntimeError("the routed experts come from an expert-slot cache; nothing resident to pack")
+        for part in FP4_PARTS:
+            packed = [quant_fp4(getattr(expert, part).weight.detach()) for expert in self.experts]
+            for e, (codes, scale) in enumerate(packed):
+                dense = getattr(self.experts[e], part).weight.detach().float()
+                if not torch.equal(dequant_fp4(codes, scale), dense):
+                    raise ValueError(f"layer {self.layer_id} expert {e} {part} is not an exact MXFP4 dequantization")
+            setattr(self, f"{part}_fp4", torch.stack([codes for codes, _ in packed]))
+            setattr(self, f"{part}_fp4_scale", torch.stack([scale for _, scale in packed]))
 
     def use_expert_cache(self, source: ExpertSource) -> None:
         """From now on the routed experts come from `source`; the resident copies are dropped (their
         weights are then no longer part of the state dict)."""
         self.experts = nn.ModuleList()
         self.expert_source = source
+        for part in FP4_PARTS:
+            setattr(self, f"{part}_fp4", None)
+            setattr(self, f"{part}_fp4_scale", None)
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor, num: Numerics) -> torch.Tensor:
         """x [N, D] compute dtype, token_ids [N] -> [N, D] compute dtype."""
         weights, ids = self.gate(x, token_ids, num)
         x = act_quant(x, num)  # the FP8 input of every expert, quantized once
-        y = torch.zeros(x.shape, dtype=torch.float32)
+        if num.backends.fp4_moe == "triton" and self.expert_source is None:
+            y = self._routed_kernel(x, weights, ids)
+        else:
+            y = self._routed_torch(x, token_ids, weights, ids, num)
+        y += self.shared_experts(x, num).float()
+        return y.to(num.compute_dtype)
+
+    def _routed_kernel(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The routed experts' sum [N, D] fp32 by the grouped MXFP4 kernel."""
+        if self.w1_fp4 is None:
+            raise RuntimeError("fp4_moe=triton needs packed MXFP4 experts: call Transformer.use_kernels first")
+        from dsv4_kernels.fp4_moe import fp4_moe  # lazy: kernel modules build their kernels on import
+
+        return fp4_moe(x, self.w1_fp4, self.w1_fp4_scale, self.w3_fp4, self.w3_fp4_scale, self.w2_fp4,
+                       self.w2_fp4_scale, weights, ids, self.swiglu_limit)
+
+    def _routed_torch(self, x: torch.Tensor, token_ids: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                      num: Numerics) -> torch.Tensor:
+        """The routed experts' sum [N, D] fp32, expert by expert in ascending order (resident or cached)."""
+        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         counts = torch.bincount(ids.flatten(), minlength=self.n_routed_experts).tolist()
         used = [e for e, count in enumerate(counts) if count]
         outs = self._cached(x, token_ids, ids, weights, used, num) if self.expert_source is not None else None
@@ -122,8 +177,7 @@ class MoE(nn.Module):
             rows, slot = torch.where(ids == e)
             out = outs.pop(e) if outs is not None else self.experts[e](x[rows], num, weights[rows, slot, None])
             y.index_add_(0, rows, out.float())
-        y += self.shared_experts(x, num).float()
-        return y.to(num.compute_dtype)
+        return y
 
     def _cached(self, x: torch.Tensor, token_ids: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                 used: list[int], num: Numerics) -> dict[int, torch.Tensor]:

@@ -19,6 +19,11 @@ and attention gathers exactly each query's keys. With the fp64-rounded transcend
 (`in_fp64`, always on) and the indexer's stable tie-break, the logits are bitwise the same for any
 chunking and batching, which the quantizers need (a one-ulp difference can flip an FP8 rounding).
 Decode (one token per row) costs the same either way; only multi-token prefill is slower.
+
+`backends` picks torch or Triton per kernel (model/backends.py); the Triton paths are not batch
+invariant (their sums run in tile order) and are checked against the torch path by tolerance.
+The FP8 GEMM and MXFP4 MoE kernels always quantize activations and round to bf16, so they require
+`fp8_act` and a bf16 compute dtype.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from dsv4serve.model.backends import TORCH, KernelBackends
 from dsv4serve.model.quant import FP4_MAX, FP8_MAX, pow2_ceil, round_e2m1
 
 FP8_AMAX_FLOOR = 1e-4
@@ -45,6 +51,13 @@ class Numerics:
     indexer_fp4: bool = True
     compute_dtype: torch.dtype = torch.bfloat16  # dtype of activations between fp32 islands
     batch_invariant: bool = True
+    backends: KernelBackends = TORCH
+
+    def __post_init__(self) -> None:
+        fixed = [k for k in ("fp8_gemm", "fp4_moe") if getattr(self.backends, k) == "triton"]
+        if fixed and not (self.fp8_act and self.compute_dtype == torch.bfloat16):
+            raise ValueError(f"the Triton {', '.join(fixed)} kernel(s) quantize activations to FP8 and round to "
+                             "bf16: they need fp8_act=True and compute_dtype=bfloat16")
 
 
 NUMERICS_OFF = Numerics(fp8_act=False, kv_fp8=False, indexer_fp4=False, compute_dtype=torch.float32)

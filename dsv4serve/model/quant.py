@@ -109,10 +109,10 @@ def _pow2_scale(amax: torch.Tensor, max_code: float) -> torch.Tensor:
 def round_e2m1_codes(v: torch.Tensor) -> torch.Tensor:
     """Codes (uint8, sign in bit 3) of the e2m1 values nearest to v (|v| <= 6); a tie goes to the even
     code, as a hardware cast rounds."""
-    mags = torch.tensor(E2M1_VALUES[:8], dtype=torch.float32)
+    mags = torch.tensor(E2M1_VALUES[:8], dtype=torch.float32, device=v.device)
     dist = (v.float().abs().unsqueeze(-1) - mags).abs()  # [..., 8]
     ties = dist == dist.min(dim=-1, keepdim=True).values
-    codes = torch.arange(8)
+    codes = torch.arange(8, device=v.device)
     rank = torch.where(ties, (codes % 2) * 16 + codes, torch.full_like(codes, 1 << 10))
     code = rank.argmin(dim=-1).to(torch.uint8)
     return torch.where(torch.signbit(v) & (code != 0), code | 0x8, code)
@@ -120,7 +120,7 @@ def round_e2m1_codes(v: torch.Tensor) -> torch.Tensor:
 
 def round_e2m1(v: torch.Tensor) -> torch.Tensor:
     """v rounded to the nearest e2m1 value (ties to the even code), in v's dtype, sign kept."""
-    mags = torch.tensor(E2M1_VALUES[:8], dtype=v.dtype)
+    mags = torch.tensor(E2M1_VALUES[:8], dtype=v.dtype, device=v.device)
     return torch.copysign(mags[(round_e2m1_codes(v) & 0x7).long()], v)
 
 
@@ -129,7 +129,7 @@ def quant_fp8_block(weight: torch.Tensor, block: tuple[int, int] = (128, 128)) -
     out_dim, in_dim = weight.shape
     bo, bi = block
     nbo, nbi = -(-out_dim // bo), -(-in_dim // bi)
-    padded = torch.zeros(nbo * bo, nbi * bi, dtype=torch.float32)
+    padded = torch.zeros(nbo * bo, nbi * bi, dtype=torch.float32, device=weight.device)
     padded[:out_dim, :in_dim] = weight.float()
     amax = padded.view(nbo, bo, nbi, bi).abs().amax(dim=(1, 3))
     scale = _pow2_scale(amax, FP8_MAX)

@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from dsv4serve.model.args import ModelArgs
-from dsv4serve.model.attention import Attention, RowSpan
+from dsv4serve.model.attention import Attention, BatchLayout, RowSpan
+from dsv4serve.model.backends import KernelBackends
 from dsv4serve.model.hc import hc_head, hc_post, hc_pre
 from dsv4serve.model.layers import Linear, RMSNorm
 from dsv4serve.model.moe import MoE
@@ -54,11 +55,11 @@ class Block(nn.Module):
         _hc_params(self, "hc_ffn", n_mix, args.hc_mult * args.dim, 3)
 
     def forward(self, h: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor,
-                spans: list[RowSpan], cache: LayerCache, num: Numerics) -> torch.Tensor:
+                spans: list[RowSpan], layout: BatchLayout, cache: LayerCache, num: Numerics) -> torch.Tensor:
         """h [N, hc, D] compute dtype -> [N, hc, D]."""
         x, post, comb = hc_pre(h, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base,
                                self.hc_iters, self.hc_eps, self.norm_eps, num)
-        x = self.attn(self.attn_norm(x), positions, spans, cache, num)
+        x = self.attn(self.attn_norm(x), positions, spans, layout, cache, num)
         h = hc_post(x, h, post, comb)
         x, post, comb = hc_pre(h, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base,
                                self.hc_iters, self.hc_eps, self.norm_eps, num)
@@ -86,7 +87,7 @@ class MTPBlock(Block):
         return (e.unsqueeze(1) + hp).to(num.compute_dtype)
 
 
-def _spans(rows: list[BatchRow], use_mtp_pos: bool = False) -> tuple[list[RowSpan], torch.Tensor]:
+def _spans(rows: list[BatchRow], use_mtp_pos: bool = False) -> tuple[list[RowSpan], BatchLayout, torch.Tensor]:
     spans, positions, begin = [], [], 0
     for row in rows:
         n = int(row.token_ids.shape[0])
@@ -99,7 +100,7 @@ def _spans(rows: list[BatchRow], use_mtp_pos: bool = False) -> tuple[list[RowSpa
         spans.append(RowSpan(begin, begin + n, start, st.slot, torch.tensor(st.pages, dtype=torch.long, device=dev)))
         positions.append(torch.arange(start, start + n, device=dev))
         begin += n
-    return spans, torch.cat(positions)
+    return spans, BatchLayout.of(spans, rows[0].token_ids.device), torch.cat(positions)
 
 
 def _pool_of(rows: list[BatchRow], num: Numerics) -> KvPool:
@@ -134,17 +135,28 @@ class Transformer(nn.Module):
             self._standalone_pools[num.compute_dtype] = pool
         return pool.new_sequence()
 
+    def use_kernels(self, backends: KernelBackends) -> None:
+        """Prepare, once after loading, the packed weights the chosen Triton kernels read: FP8 blocks of
+        every FP8-stored projection (fp8_gemm) and stacked MXFP4 routed experts (fp4_moe; layers whose
+        experts come from an expert-slot cache stay on torch). Each packing asserts it is exact. The
+        other kernels need no preparation; `Numerics.backends` picks the path at each forward."""
+        for module in self.modules():
+            if backends.fp8_gemm == "triton" and isinstance(module, Linear) and module.fp8_stored:
+                module.pack_fp8()
+            if backends.fp4_moe == "triton" and isinstance(module, MoE) and module.expert_source is None:
+                module.pack_fp4()
+
     @torch.inference_mode()
     def forward(self, rows: list[BatchRow], num: Numerics, all_logits: bool = False,
                 return_hidden: bool = False) -> ForwardOutput:
         """Run each row's tokens after its state; advances every row's state by its token count."""
         pool = _pool_of(rows, num)
         ids = torch.cat([r.token_ids for r in rows]).long()  # [N]
-        spans, positions = _spans(rows)
+        spans, layout, positions = _spans(rows)
         h = self.embed(ids).to(num.compute_dtype)
         h = h.unsqueeze(1).expand(-1, self.args.hc_mult, -1).contiguous()  # [N, hc, D]
         for i, layer in enumerate(self.layers):
-            h = layer(h, ids, positions, spans, pool.layers[i], num)
+            h = layer(h, ids, positions, spans, layout, pool.layers[i], num)
         for row, span in zip(rows, spans):
             row.state.num_tokens += span.end - span.begin
         picked = self._pick(h, spans, all_logits)
@@ -162,9 +174,9 @@ class Transformer(nn.Module):
         if len(pool.layers) <= block.layer_id:
             raise ValueError("this KV pool holds no MTP layers")
         ids = torch.cat([r.token_ids for r in rows]).long()
-        spans, positions = _spans(rows, use_mtp_pos=True)
+        spans, layout, positions = _spans(rows, use_mtp_pos=True)
         h = block.embed_inputs(torch.cat(hidden).to(num.compute_dtype), self.embed(ids).to(num.compute_dtype), num)
-        h = block(h, ids, positions, spans, pool.layers[block.layer_id], num)
+        h = block(h, ids, positions, spans, layout, pool.layers[block.layer_id], num)
         for row, span in zip(rows, spans):
             row.state.mtp_num_tokens += span.end - span.begin
         picked = self._pick(h, spans, all_logits)

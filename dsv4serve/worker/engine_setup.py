@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -12,16 +15,18 @@ from dsv4serve.config import Setting, Source
 from dsv4serve.experts.attach import attach_expert_cache, iter_resident_dense
 from dsv4serve.experts.slot_cache import ExpertSlotCache
 from dsv4serve.ipc.messages import Ready, WorkerLaunch
+from dsv4serve.model.backends import default_backends, parse_backends
 from dsv4serve.model.kv_pool import KvPool
 from dsv4serve.model.numerics import NUMERICS_OFF, NUMERICS_ON, Numerics
-from dsv4serve.model.transformer import Transformer
+from dsv4serve.model.state import SequenceState
+from dsv4serve.model.transformer import BatchRow, Transformer
 from dsv4serve.worker.chunk_planner import ChunkPlan, PlannerLimits, plan_chunk, prefill_geometry, shrink_after_oom
-from dsv4serve.worker.memory_probe import host_snapshot
+from dsv4serve.worker.capacity import PROBE_TOKENS_MAX, CapacityError, kv_capacity, planner_snapshot
+from dsv4serve.worker.memory_probe import host_snapshot, take_snapshot
 from dsv4serve.worker.runner import FaultInjection, Runner
 from dsv4serve.worker.scheduler import Scheduler, SchedulerLimits
 
 log = logging.getLogger("dsv4serve.worker")
-CPU_KV_CAPACITY_TOKENS = 131072  # the CPU reference path holds states in host memory; a modest default
 
 
 class StartupError(RuntimeError):
@@ -57,50 +62,105 @@ class EngineParts:
 
 
 def build_engine(launch: WorkerLaunch) -> EngineParts:
-    if launch.device != "cpu":
-        raise StartupError("the CUDA path is not part of this build yet: run with --device cpu")
-    device = torch.device("cpu")
+    device = _device(launch.device)
     ckpt = open_checkpoint(launch.model_path)
     args = ckpt.args
-    model = Transformer(args, include_mtp=ckpt.layout == "official")
+    include_mtp = ckpt.layout == "official"
+    _check_dense_weights_fit(args, include_mtp, launch, device)
+    model = Transformer(args, include_mtp=include_mtp)
     expert_cache = attach_expert_cache(model, ckpt, launch.moe_cache_size, device)  # None: all resident
     weights = iter_dense(ckpt, torch.float32, progress=True) if expert_cache is None else \
         iter_resident_dense(ckpt, torch.float32)
-    state = dict(weights)
-    model.load_state_dict(state, strict=True)
-    del state
-    model.eval()
-    numerics: Numerics = NUMERICS_ON if args.dtype == "fp8" else NUMERICS_OFF
-    capacity = launch.num_tokens or CPU_KV_CAPACITY_TOKENS
+    model.load_state_dict(dict(weights), strict=True)
+    model.to(device).eval()
+    numerics = _numerics(args, launch.kernels, device)
+    model.use_kernels(numerics.backends)
+    log.info("kernels: %s", numerics.backends)
     page = args.page_tokens
-    capacity = (capacity // page) * page
+    # the reference attention materializes [T, H, keys] scores: the chunk's cost grows with its square
+    geometry = prefill_geometry(args, context_tokens=launch.max_model_len, max_rows=launch.max_num_seqs,
+                                dense_attention=numerics.backends.attention == "torch")
+    sched_slots = SchedulerLimits(launch.max_num_seqs, 0, page, page, page, 0).num_slots
+    entry_bytes = torch.empty(0, dtype=numerics.compute_dtype).element_size()
+    try:
+        capacity = kv_capacity(args, device, entry_bytes, sched_slots, launch.max_model_len * launch.max_num_seqs,
+                               launch.num_tokens, launch.memory_ratio,
+                               min(launch.max_prefill_length or PROBE_TOKENS_MAX, PROBE_TOKENS_MAX), geometry)
+    except CapacityError as exc:
+        raise StartupError(str(exc)) from exc
     max_len = launch.max_model_len
     if max_len > capacity:
         if launch.max_model_len_explicit:
             raise StartupError(f"--max-model-len {max_len} does not fit the KV capacity of {capacity} tokens "
-                               f"(--num-tokens or the CPU default {CPU_KV_CAPACITY_TOKENS}); raise --num-tokens or "
-                               "lower --max-model-len")
+                               "(--num-tokens, or what the memory holds); raise --num-tokens or lower "
+                               "--max-model-len")
         max_len = capacity
-    # the CPU path runs the reference attention, whose scores grow with the square of the chunk
-    geometry = prefill_geometry(args, context_tokens=max_len, max_rows=launch.max_num_seqs, dense_attention=True)
-    user_cap = Setting(launch.max_prefill_length, Source(launch.max_prefill_length_source))
-    plan = plan_chunk(host_snapshot(launch.memory_ratio), geometry, PlannerLimits(user_cap, capacity, max_len))
-    if plan.warning:
-        log.warning("%s", plan.warning)
-    chunk = ChunkState(plan)
     limits = SchedulerLimits(max_running=launch.max_num_seqs, max_waiting=launch.max_queued_requests,
                              kv_capacity_tokens=capacity, page_tokens=page, max_model_len=max_len,
                              eos_token_id=args.eos_token_id)
-    fault = FaultInjection(launch.fault_oom_above_bytes, geometry.activation_bytes_per_token)
     pool = KvPool(args, numerics.compute_dtype, num_pages=capacity // page, num_slots=limits.num_slots,
                   device=device)
-    log.info("KV pool: %d pages of %d tokens, %d sequence slots (%d for prefix snapshots), %.1f MiB",
-             pool.num_pages, page, pool.num_slots, limits.num_prefix_slots, pool.num_bytes / 2**20)
+    log.info("KV pool on %s: %d pages of %d tokens, %d sequence slots (%d for prefix snapshots), %.1f MiB",
+             device, pool.num_pages, page, pool.num_slots, limits.num_prefix_slots, pool.num_bytes / 2**20)
+    user_cap = Setting(launch.max_prefill_length, Source(launch.max_prefill_length_source))
+    planner_limits = PlannerLimits(user_cap, capacity, max_len)
+    probe_tokens = min(plan_chunk(planner_snapshot(device, launch.memory_ratio, None, 0), geometry,
+                                  planner_limits).effective_tokens, PROBE_TOKENS_MAX, capacity)
+    snapshot = planner_snapshot(device, launch.memory_ratio, _probe(model, pool, numerics, device), probe_tokens)
+    plan = plan_chunk(snapshot, geometry, planner_limits)
+    if plan.warning:
+        log.warning("%s", plan.warning)
+    fault = FaultInjection(launch.fault_oom_above_bytes, geometry.activation_bytes_per_token)
     runner = Runner(model, pool, numerics, args.eos_token_id, device, fault)
-    ready = Ready(device="cpu", kv_capacity_tokens=capacity, max_running_requests=launch.max_num_seqs,
+    ready = Ready(device=device.type, kv_capacity_tokens=capacity, max_running_requests=launch.max_num_seqs,
                   max_model_len=max_len, chunk=plan,
                   expert_slots=None if expert_cache is None else expert_cache.n_slots,
                   vocab_size=args.vocab_size, eos_token_id=args.eos_token_id,
                   expert_bank=None if expert_cache is None else expert_cache.bank.report.describe(),
                   kv_pages=pool.num_pages, page_tokens=page, sequence_slots=pool.num_slots)
-    return EngineParts(Scheduler(limits), runner, chunk, ready, expert_cache)
+    return EngineParts(Scheduler(limits), runner, ChunkState(plan), ready, expert_cache)
+
+
+def _numerics(args, kernels: str, device: torch.device) -> Numerics:
+    """The checkpoint's numerics with the kernel backends of --kernels (auto: Triton on CUDA)."""
+    base = default_backends(device)
+    try:
+        backends = base if kernels == "auto" else parse_backends(kernels, base)
+    except ValueError as exc:
+        raise StartupError(f"--kernels: {exc}") from exc
+    if backends.uses_triton() and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise StartupError(f"--kernels {kernels}: the Triton kernels need a CUDA device (or TRITON_INTERPRET=1, "
+                           "for tests); this worker runs on the CPU")
+    num: Numerics = NUMERICS_ON if args.dtype == "fp8" else NUMERICS_OFF
+    return dataclasses.replace(num, backends=backends)
+
+
+def _device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise StartupError("--device cuda: no CUDA device is visible to torch; run `dsv4serve doctor`")
+    return torch.device(name)
+
+
+def _check_dense_weights_fit(args, include_mtp: bool, launch: WorkerLaunch, device: torch.device) -> None:
+    """This build runs the model with dense fp32 weights (FP8 / FP4 dequantized at load): refuse, by
+    name, a checkpoint whose dense weights cannot fit, before allocating any of them."""
+    with torch.device("meta"):
+        n_params = sum(p.numel() for p in Transformer(args, include_mtp=include_mtp).parameters())
+    need = 4 * n_params
+    if launch.moe_cache_size is None:
+        where, have = (("GPU", take_snapshot("cuda").total_bytes) if device.type == "cuda"
+                       else ("host", host_snapshot().free_bytes))
+        if need > have:
+            raise StartupError(f"this build holds the weights dense in fp32: {need / 2**30:.1f} GiB, more than the "
+                               f"{have / 2**30:.1f} GiB of {where} memory; the packed FP8/FP4 weight path that "
+                               "DeepSeek-V4-Flash needs is not part of this build")
+
+
+def _probe(model: Transformer, pool: KvPool, numerics: Numerics, device: torch.device) -> Callable[[int], object]:
+    """The calibration prefill: n tokens through slot 0 and the first pages, before any request runs
+    (what it leaves in the pool is never read: reads are bounded by each sequence's own length)."""
+    def run(n: int) -> object:
+        seq = SequenceState(pool, 0, pages=list(range(-(-n // pool.page_tokens))))
+        ids = torch.zeros(n, dtype=torch.long, device=device)
+        return model.forward([BatchRow(ids, seq)], numerics)
+    return run

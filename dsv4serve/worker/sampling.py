@@ -85,24 +85,31 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow],
             raise ValueError(f"a row's generator is on {row.generator.device}, "
                              f"the logits on {logits.device}")
     raw = logits.float()  # [B, V] fp32, never modified: logprobs come from it
-    work = raw.clone()  # [B, V] fp32, modified in place stage by stage
-    apply_penalties(work, rows)
-    mask_stop_tokens(work, rows)
-    apply_forced_tokens(work, rows)
-    token_ids = work.argmax(dim=-1)  # [B] the greedy choice, also for rows sampled below
     is_greedy = [row.params.is_greedy for row in rows]
-    if not all(is_greedy):
-        apply_temperature(work, rows)
-        apply_top_k(work, rows)
-        apply_top_p(work, rows)
-        apply_min_p(work, rows)
-        drawn = draw(work, rows, generator)
-        token_ids = torch.where(torch.tensor(is_greedy, device=raw.device), token_ids, drawn)
-    log_norm = torch.logsumexp(raw, dim=-1)  # [B]
-    chosen = raw.gather(1, token_ids[:, None]).squeeze(1) - log_norm
-    top_ids, top_values = top_logprobs(raw, log_norm, rows)
+    if all(is_greedy) and not any(_changes_logits(row) for row in rows):
+        token_ids = raw.argmax(dim=-1)  # the common decode case: one pass, no copy
+    else:
+        work = raw.clone()  # [B, V] fp32, modified in place stage by stage
+        apply_penalties(work, rows)
+        mask_stop_tokens(work, rows)
+        apply_forced_tokens(work, rows)
+        token_ids = work.argmax(dim=-1)  # [B] the greedy choice, also for rows sampled below
+        if not all(is_greedy):
+            apply_temperature(work, rows)
+            apply_top_k(work, rows)
+            apply_top_p(work, rows)
+            apply_min_p(work, rows)
+            drawn = draw(work, rows, generator)
+            token_ids = torch.where(torch.tensor(is_greedy, device=raw.device), token_ids, drawn)
+    chosen, top_ids, top_values = logprobs_of(raw, token_ids, rows)
     return SampleOutput(token_ids, chosen, top_ids, top_values,
                         tuple(row.params.logprobs for row in rows))
+
+
+def _changes_logits(row: SamplingRow) -> bool:
+    """Whether a greedy row's logits need penalties, stop masking or forcing before the argmax."""
+    return (row.params.has_penalties or bool(stop_tokens_to_mask(row))
+            or forced_token(row.params, row.output_token_ids) is not None)
 
 
 def forced_token(params: SamplingParams, output_token_ids: Sequence[int]) -> int | None:
@@ -260,12 +267,22 @@ def draw(work: torch.Tensor, rows: Sequence[SamplingRow],
     return probs.div_(noise).argmax(dim=-1)
 
 
-def top_logprobs(raw: torch.Tensor, log_norm: torch.Tensor, rows: Sequence[SamplingRow]
-                 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """The N most likely tokens of the raw logits and their logprobs: ([B, N] int64, [B, N] fp32)."""
-    asked = [r.params.logprobs for r in rows if r.params.logprobs is not None]
+def logprobs_of(raw: torch.Tensor, token_ids: torch.Tensor, rows: Sequence[SamplingRow]
+                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Raw logprob of each chosen token ([B] fp32; NaN for rows that did not ask for logprobs) and the
+    N most likely alternatives ([B, N] int64 ids, [B, N] fp32 logprobs, best first; None when no row
+    asked). Only the rows that asked pay for the full-vocabulary log-normalizer."""
+    chosen = torch.full((raw.shape[0],), float("nan"), device=raw.device)
+    asked = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     if not asked:
-        return None, None
-    n = min(max(asked), raw.shape[1])
-    values, ids = raw.topk(n, dim=-1)  # sorted, best first
-    return ids, values - log_norm[:, None]
+        return chosen, None, None
+    index = torch.tensor(asked, device=raw.device)
+    sub = raw.index_select(0, index)
+    log_norm = torch.logsumexp(sub, dim=-1)  # [A]
+    chosen[index] = sub.gather(1, token_ids.index_select(0, index)[:, None]).squeeze(1) - log_norm
+    n = min(max(rows[i].params.logprobs for i in asked), raw.shape[1])
+    values, ids = sub.topk(n, dim=-1)  # sorted, best first
+    top_ids = torch.zeros((raw.shape[0], n), dtype=torch.long, device=raw.device)
+    top_values = torch.full((raw.shape[0], n), float("nan"), device=raw.device)
+    top_ids[index], top_values[index] = ids, values - log_norm[:, None]
+    return chosen, top_ids, top_values

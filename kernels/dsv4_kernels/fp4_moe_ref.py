@@ -33,7 +33,7 @@ def gate_up_ref(x_q: torch.Tensor, x_scale: torch.Tensor, w1: torch.Tensor, w1_s
     bf16-rounded values (the input of w2 before its FP8 quantization)."""
     t, k = topk_ids.shape
     x = dequant_act_fp8_ref(x_q, x_scale)
-    act = torch.empty(t * k, w1.shape[1], dtype=torch.float32)
+    act = torch.empty(t * k, w1.shape[1], dtype=torch.float32, device=x_q.device)
     for e in topk_ids.unique().tolist():
         rows, slot = torch.where(topk_ids == e)
         xe = x[rows]
@@ -53,7 +53,7 @@ def down_ref(act_q: torch.Tensor, act_scale: torch.Tensor, w2: torch.Tensor, w2_
     """act_q e4m3 [T*k, I], act_scale fp32 [T*k, ceil(I/128)] -> per-slot expert outputs bf16 [T*k, D]."""
     flat_ids = topk_ids.flatten()
     a = dequant_act_fp8_ref(act_q, act_scale)
-    y = torch.empty(flat_ids.numel(), w2.shape[1], dtype=torch.bfloat16)
+    y = torch.empty(flat_ids.numel(), w2.shape[1], dtype=torch.bfloat16, device=act_q.device)
     for e in flat_ids.unique().tolist():
         slots = torch.where(flat_ids == e)[0]
         y[slots] = a[slots].matmul(_expert_weight(w2, w2_scale, e).t()).to(torch.bfloat16)

@@ -60,3 +60,16 @@ def test_a_module_that_cannot_import_is_a_row_not_a_crash(gpu_check, monkeypatch
     assert len(rows) == 1 and rows[0].ok.startswith("ERROR: ModuleNotFoundError")
     text = gpu_check.format_rows(rows)
     assert text.splitlines()[0].split()[:3] == ["case", "time", "ms"] and "no_such_case_module" in text
+
+
+def test_end_to_end_projection_against_the_bandwidth_bound(monkeypatch, real_model_dir: Path) -> None:
+    monkeypatch.syspath_prepend(str(REPO))
+    from bench.gpu_cases import end_to_end as e2e
+    from dsv4serve.model.args import read_model_args
+
+    # the brief's figure: ~11 GB of FP8/FP4 weights read per decoded token at batch 1
+    assert 10.5e9 < e2e.decode_bytes_per_token(read_model_args(real_model_dir)) < 12e9
+    lines = e2e.notes({e2e.decode_name(2048): 10.0, e2e.prefill_name(2048): 1000.0}, {"copy_GBps": 4800.0})
+    assert "= 42" in lines[0]  # 4800 GB/s / ~11.2 GB = ~428 tokens/s
+    assert "43 layers 215.0 ms = 4.7 tokens/s" in lines[1]  # 10 ms x 43 / 2 layers
+    assert "prefill 2048 tokens/s" in lines[2] and "~95 tokens/s projected" in lines[2]

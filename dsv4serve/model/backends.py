@@ -1,0 +1,82 @@
+"""Which implementation runs each kernel-backed step of the model: the torch reference or Triton.
+
+One field per kernel of kernels/dsv4_kernels: `attention` (paged sparse attention), `indexer`
+(lightning-indexer scores + top-k), `compressor` (the compressor's softmax pooling), `fp8_gemm`
+(projections stored in FP8), `fp4_moe` (the routed experts, MXFP4). The setting travels inside
+`Numerics`, the frozen value every model function already receives, so dispatch needs no model
+state beyond the packed weights that `Transformer.use_kernels` prepares.
+
+A setting string names kernels left to right: "all=triton,fp4_moe=torch" puts every kernel on
+Triton but the MoE; a kernel not named keeps the base (the device default unless given).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Literal
+
+import torch
+
+Backend = Literal["torch", "triton"]
+BACKENDS: tuple[str, ...] = ("torch", "triton")
+
+
+@dataclass(frozen=True)
+class KernelBackends:
+    attention: Backend = "torch"
+    indexer: Backend = "torch"
+    compressor: Backend = "torch"
+    fp8_gemm: Backend = "torch"
+    fp4_moe: Backend = "torch"
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if getattr(self, f.name) not in BACKENDS:
+                raise ValueError(f"kernel backend {f.name}={getattr(self, f.name)!r}: expected one of {BACKENDS}")
+
+    @classmethod
+    def every(cls, backend: Backend) -> "KernelBackends":
+        return cls(**{name: backend for name in kernel_names()})
+
+    def uses_triton(self) -> bool:
+        return any(getattr(self, name) == "triton" for name in kernel_names())
+
+
+TORCH = KernelBackends()
+
+
+def kernel_names() -> tuple[str, ...]:
+    return tuple(f.name for f in fields(KernelBackends))
+
+
+def default_backends(device: torch.device | str) -> KernelBackends:
+    """Triton for every kernel on a CUDA device; torch elsewhere (Triton needs a GPU outside tests)."""
+    return KernelBackends.every("triton" if torch.device(device).type == "cuda" else "torch")
+
+
+def parse_backends(spec: str, base: KernelBackends = TORCH) -> KernelBackends:
+    """"attention=triton,fp4_moe=torch" or "all=triton" (applied left to right over `base`).
+
+    Raises ValueError naming the part that is malformed, the unknown kernel or the unknown backend.
+    """
+    names = kernel_names()
+    result = base
+    for part in (p.strip() for p in spec.split(",")):
+        if not part:
+            if spec.strip():
+                raise ValueError(f"kernel backends {spec!r}: empty part (a stray comma?)")
+            continue
+        kernel, sep, backend = (s.strip() for s in part.partition("="))
+        if not sep or not kernel or not backend:
+            raise ValueError(f"kernel backends {spec!r}: part {part!r} is not KERNEL=BACKEND")
+        if backend not in BACKENDS:
+            raise ValueError(f"kernel backends {spec!r}: part {part!r} names backend {backend!r}; "
+                             f"expected one of {BACKENDS}")
+        if kernel == "all":
+            result = KernelBackends.every(backend)  # type: ignore[arg-type]
+        elif kernel in names:
+            result = replace(result, **{kernel: backend})
+        else:
+            raise ValueError(f"kernel backends {spec!r}: part {part!r} names kernel {kernel!r}; "
+                             f"expected 'all' or one of {names}")
+    return result

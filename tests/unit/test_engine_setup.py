@@ -1,0 +1,39 @@
+"""--kernels in the worker: auto is torch on the CPU, Triton on CUDA; Triton on a CPU worker is refused
+by name unless the interpreter runs (tests)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4serve.cli import main as cli_main
+from dsv4serve.model.args import args_from_dicts
+from dsv4serve.model.backends import KernelBackends
+from dsv4serve.tiny.spec import TINY_CONFIG
+from dsv4serve.worker.engine_setup import StartupError, _numerics
+
+ARGS = args_from_dicts(TINY_CONFIG, expert_dtype_hint="fp4")
+CPU = torch.device("cpu")
+
+
+def test_auto_is_torch_on_the_cpu_and_triton_on_cuda(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert _numerics(ARGS, "auto", CPU).backends == KernelBackends.every("torch")
+    assert _numerics(ARGS, "auto", torch.device("cuda")).backends == KernelBackends.every("triton")
+    assert _numerics(ARGS, "fp4_moe=torch", torch.device("cuda")).backends.fp4_moe == "torch"
+
+
+def test_triton_on_a_cpu_worker_is_refused_unless_interpreted(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(StartupError, match="--kernels attention=triton: the Triton kernels need a CUDA device"):
+        _numerics(ARGS, "attention=triton", CPU)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert _numerics(ARGS, "attention=triton", CPU).backends.attention == "triton"
+
+
+def test_a_bad_spec_stops_at_the_command_line(capsys):
+    with pytest.raises(SystemExit) as stop:
+        cli_main(["plan", "--model", "dsv4-tiny", "--kernels", "attention=cuda"])
+    assert stop.value.code != 0
+    err = capsys.readouterr().err
+    assert "--kernels" in err and "'cuda'" in err
