@@ -66,7 +66,7 @@ def build_engine(launch: WorkerLaunch) -> EngineParts:
     ckpt = open_checkpoint(launch.model_path)
     args = ckpt.args
     include_mtp = ckpt.layout == "official"
-    _check_dense_weights_fit(args, include_mtp, launch, device)
+    _check_dense_weights_fit(ckpt, include_mtp, launch, device)
     model = Transformer(args, include_mtp=include_mtp)
     expert_cache = attach_expert_cache(model, ckpt, launch.moe_cache_size, device)  # None: all resident
     weights = iter_dense(ckpt, torch.float32, progress=True) if expert_cache is None else \
@@ -141,12 +141,13 @@ def _device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _check_dense_weights_fit(args, include_mtp: bool, launch: WorkerLaunch, device: torch.device) -> None:
+def _check_dense_weights_fit(ckpt, include_mtp: bool, launch: WorkerLaunch, device: torch.device) -> None:
     """This build runs the model with dense fp32 weights (FP8 / FP4 dequantized at load): refuse, by
-    name, a checkpoint whose dense weights cannot fit, before allocating any of them."""
-    with torch.device("meta"):
-        n_params = sum(p.numel() for p in Transformer(args, include_mtp=include_mtp).parameters())
-    need = 4 * n_params
+    name, a checkpoint whose dense weights cannot fit, before allocating any of them (from the schema:
+    FP4 packs two values a byte; scales fold into their weights)."""
+    per_value = {"dense": 1, "fp8_weight": 1, "fp4_weight": 2, "index": 1}
+    need = 4 * sum(spec.numel * per_value.get(spec.role, 0) for spec in ckpt.specs
+                   if include_mtp or spec.layer is None or spec.layer < ckpt.args.n_layers)
     if launch.moe_cache_size is None:
         where, have = (("GPU", take_snapshot("cuda").total_bytes) if device.type == "cuda"
                        else ("host", host_snapshot().free_bytes))

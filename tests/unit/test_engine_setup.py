@@ -37,3 +37,18 @@ def test_a_bad_spec_stops_at_the_command_line(capsys):
     assert stop.value.code != 0
     err = capsys.readouterr().err
     assert "--kernels" in err and "'cuda'" in err
+
+
+def test_a_checkpoint_whose_dense_weights_cannot_fit_is_refused_by_name(real_model_dir):
+    from types import SimpleNamespace
+
+    from dsv4serve.ipc.messages import WorkerLaunch
+    from dsv4serve.model.args import read_model_args
+    from dsv4serve.model.schema import checkpoint_schema
+    from dsv4serve.worker.engine_setup import _check_dense_weights_fit
+
+    args = read_model_args(real_model_dir)
+    ckpt = SimpleNamespace(args=args, specs=tuple(checkpoint_schema(args)))
+    launch = WorkerLaunch("", "", "m", "cpu", 1, 1, 1, False, None, "default", None)
+    with pytest.raises(StartupError, match=r"dense in fp32: 1\d\d\d\.\d GiB.*packed FP8/FP4 weight path"):
+        _check_dense_weights_fit(ckpt, False, launch, CPU)
