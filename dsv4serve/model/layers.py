@@ -12,7 +12,8 @@ from dsv4serve.model.quant import dequant_fp8_block, quant_fp8_block
 class Linear(nn.Module):
     """A bias-free projection; `fp8_act` marks one the checkpoint stores in FP8 or FP4 (`fp4_weight`:
     MXFP4, the routed experts). With `num.backends.fp8_gemm == "triton"` an FP8-stored projection runs
-    the FP8 block-scaled GEMM kernel on the packed copy that `pack_fp8` made."""
+    the FP8 block-scaled GEMM kernel on the packed copy that `pack_fp8` made, or that `load_fp8` took
+    from the checkpoint; in the latter case there is no dense `weight` (None) and only the kernel runs."""
 
     def __init__(self, in_dim: int, out_dim: int, fp8_act: bool, fp4_weight: bool = False):
         super().__init__()
@@ -34,9 +35,23 @@ class Linear(nn.Module):
             raise ValueError(f"weight {tuple(self.weight.shape)} is not an exact FP8 128x128-block dequantization")
         self.weight_fp8, self.weight_fp8_scale = w8, scale
 
+    def load_fp8(self, w8: torch.Tensor, scale: torch.Tensor) -> None:
+        """Hold only the checkpoint's FP8 blocks (e4m3 [out, in], e8m0 [ceil(out/128), ceil(in/128)]), as
+        `pack_fp8` would make them, and no dense weight: the packed loader's path, which never dequantizes."""
+        if not self.fp8_stored:
+            raise ValueError("only a projection the checkpoint stores in FP8 can hold packed FP8 weights")
+        shape = tuple(self.weight.shape)
+        if w8.dtype != torch.float8_e4m3fn or tuple(w8.shape) != shape:
+            raise ValueError(f"packed FP8 weight {w8.dtype} {tuple(w8.shape)} does not fit {shape}")
+        self.weight = None
+        self.weight_fp8, self.weight_fp8_scale = w8, scale
+
     def forward(self, x: torch.Tensor, num: Numerics, x_quantized: bool = False) -> torch.Tensor:
         if self.fp8_stored and num.backends.fp8_gemm == "triton":
             return self._fp8_kernel(x)
+        if self.weight is None:
+            raise RuntimeError("this projection was loaded packed for fp8_gemm=triton and holds no dense weight: "
+                               "fp8_gemm=torch needs the model loaded dense (iter_dense)")
         return linear(x, self.weight, num, self.fp8_act, x_quantized)
 
     def _fp8_kernel(self, x: torch.Tensor) -> torch.Tensor:

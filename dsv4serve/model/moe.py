@@ -7,8 +7,9 @@ dsv4serve/experts/). The two paths run the same expert arithmetic on the same de
 and sum the experts' outputs in the same (ascending expert) order, so their results are identical.
 
 With `num.backends.fp4_moe == "triton"` the resident routed experts run as two grouped MXFP4 GEMM
-launches (dsv4_kernels.fp4_moe) on packed copies that `pack_fp4` made; the expert-slot-cache path
-stays on torch.
+launches (dsv4_kernels.fp4_moe) on packed copies that `pack_fp4` made, or that the packed loader read
+straight from the checkpoint (`use_packed_experts`, model/packed_load.py: then there are no dense
+experts and only the kernel runs); the expert-slot-cache path stays on torch.
 """
 
 from __future__ import annotations
@@ -137,6 +138,17 @@ class MoE(nn.Module):
             setattr(self, f"{part}_fp4", torch.stack([codes for codes, _ in packed]))
             setattr(self, f"{part}_fp4_scale", torch.stack([scale for _, scale in packed]))
 
+    def use_packed_experts(self, stacks: dict[str, torch.Tensor]) -> None:
+        """Hold the routed experts only as the kernel's stacked MXFP4 copies (`w1_fp4`, `w1_fp4_scale`, ...
+        as `pack_fp4` makes them, read from the checkpoint by the packed loader); no dense experts."""
+        if set(stacks) != {f"{part}_fp4{kind}" for part in FP4_PARTS for kind in ("", "_scale")}:
+            raise ValueError(f"layer {self.layer_id}: packed experts need every MXFP4 part, got {sorted(stacks)}")
+        if any(t.shape[0] != self.n_routed_experts for t in stacks.values()):
+            raise ValueError(f"layer {self.layer_id}: packed experts must stack all {self.n_routed_experts} experts")
+        self.experts = nn.ModuleList()
+        for name, tensor in stacks.items():
+            setattr(self, name, tensor)
+
     def use_expert_cache(self, source: ExpertSource) -> None:
         """From now on the routed experts come from `source`; the resident copies are dropped (their
         weights are then no longer part of the state dict)."""
@@ -152,6 +164,9 @@ class MoE(nn.Module):
         x = act_quant(x, num)  # the FP8 input of every expert, quantized once
         if num.backends.fp4_moe == "triton" and self.expert_source is None:
             y = self._routed_kernel(x, weights, ids)
+        elif self.expert_source is None and not len(self.experts):
+            raise RuntimeError(f"layer {self.layer_id}: the routed experts were loaded packed for fp4_moe=triton; "
+                               "fp4_moe=torch needs them loaded dense (iter_dense)")
         else:
             y = self._routed_torch(x, token_ids, weights, ids, num)
         y += self.shared_experts(x, num).float()
@@ -183,7 +198,8 @@ class MoE(nn.Module):
                 used: list[int], num: Numerics) -> dict[int, torch.Tensor]:
         """Each used expert's output [n_e, D], computed in the order the cache lends the slots."""
         assert self.expert_source is not None
-        dtype = self.shared_experts.w1.weight.dtype  # the dtype the resident experts would be loaded in
+        dtype = self.gate.weight.dtype  # the dtype the resident experts would be loaded in (the shared
+        # expert's weight may be held packed only, see Linear.load_fp8)
         outs: dict[int, torch.Tensor] = {}
         for e, p in self.expert_source.layer_experts(self.layer_id, used, token_ids):
             w1, w3, w2 = (dequant_fp4(p[w], p[f"{w}_scale"], dtype) for w in ("w1", "w3", "w2"))

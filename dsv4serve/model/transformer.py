@@ -138,12 +138,15 @@ class Transformer(nn.Module):
     def use_kernels(self, backends: KernelBackends) -> None:
         """Prepare, once after loading, the packed weights the chosen Triton kernels read: FP8 blocks of
         every FP8-stored projection (fp8_gemm) and stacked MXFP4 routed experts (fp4_moe; layers whose
-        experts come from an expert-slot cache stay on torch). Each packing asserts it is exact. The
-        other kernels need no preparation; `Numerics.backends` picks the path at each forward."""
+        experts come from an expert-slot cache stay on torch). Each packing asserts it is exact; weights
+        packed already (by the packed loader, model/packed_load.py) are left as they are. The other
+        kernels need no preparation; `Numerics.backends` picks the path at each forward."""
         for module in self.modules():
-            if backends.fp8_gemm == "triton" and isinstance(module, Linear) and module.fp8_stored:
+            if backends.fp8_gemm == "triton" and isinstance(module, Linear) and module.fp8_stored \
+                    and module.weight_fp8 is None:
                 module.pack_fp8()
-            if backends.fp4_moe == "triton" and isinstance(module, MoE) and module.expert_source is None:
+            if backends.fp4_moe == "triton" and isinstance(module, MoE) and module.expert_source is None \
+                    and module.w1_fp4 is None:
                 module.pack_fp4()
 
     @torch.inference_mode()

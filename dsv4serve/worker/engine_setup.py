@@ -18,6 +18,7 @@ from dsv4serve.ipc.messages import Ready, WorkerLaunch
 from dsv4serve.model.backends import default_backends, parse_backends
 from dsv4serve.model.kv_pool import KvPool
 from dsv4serve.model.numerics import NUMERICS_OFF, NUMERICS_ON, Numerics
+from dsv4serve.model.packed_load import device_bytes, load_packed
 from dsv4serve.model.state import SequenceState
 from dsv4serve.model.transformer import BatchRow, Transformer
 from dsv4serve.worker.chunk_planner import ChunkPlan, PlannerLimits, plan_chunk, prefill_geometry, shrink_after_oom
@@ -66,16 +67,23 @@ def build_engine(launch: WorkerLaunch) -> EngineParts:
     ckpt = open_checkpoint(launch.model_path)
     args = ckpt.args
     include_mtp = ckpt.layout == "official"
-    _check_dense_weights_fit(ckpt, include_mtp, launch, device)
-    model = Transformer(args, include_mtp=include_mtp)
-    expert_cache = attach_expert_cache(model, ckpt, launch.moe_cache_size, device)  # None: all resident
-    weights = iter_dense(ckpt, torch.float32, progress=True) if expert_cache is None else \
-        iter_resident_dense(ckpt, torch.float32)
-    model.load_state_dict(dict(weights), strict=True)
-    model.to(device).eval()
     numerics = _numerics(args, launch.kernels, device)
-    model.use_kernels(numerics.backends)
-    log.info("kernels: %s", numerics.backends)
+    backends = numerics.backends
+    if backends.fp8_gemm == "triton" and backends.fp4_moe == "triton":
+        # the kernels read FP8 / MXFP4 as stored: load them packed, never dense
+        _check_packed_weights_fit(ckpt, backends, include_mtp, launch, device)
+        model, expert_cache = load_packed(ckpt, backends, device, include_mtp, launch.moe_cache_size)
+    else:
+        _check_dense_weights_fit(ckpt, include_mtp, launch, device)
+        model = Transformer(args, include_mtp=include_mtp)
+        expert_cache = attach_expert_cache(model, ckpt, launch.moe_cache_size, device)  # None: all resident
+        weights = iter_dense(ckpt, torch.float32, progress=True) if expert_cache is None else \
+            iter_resident_dense(ckpt, torch.float32)
+        model.load_state_dict(dict(weights), strict=True)
+        model.to(device)
+    model.eval()
+    model.use_kernels(backends)  # packs what the Triton kernels read (nothing left to do after load_packed)
+    log.info("kernels: %s", backends)
     page = args.page_tokens
     # the reference attention materializes [T, H, keys] scores: the chunk's cost grows with its square
     geometry = prefill_geometry(args, context_tokens=launch.max_model_len, max_rows=launch.max_num_seqs,
@@ -155,6 +163,19 @@ def _check_dense_weights_fit(ckpt, include_mtp: bool, launch: WorkerLaunch, devi
             raise StartupError(f"this build holds the weights dense in fp32: {need / 2**30:.1f} GiB, more than the "
                                f"{have / 2**30:.1f} GiB of {where} memory; the packed FP8/FP4 weight path that "
                                "DeepSeek-V4-Flash needs is not part of this build")
+
+
+def _check_packed_weights_fit(ckpt, backends, include_mtp: bool, launch: WorkerLaunch, device: torch.device) -> None:
+    """Refuse, before allocating, packed weights that cannot fit the device (expert slots not counted)."""
+    n_experts = ckpt.args.n_routed_experts * (ckpt.args.n_all_layers if include_mtp else ckpt.args.n_layers)
+    resident = launch.moe_cache_size is None or launch.moe_cache_size >= n_experts
+    need = device_bytes(ckpt.specs, ckpt.args, backends, include_mtp, experts_resident=resident).total_bytes
+    where, have = (("GPU", take_snapshot("cuda").total_bytes) if device.type == "cuda"
+                   else ("host", host_snapshot().free_bytes))
+    if need > have:
+        raise StartupError(f"the packed weights need {need / 2**30:.1f} GiB, more than the {have / 2**30:.1f} GiB of "
+                           f"{where} memory: pass --moe-cache-size N to keep the routed experts in host memory (`dsv4serve "
+                           "plan --model M --gpu-memory <this card>` proposes N)")
 
 
 def _probe(model: Transformer, pool: KvPool, numerics: Numerics, device: torch.device) -> Callable[[int], object]:

@@ -1,0 +1,213 @@
+"""Loading an official FP8 / MXFP4 checkpoint for the Triton kernel path, packed as stored, never dense.
+
+    model, cache = load_packed(ckpt, backends, device, include_mtp, expert_cache_slots)
+
+The model is built on the meta device (no memory); then every tensor is read from the memory-mapped
+shards one at a time and placed on `device`:
+- FP8-stored projections (e4m3 + ue8m0 128x128 `.scale`), when `fp8_gemm` is on Triton: as the
+  packed pair `Linear.pack_fp8` would make, with no dense weight (`Linear.load_fp8`);
+- resident routed experts (MXFP4), when `fp4_moe` is on Triton: straight into the stacked copies
+  `MoE.pack_fp4` would make (`MoE.use_packed_experts`); with expert slots asked for, the experts go
+  to the host bank behind an expert-slot cache instead (`attach_expert_cache`, as the engine does);
+- everything else as the dense loader (`iter_dense`) gives it, in DENSE_DTYPE: norms, embeddings,
+  head, HC, router, compressor / indexer weights, `wo_a` (the reference runs it dequantized), and any
+  FP8 projection or routed expert whose kernel is on torch.
+Buffers computed in `__init__` (the RoPE frequencies) are recomputed, and the result is checked to
+hold no meta tensor. Host memory stays near one tensor: each is moved to `device` as soon as read.
+
+`device_bytes` gives, from the checkpoint schema alone, the bytes this path allocates on `device`,
+for the engine's fits-check.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Iterable, Literal
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from dsv4serve.checkpoint.loader import Checkpoint, iter_dense
+from dsv4serve.checkpoint.source import CheckpointError
+from dsv4serve.experts.attach import attach_expert_cache
+from dsv4serve.experts.slot_cache import ExpertSlotCache
+from dsv4serve.model.args import ModelArgs
+from dsv4serve.model.attention import Attention
+from dsv4serve.model.backends import KernelBackends
+from dsv4serve.model.layers import Linear
+from dsv4serve.model.moe import MoE
+from dsv4serve.model.rope import inv_freq
+from dsv4serve.model.schema import DTYPE_BYTES, TORCH_DTYPES, TensorSpec
+from dsv4serve.model.transformer import Transformer
+
+# the dtype of every tensor loaded dense: the model's parameters are fp32 (the dense loader's default,
+# which the engine uses), so the torch paths compute exactly as on a dense-loaded model
+DENSE_DTYPE = torch.float32
+# FP8-stored projections that the model runs dense (attention.py: the reference dequantizes wo_a and
+# runs it as a grouped einsum); load_packed checks this list against the modules it fills
+FP8_RUN_DENSE = (".attn.wo_a.weight", ".attn.wo_a.scale")
+
+Kind = Literal["fp8_packed", "fp4_stacked", "dense", "bank"]
+
+
+@dataclass(frozen=True)
+class PackedBytes:
+    """Device bytes of the packed path, split as the memory plan splits the checkpoint's bytes."""
+
+    non_expert_bytes: int  # main model, everything but routed experts (buffers included)
+    routed_expert_bytes: int  # main model's resident routed experts (0 with an expert-slot cache)
+    mtp_bytes: int  # the MTP blocks, their experts included
+
+    @property
+    def total_bytes(self) -> int:
+        return self.non_expert_bytes + self.routed_expert_bytes + self.mtp_bytes
+
+
+def spec_kind(spec: TensorSpec, backends: KernelBackends, experts_resident: bool) -> Kind:
+    """How the packed path places one checkpoint tensor (a `.scale` goes where its weight goes)."""
+    if spec.group == "routed_experts":
+        if not experts_resident:
+            return "bank"
+        return "fp4_stacked" if backends.fp4_moe == "triton" and spec.role in ("fp4_weight", "fp4_scale") \
+            else "dense"
+    if backends.fp8_gemm == "triton" and spec.role in ("fp8_weight", "fp8_scale") \
+            and not spec.name.endswith(FP8_RUN_DENSE):
+        return "fp8_packed"
+    return "dense"
+
+
+def model_specs(ckpt_specs: Iterable[TensorSpec], args: ModelArgs, include_mtp: bool) -> list[TensorSpec]:
+    """The checkpoint tensors a model with or without its MTP blocks holds."""
+    return [s for s in ckpt_specs if include_mtp or s.layer is None or s.layer < args.n_layers]
+
+
+def _dense_bytes(spec: TensorSpec) -> int:
+    """Device bytes of one tensor loaded dense: float tensors in DENSE_DTYPE at their dense shape (FP4
+    packs two values a byte), scales consumed, integers (tid2eid) as the model holds them (int64)."""
+    if spec.role in ("fp8_scale", "fp4_scale"):
+        return 0
+    numel = spec.numel * (2 if spec.role == "fp4_weight" else 1)
+    if spec.role == "index":
+        return numel * torch.empty((), dtype=torch.int64).element_size()
+    return numel * torch.empty((), dtype=DENSE_DTYPE).element_size()
+
+
+def device_bytes(specs: Iterable[TensorSpec], args: ModelArgs, backends: KernelBackends, include_mtp: bool,
+                 experts_resident: bool = True) -> PackedBytes:
+    """The bytes `load_packed` allocates on the device for these checkpoint specs (headers or schema,
+    no data read); the expert-slot cache's own slots (experts_resident=False) are not included."""
+    split = {"non_expert": 0, "routed": 0, "mtp": 0}
+    for spec in model_specs(specs, args, include_mtp):
+        kind = spec_kind(spec, backends, experts_resident)
+        n = {"bank": 0, "dense": _dense_bytes(spec)}.get(kind, spec.nbytes)
+        part = "mtp" if spec.layer is not None and spec.layer >= args.n_layers else \
+            "routed" if spec.group == "routed_experts" else "non_expert"
+        split[part] += n
+    freqs_bytes = (args.rope_head_dim // 2) * DTYPE_BYTES["F32"]  # Attention.freqs, one per block
+    n_mtp = args.n_mtp_layers if include_mtp else 0
+    return PackedBytes(split["non_expert"] + args.n_layers * freqs_bytes, split["routed"],
+                       split["mtp"] + n_mtp * freqs_bytes)
+
+
+def _check_packable(ckpt: Checkpoint, backends: KernelBackends) -> None:
+    if ckpt.layout != "official" or ckpt.args.dtype != "fp8":
+        raise CheckpointError(f"{ckpt.folder}: the packed loader reads official FP8 checkpoints "
+                              f"(this one: {ckpt.layout} layout, dtype {ckpt.args.dtype}); load it dense")
+    if backends.fp4_moe == "triton" and ckpt.args.expert_dtype != "fp4":
+        raise CheckpointError(f"{ckpt.folder}: fp4_moe=triton needs MXFP4 routed experts, this checkpoint "
+                              f"stores them as {ckpt.args.expert_dtype}")
+
+
+def load_packed(ckpt: Checkpoint, backends: KernelBackends, device: torch.device, include_mtp: bool,
+                expert_cache_slots: int | None = None,
+                progress: bool = True) -> tuple[Transformer, ExpertSlotCache | None]:
+    """The model for `backends` on `device`, loaded packed (see the module doc), and its expert-slot
+    cache (None: the routed experts are resident). `expert_cache_slots` as for attach_expert_cache."""
+    _check_packable(ckpt, backends)
+    with torch.device("meta"):
+        model = Transformer(ckpt.args, include_mtp=include_mtp)
+    cache = attach_expert_cache(model, ckpt, expert_cache_slots, device, progress=progress)
+    specs = model_specs(ckpt.specs, ckpt.args, include_mtp)
+    kinds = {s.name: spec_kind(s, backends, cache is None) for s in specs}
+    with tqdm(total=sum(s.nbytes for s in specs if kinds[s.name] != "bank"), unit="B", unit_scale=True,
+              unit_divisor=1024, desc=f"loading {ckpt.folder.name} packed", disable=not progress) as bar:
+        _load_fp8(model, ckpt, [s for s in specs if kinds[s.name] == "fp8_packed"], device, bar)
+        _load_fp4(model, ckpt, [s for s in specs if kinds[s.name] == "fp4_stacked"], device, bar)
+        _load_dense(model, ckpt, [s for s in specs if kinds[s.name] == "dense"], device, bar)
+    for module in model.modules():
+        if isinstance(module, Attention):  # as __init__ computes it (on the CPU, like the dense path)
+            module.freqs = inv_freq(ckpt.args, bool(module.compress_ratio)).to(device)
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise RuntimeError(f"the packed load left {len(left)} tensors unloaded: {left[:5]}")
+    return model.eval(), cache
+
+
+def _placed(t: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A copy of `t` in memory of its own on `device`, as load_state_dict's copy into allocated parameters
+    gives: `t.to(device)` would alias the reader's buffer on the CPU, whose alignment can change which
+    code path (and so which summation order) a CPU GEMM takes, and the logits with it."""
+    return torch.empty(t.shape, dtype=dtype or t.dtype, device=device).copy_(t)
+
+
+def _load_fp8(model: Transformer, ckpt: Checkpoint, specs: list[TensorSpec], device: torch.device,
+              bar: tqdm) -> None:
+    """Each FP8-stored projection's e4m3 weight and e8m0 scale, as read, on `device`."""
+    weights: dict[str, torch.Tensor] = {}
+    for spec in specs:
+        t = _placed(ckpt.source.read(spec.name), device)
+        bar.update(spec.nbytes)
+        path, leaf = spec.name.rsplit(".", 1)
+        if leaf == "weight":
+            weights[path] = t
+            continue
+        linear = model.get_submodule(path)
+        if not isinstance(linear, Linear) or not linear.fp8_stored:
+            raise RuntimeError(f"{spec.name}: the packed loader took {path} for an FP8-stored projection "
+                               "(update FP8_RUN_DENSE)")
+        linear.load_fp8(weights.pop(path), t)
+
+
+def _load_fp4(model: Transformer, ckpt: Checkpoint, specs: list[TensorSpec], device: torch.device,
+              bar: tqdm) -> None:
+    """Each layer's routed experts, copied one by one into stacked [E, out, in/2] int8 codes and
+    [E, out, in/32] e8m0 scales on `device`."""
+    stacks: dict[str, dict[str, torch.Tensor]] = {}  # MoE path -> {"w1_fp4": ..., "w1_fp4_scale": ...}
+    for spec in specs:
+        moe_path, rest = spec.name.split(".experts.")  # "layers.3.ffn", "5.w1.weight"
+        _, part, leaf = rest.split(".")
+        key = f"{part}_fp4" + ("_scale" if leaf == "scale" else "")
+        moe = model.get_submodule(moe_path)
+        assert isinstance(moe, MoE) and spec.expert is not None
+        layer = stacks.setdefault(moe_path, {})
+        if key not in layer:
+            layer[key] = torch.empty((moe.n_routed_experts, *spec.shape), dtype=TORCH_DTYPES[spec.dtype],
+                                     device=device)
+        layer[key][spec.expert].copy_(ckpt.source.read(spec.name))
+        bar.update(spec.nbytes)
+    for moe_path, layer in stacks.items():
+        moe = model.get_submodule(moe_path)
+        assert isinstance(moe, MoE)
+        moe.use_packed_experts(layer)
+
+
+def _load_dense(model: Transformer, ckpt: Checkpoint, specs: list[TensorSpec], device: torch.device,
+                bar: tqdm) -> None:
+    """The dense loader's tensors (FP8 / FP4 dequantized exactly), each cast to the dtype of the meta
+    tensor it replaces and placed on `device`."""
+    read_bytes = {s.name: s.nbytes for s in specs}
+    for name, t in iter_dense(dataclasses.replace(ckpt, specs=tuple(specs)), DENSE_DTYPE, progress=False):
+        bar.update(read_bytes[name] + read_bytes.get(name.removesuffix(".weight") + ".scale", 0))
+        path, _, leaf = name.rpartition(".")  # top-level tensors (hc_head_fn) have no module path
+        module = model.get_submodule(path)
+        meta = getattr(module, leaf)
+        if meta is None or tuple(meta.shape) != tuple(t.shape):
+            raise CheckpointError(f"{name}: shape {tuple(t.shape)} does not fit the model's "
+                                  f"{None if meta is None else tuple(meta.shape)}")
+        value = _placed(t, device, meta.dtype)
+        if leaf in dict(module.named_parameters(recurse=False)):
+            setattr(module, leaf, nn.Parameter(value, requires_grad=False))
+        else:
+            setattr(module, leaf, value)

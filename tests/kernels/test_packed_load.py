@@ -1,0 +1,133 @@
+"""The packed loader (model/packed_load.py) on dsv4-tiny, kernels in the interpreter.
+
+The oracle is the dense path the engine runs today: every weight dequantized to fp32, then
+`use_kernels` re-packs FP8 projections and MXFP4 experts exactly. The packed loader must give a model
+whose logits are bitwise those (same packed bytes, same kernels), without ever holding the dense copy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from dsv4serve.checkpoint.loader import iter_dense, open_checkpoint
+from dsv4serve.memory_plan import weight_bytes
+from dsv4serve.model.args import read_model_args
+from dsv4serve.model.backends import TORCH, KernelBackends
+from dsv4serve.model.layers import Linear
+from dsv4serve.model.moe import MoE
+from dsv4serve.model.numerics import NUMERICS_ON
+from dsv4serve.model.packed_load import device_bytes, load_packed
+from dsv4serve.model.schema import checkpoint_schema
+from dsv4serve.model.transformer import BatchRow, Transformer
+
+PROMPT_TOKENS, DECODE_STEPS = 24, 1  # the interpreter runs a decode step as slowly as the prefill
+ALL_TRITON = KernelBackends.every("triton")
+# the loader only changes what fp8_gemm and fp4_moe read: the mixes below leave the other kernels on
+# torch, which is faster in the interpreter and reads the same (dense) weights either way
+MIXED = KernelBackends(fp4_moe="triton")  # FP8 projections dense, experts packed
+FP8_ONLY = KernelBackends(fp8_gemm="triton")
+CPU = torch.device("cpu")
+GIB = 2**30
+
+
+@pytest.fixture(scope="module")
+def ckpt(tiny_dir):
+    c = open_checkpoint(tiny_dir)
+    yield c
+    c.source.close()
+
+
+@pytest.fixture(scope="module")
+def dense(ckpt) -> Transformer:
+    model = Transformer(ckpt.args, include_mtp=True).eval()
+    model.load_state_dict(dict(iter_dense(ckpt, progress=False)), strict=True)
+    model.use_kernels(ALL_TRITON)  # packs both kinds: serves every backends mix below
+    return model
+
+
+def _nbytes(model: Transformer) -> int:
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+
+
+def _logits(model: Transformer, backends: KernelBackends) -> torch.Tensor:
+    """A 24-token prefill, then a greedy decode step (the kernels' M=1 paths): logit rows [25, vocab] fp32."""
+    num = dataclasses.replace(NUMERICS_ON, backends=backends)
+    ids = torch.randint(0, model.args.vocab_size, (PROMPT_TOKENS,), generator=torch.Generator().manual_seed(3))
+    state = model.new_state(num)
+    rows = [model([BatchRow(ids, state)], num, all_logits=True).logits[0]]
+    for _ in range(DECODE_STEPS):
+        rows.append(model([BatchRow(rows[-1][-1].argmax().view(1), state)], num).logits[0][None])
+    return torch.cat(rows)
+
+
+@pytest.mark.parametrize("backends", [ALL_TRITON, MIXED], ids=["all_triton", "fp8_torch_fp4_triton"])
+def test_packed_model_matches_the_dense_model_bitwise(ckpt, dense, backends):
+    model, cache = load_packed(ckpt, backends, CPU, include_mtp=True, progress=False)
+    assert cache is None
+    assert not [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    assert torch.equal(_logits(model, backends), _logits(dense, backends))
+    assert _nbytes(model) == device_bytes(ckpt.specs, ckpt.args, backends, include_mtp=True).total_bytes
+
+
+def test_packed_model_holds_no_dense_copy(ckpt, dense):
+    model, _ = load_packed(ckpt, ALL_TRITON, CPU, include_mtp=True, progress=False)
+    names = {n for n, _ in model.named_parameters()}
+    assert not [n for n in names if ".experts." in n], "routed experts must be held only stacked"
+    fp8 = [n for n, m in model.named_modules() if isinstance(m, Linear) and m.fp8_stored]
+    assert fp8 and not [n for n in fp8 if f"{n}.weight" in names], "FP8 projections must hold no dense weight"
+    # the weights the kernels read: dense-loaded fp32 + the packed copies vs packed only (1 byte per
+    # FP8 value and half a byte per FP4 value, plus scales: about 1/4 and 1/8 of fp32)
+    def kernel_bytes(m: Transformer) -> int:
+        mods = [x for x in m.modules() if (isinstance(x, Linear) and x.fp8_act) or isinstance(x, MoE)]
+        own = [t for x in mods for t in [*x.parameters(recurse=False), *x.buffers(recurse=False)]]
+        experts = [t for x in mods if isinstance(x, MoE) for t in x.experts.parameters()]
+        return sum(t.numel() * t.element_size() for t in [*own, *experts])
+    assert kernel_bytes(model) < 0.3 * kernel_bytes(dense)
+    assert _nbytes(model) < _nbytes(dense)
+    with pytest.raises(RuntimeError, match="fp8_gemm=torch needs the model loaded dense"):
+        _logits(model, dataclasses.replace(ALL_TRITON, fp8_gemm="torch"))
+    with pytest.raises(RuntimeError, match="fp4_moe=torch needs them loaded dense"):
+        _logits(model, dataclasses.replace(ALL_TRITON, fp4_moe="torch"))
+    held = _nbytes(model)
+    model.use_kernels(ALL_TRITON)  # the engine's call after loading: everything is packed already
+    assert _nbytes(model) == held
+
+
+def test_all_torch_estimate_is_the_dense_model(ckpt, dense):
+    """With every kernel on torch the packed path loads everything dense: the estimate must then be the
+    dense model's own bytes (less the packed copies use_kernels added to it)."""
+    packed_copies = sum(t.numel() * t.element_size() for n, t in dense.named_buffers() if "_fp" in n)
+    assert device_bytes(ckpt.specs, ckpt.args, TORCH, include_mtp=True).total_bytes == _nbytes(dense) - packed_copies
+
+
+def test_expert_slots_go_through_the_slot_cache(ckpt, dense):
+    """Experts offloaded behind 3 slots run the torch expert path (bitwise the resident torch path,
+    tests/model/test_expert_offload.py); FP8 projections still packed on the kernel."""
+    model, cache = load_packed(ckpt, FP8_ONLY, CPU, include_mtp=True, expert_cache_slots=3, progress=False)
+    assert cache is not None and cache.n_slots == 3
+    assert torch.equal(_logits(model, FP8_ONLY), _logits(dense, FP8_ONLY))
+    estimate = device_bytes(ckpt.specs, ckpt.args, FP8_ONLY, include_mtp=True, experts_resident=False)
+    assert estimate.routed_expert_bytes == 0 and _nbytes(model) == estimate.total_bytes
+
+
+def test_real_checkpoint_device_bytes(real_model_dir):
+    """DeepSeek-V4-Flash, every kernel on Triton, no MTP, from the schema (the real tensor list matches it:
+    tests/unit/test_real_checkpoint_list.py). The routed experts stay as stored: exactly the memory
+    plan's 137.06 GiB. The rest is 14.90 GiB, not the plan's 8.24 GiB of stored bytes, because the model
+    holds its dense tensors in fp32: wo_a (FP8 stored, run dequantized: 43 x 8192 x 4096 at 4 bytes
+    instead of 1, +4.03 GiB), embed and head (bf16 stored, +0.99 GiB each) and the bf16 compressor,
+    indexer and router weights (+0.66 GiB); the FP8 projections on the kernel keep their stored bytes."""
+    args = read_model_args(real_model_dir)
+    specs = checkpoint_schema(args)
+    plan = weight_bytes(specs, args)
+    got = device_bytes(specs, args, ALL_TRITON, include_mtp=False)
+    assert got.routed_expert_bytes == plan.routed_expert_bytes and got.mtp_bytes == 0
+    wo_a = 43 * (8192 * 4096 * (4 - 1) - 64 * 32)  # fp32 instead of e4m3 + its e8m0 scales
+    embed_head = 2 * 129280 * 4096 * (4 - 2)
+    rest = got.non_expert_bytes - plan.non_expert_bytes - wo_a - embed_head
+    assert rest == pytest.approx(0.66 * GIB, rel=0.01)
+    assert got.non_expert_bytes == pytest.approx(14.90 * GIB, rel=1e-3)
+    assert device_bytes(specs, args, ALL_TRITON, include_mtp=True).mtp_bytes == pytest.approx(3.44 * GIB, rel=1e-3)
