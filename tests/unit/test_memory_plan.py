@@ -207,6 +207,12 @@ def test_plan_cli_prints_and_emits_the_memory_plan(real_model_dir):
     mp = data["memory_plan"]
     assert mp["chunk"]["effective"] == 4096 and not mp["experts"]["all_resident"]
     assert mp["experts"]["host_memory"]["pin_estimate_bytes"] == 64 * GIB
+    # the resident weights are what the CUDA worker loads (packed FP8 + the tensors it keeps in fp32)
+    from dsv4serve.model.backends import KernelBackends
+    from dsv4serve.model.packed_load import device_bytes
+    args = read_model_args(real_model_dir)
+    loaded = device_bytes(checkpoint_schema(args), args, KernelBackends.every("triton"), True, experts_resident=False)
+    assert mp["resident_weight_bytes"] == loaded.non_expert_bytes
     text = _run(base)
     assert text.returncode == 0 and "memory plan (32.00 GiB GPU, wsl2)" in text.stdout
     assert "bound by memory" in text.stdout and "expert slots" in text.stdout
