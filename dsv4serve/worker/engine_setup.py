@@ -15,7 +15,7 @@ from dsv4serve.config import Setting, Source
 from dsv4serve.experts.attach import attach_expert_cache, iter_resident_dense
 from dsv4serve.experts.slot_cache import ExpertSlotCache
 from dsv4serve.ipc.messages import Ready, WorkerLaunch
-from dsv4serve.model.backends import default_backends, parse_backends
+from dsv4serve.model.backends import TORCH, KernelBackends, default_backends, parse_backends
 from dsv4serve.model.kv_pool import KvPool
 from dsv4serve.model.numerics import NUMERICS_OFF, NUMERICS_ON, Numerics
 from dsv4serve.model.packed_load import device_bytes, load_packed
@@ -71,10 +71,10 @@ def build_engine(launch: WorkerLaunch) -> EngineParts:
     backends = numerics.backends
     if backends.fp8_gemm == "triton" and backends.fp4_moe == "triton":
         # the kernels read FP8 / MXFP4 as stored: load them packed, never dense
-        _check_packed_weights_fit(ckpt, backends, include_mtp, launch, device)
+        _check_weights_fit(ckpt, backends, True, include_mtp, launch, device)
         model, expert_cache = load_packed(ckpt, backends, device, include_mtp, launch.moe_cache_size)
     else:
-        _check_dense_weights_fit(ckpt, include_mtp, launch, device)
+        _check_weights_fit(ckpt, backends, False, include_mtp, launch, device)
         model = Transformer(args, include_mtp=include_mtp)
         expert_cache = attach_expert_cache(model, ckpt, launch.moe_cache_size, device)  # None: all resident
         weights = iter_dense(ckpt, torch.float32, progress=True) if expert_cache is None else \
@@ -149,33 +149,26 @@ def _device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _check_dense_weights_fit(ckpt, include_mtp: bool, launch: WorkerLaunch, device: torch.device) -> None:
-    """This build runs the model with dense fp32 weights (FP8 / FP4 dequantized at load): refuse, by
-    name, a checkpoint whose dense weights cannot fit, before allocating any of them (from the schema:
-    FP4 packs two values a byte; scales fold into their weights)."""
-    per_value = {"dense": 1, "fp8_weight": 1, "fp4_weight": 2, "index": 1}
-    need = 4 * sum(spec.numel * per_value.get(spec.role, 0) for spec in ckpt.specs
-                   if include_mtp or spec.layer is None or spec.layer < ckpt.args.n_layers)
-    if launch.moe_cache_size is None:
-        where, have = (("GPU", take_snapshot("cuda").total_bytes) if device.type == "cuda"
-                       else ("host", host_snapshot().free_bytes))
-        if need > have:
-            raise StartupError(f"this build holds the weights dense in fp32: {need / 2**30:.1f} GiB, more than the "
-                               f"{have / 2**30:.1f} GiB of {where} memory; the packed FP8/FP4 weight path that "
-                               "DeepSeek-V4-Flash needs is not part of this build")
-
-
-def _check_packed_weights_fit(ckpt, backends, include_mtp: bool, launch: WorkerLaunch, device: torch.device) -> None:
-    """Refuse, before allocating, packed weights that cannot fit the device (expert slots not counted)."""
-    n_experts = ckpt.args.n_routed_experts * (ckpt.args.n_all_layers if include_mtp else ckpt.args.n_layers)
+def _check_weights_fit(ckpt, backends: KernelBackends, packed: bool, include_mtp: bool, launch: WorkerLaunch,
+                       device: torch.device) -> None:
+    """Refuse, by name and before allocating, weights that cannot fit where they will live: packed as
+    stored for the Triton kernels, else dense in fp32 (FP8 / FP4 dequantized); from the checkpoint's
+    headers (model/packed_load.device_bytes); expert slots are not counted."""
+    args = ckpt.args
+    n_experts = args.n_routed_experts * (args.n_all_layers if include_mtp else args.n_layers)
     resident = launch.moe_cache_size is None or launch.moe_cache_size >= n_experts
-    need = device_bytes(ckpt.specs, ckpt.args, backends, include_mtp, experts_resident=resident).total_bytes
+    need = device_bytes(ckpt.specs, args, backends if packed else TORCH, include_mtp,
+                        experts_resident=resident).total_bytes
     where, have = (("GPU", take_snapshot("cuda").total_bytes) if device.type == "cuda"
                    else ("host", host_snapshot().free_bytes))
     if need > have:
-        raise StartupError(f"the packed weights need {need / 2**30:.1f} GiB, more than the {have / 2**30:.1f} GiB of "
-                           f"{where} memory: pass --moe-cache-size N to keep the routed experts in host memory (`dsv4serve "
-                           "plan --model M --gpu-memory <this card>` proposes N)")
+        held = "packed as stored" if packed else "dense in fp32"
+        fixes = [] if packed else ["on CUDA the FP8 GEMM and FP4 MoE kernels load them packed (--kernels auto)"]
+        if resident:
+            fixes.append("--moe-cache-size N keeps the routed experts in host memory (`dsv4serve plan --model M "
+                         "--gpu-memory <this card>` proposes N)")
+        raise StartupError(f"the weights need {need / 2**30:.1f} GiB {held}, more than the {have / 2**30:.1f} GiB of "
+                           f"{where} memory" + (": " + "; ".join(fixes) if fixes else ""))
 
 
 def _probe(model: Transformer, pool: KvPool, numerics: Numerics, device: torch.device) -> Callable[[int], object]:

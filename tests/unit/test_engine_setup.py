@@ -45,13 +45,14 @@ def test_a_checkpoint_whose_dense_weights_cannot_fit_is_refused_by_name(real_mod
     from dsv4serve.ipc.messages import WorkerLaunch
     from dsv4serve.model.args import read_model_args
     from dsv4serve.model.schema import checkpoint_schema
-    from dsv4serve.worker.engine_setup import _check_dense_weights_fit
+    from dsv4serve.worker.engine_setup import _check_weights_fit
 
     args = read_model_args(real_model_dir)
     ckpt = SimpleNamespace(args=args, specs=tuple(checkpoint_schema(args)))
     launch = WorkerLaunch("", "", "m", "cpu", 1, 1, 1, False, None, "default", None)
-    with pytest.raises(StartupError, match=r"dense in fp32: 1\d\d\d\.\d GiB.*packed FP8/FP4 weight path"):
-        _check_dense_weights_fit(ckpt, False, launch, CPU)
+    with pytest.raises(StartupError, match=r"need 1\d\d\d\.\d GiB dense in fp32, more than .* host memory: on CUDA "
+                                           r"the FP8 GEMM and FP4 MoE kernels load them packed"):
+        _check_weights_fit(ckpt, KernelBackends.every("torch"), False, False, launch, CPU)
 
 
 def test_packed_weights_that_cannot_fit_the_card_are_refused_with_the_fix(real_model_dir, monkeypatch):
@@ -68,8 +69,8 @@ def test_packed_weights_that_cannot_fit_the_card_are_refused_with_the_fix(real_m
     ckpt = SimpleNamespace(args=args, specs=tuple(checkpoint_schema(args)))
     every = KernelBackends.every("triton")
     resident = WorkerLaunch("", "", "m", "cuda", 1, 1, 1, False, None, "default", None)
-    with pytest.raises(StartupError, match=r"packed weights need 1\d\d\.\d GiB, more than the 32\.0 GiB of GPU"
+    with pytest.raises(StartupError, match=r"need 1\d\d\.\d GiB packed as stored, more than the 32\.0 GiB of GPU"
                                            r".*--moe-cache-size"):
-        engine_setup._check_packed_weights_fit(ckpt, every, False, resident, torch.device("cuda"))
+        engine_setup._check_weights_fit(ckpt, every, True, False, resident, torch.device("cuda"))
     offloaded = WorkerLaunch("", "", "m", "cuda", 1, 1, 1, False, None, "default", None, moe_cache_size=900)
-    engine_setup._check_packed_weights_fit(ckpt, every, False, offloaded, torch.device("cuda"))  # ~15 GiB: fits
+    engine_setup._check_weights_fit(ckpt, every, True, False, offloaded, torch.device("cuda"))  # ~15 GiB: fits
