@@ -97,19 +97,12 @@ def run_plan(ns: argparse.Namespace, env: Environment) -> int:
 def _memory_plan(ns: argparse.Namespace, cfg: Any, args: ModelArgs, specs: list[TensorSpec]):
     if ns.gpu_memory is None:
         return None
-    import dataclasses
-
-    from dsv4serve.memory_plan import Machine, PlanSettings, plan_memory, weight_bytes
-    from dsv4serve.model.backends import KernelBackends
-    from dsv4serve.model.packed_load import device_bytes
+    from dsv4serve.memory_plan import Machine, PlanSettings, plan_memory
+    from dsv4serve.model.packed_load import loaded_weight_bytes
 
     machine = Machine(ns.gpu_memory, ns.host_memory, ns.platform)
-    # resident non-expert weights as the CUDA worker loads them (packed for the Triton kernels, with
-    # the tensors it keeps in fp32), not as the checkpoint stores them
-    loaded = device_bytes(specs, args, KernelBackends.every("triton"), include_mtp=True, experts_resident=False)
-    weights = dataclasses.replace(weight_bytes(specs, args), non_expert_bytes=loaded.non_expert_bytes,
-                                  mtp_bytes=loaded.mtp_bytes)
-    return plan_memory(args, weights, machine, PlanSettings.from_config(cfg))
+    # resident weights as the CUDA worker loads them, not as the checkpoint stores them
+    return plan_memory(args, loaded_weight_bytes(specs, args), machine, PlanSettings.from_config(cfg))
 
 
 def format_memory_plan(p) -> str:

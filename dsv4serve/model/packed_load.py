@@ -33,6 +33,7 @@ from dsv4serve.checkpoint.loader import Checkpoint, iter_dense
 from dsv4serve.checkpoint.source import CheckpointError
 from dsv4serve.experts.attach import attach_expert_cache
 from dsv4serve.experts.slot_cache import ExpertSlotCache
+from dsv4serve.memory_plan import WeightBytes, weight_bytes
 from dsv4serve.model.args import ModelArgs
 from dsv4serve.model.attention import Attention
 from dsv4serve.model.backends import KernelBackends
@@ -211,3 +212,11 @@ def _load_dense(model: Transformer, ckpt: Checkpoint, specs: list[TensorSpec], d
             setattr(module, leaf, nn.Parameter(value, requires_grad=False))
         else:
             setattr(module, leaf, value)
+
+
+def loaded_weight_bytes(specs: list[TensorSpec], args: ModelArgs) -> WeightBytes:
+    """The memory plan's weight split (memory_plan.weight_bytes) with the resident non-expert and MTP
+    bytes as the CUDA worker loads them: packed for the Triton kernels, the rest in fp32."""
+    loaded = device_bytes(specs, args, KernelBackends.every("triton"), include_mtp=True, experts_resident=False)
+    return dataclasses.replace(weight_bytes(specs, args), non_expert_bytes=loaded.non_expert_bytes,
+                               mtp_bytes=loaded.mtp_bytes)

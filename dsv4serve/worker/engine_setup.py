@@ -8,10 +8,11 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
+import msgspec
 import torch
 
 from dsv4serve.checkpoint.loader import iter_dense, open_checkpoint
-from dsv4serve.config import Setting, Source
+from dsv4serve.config import ConfigError, Setting, Source
 from dsv4serve.experts.attach import attach_expert_cache, iter_resident_dense
 from dsv4serve.experts.slot_cache import ExpertSlotCache
 from dsv4serve.ipc.messages import Ready, WorkerLaunch
@@ -23,6 +24,7 @@ from dsv4serve.model.state import SequenceState
 from dsv4serve.model.transformer import BatchRow, Transformer
 from dsv4serve.worker.chunk_planner import ChunkPlan, PlannerLimits, plan_chunk, prefill_geometry, shrink_after_oom
 from dsv4serve.worker.capacity import PROBE_TOKENS_MAX, CapacityError, kv_capacity, planner_snapshot
+from dsv4serve.worker.expert_plan import planned_expert_slots
 from dsv4serve.worker.memory_probe import host_snapshot, take_snapshot
 from dsv4serve.worker.runner import FaultInjection, Runner
 from dsv4serve.worker.scheduler import Scheduler, SchedulerLimits
@@ -71,6 +73,8 @@ def build_engine(launch: WorkerLaunch) -> EngineParts:
     backends = numerics.backends
     if backends.fp8_gemm == "triton" and backends.fp4_moe == "triton":
         # the kernels read FP8 / MXFP4 as stored: load them packed, never dense
+        if launch.moe_cache_size is None and device.type == "cuda":
+            launch = _with_planned_expert_slots(ckpt, launch)
         _check_weights_fit(ckpt, backends, True, include_mtp, launch, device)
         model, expert_cache = load_packed(ckpt, backends, device, include_mtp, launch.moe_cache_size)
     else:
@@ -147,6 +151,17 @@ def _device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise StartupError("--device cuda: no CUDA device is visible to torch; run `dsv4serve doctor`")
     return torch.device(name)
+
+
+def _with_planned_expert_slots(ckpt, launch: WorkerLaunch) -> WorkerLaunch:
+    """--moe-cache-size auto on CUDA: the whole-card memory plan's expert slots for this card."""
+    try:
+        slots, why = planned_expert_slots(list(ckpt.specs), ckpt.args, launch)
+    except ConfigError as exc:
+        raise StartupError(str(exc)) from exc
+    if slots is not None:
+        log.info("expert slots from the memory plan: %d (%s)", slots, why)
+    return msgspec.structs.replace(launch, moe_cache_size=slots)
 
 
 def _check_weights_fit(ckpt, backends: KernelBackends, packed: bool, include_mtp: bool, launch: WorkerLaunch,

@@ -74,3 +74,27 @@ def test_packed_weights_that_cannot_fit_the_card_are_refused_with_the_fix(real_m
         engine_setup._check_weights_fit(ckpt, every, True, False, resident, torch.device("cuda"))
     offloaded = WorkerLaunch("", "", "m", "cuda", 1, 1, 1, False, None, "default", None, moe_cache_size=900)
     engine_setup._check_weights_fit(ckpt, every, True, False, offloaded, torch.device("cuda"))  # ~15 GiB: fits
+
+
+def test_auto_expert_slots_on_cuda_are_the_memory_plan_s(real_model_dir, monkeypatch):
+    """Without --moe-cache-size the CUDA worker takes the slots `dsv4serve plan` prints for its card."""
+    import json
+    import subprocess
+    import sys
+
+    from dsv4serve.ipc.messages import WorkerLaunch
+    from dsv4serve.model.args import read_model_args
+    from dsv4serve.model.schema import checkpoint_schema
+    from dsv4serve.worker import expert_plan
+    from dsv4serve.worker.chunk_planner import MemorySnapshot
+
+    gib = 2**30
+    monkeypatch.setattr(expert_plan, "take_snapshot", lambda device: MemorySnapshot(30 * gib, 32 * gib, "wsl2"))
+    monkeypatch.setattr(expert_plan, "host_snapshot", lambda: MemorySnapshot(100 * gib, 128 * gib, "native"))
+    args = read_model_args(real_model_dir)
+    launch = WorkerLaunch("", "", "m", "cuda", 32, 256, args.max_position_embeddings, False, None, "default", None)
+    slots, why = expert_plan.planned_expert_slots(checkpoint_schema(args), args, launch)
+    plan = subprocess.run([sys.executable, "-m", "dsv4serve", "plan", "--model", str(real_model_dir), "--gpu-memory",
+                           "32GiB", "--host-memory", "128GiB", "--platform", "wsl2", "--json"],
+                          capture_output=True, text=True, check=True)
+    assert slots == json.loads(plan.stdout)["memory_plan"]["experts"]["slots"] and "expert-slot cache" in why
