@@ -33,6 +33,7 @@ class BatchRow:
 class ForwardOutput:
     logits: list[torch.Tensor]  # per row: [vocab] fp32 (last position) or [T, vocab] (all positions)
     hidden: list[torch.Tensor] | None = None  # per row: [T, hc, D] streams before the HC head (for MTP)
+    last_logits: torch.Tensor | None = None  # [rows, vocab] fp32, the rows' last positions (when not all_logits)
 
 
 def _hc_params(module: nn.Module, prefix: str, n_mix: int, hc_dim: int, n_scales: int) -> None:
@@ -165,7 +166,7 @@ class Transformer(nn.Module):
         picked = self._pick(h, spans, all_logits)
         logits = self.logits(picked, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, self.norm, num)
         hidden = [h[s.begin:s.end] for s in spans] if return_hidden else None
-        return ForwardOutput(self._split(logits, spans, all_logits), hidden)
+        return ForwardOutput(self._split(logits, spans, all_logits), hidden, None if all_logits else logits)
 
     @torch.inference_mode()
     def forward_mtp(self, rows: list[BatchRow], hidden: list[torch.Tensor], num: Numerics,

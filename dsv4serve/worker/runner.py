@@ -106,17 +106,26 @@ class Runner:
         out = self.model.forward(rows, self.numerics, all_logits=bool(wants))
         prompt_lps = {plan.rows[i].request_id: self._prompt_logprobs(plan.rows[i], requests[plan.rows[i].request_id],
                                                                      out.logits[i]) for i in wants}
-        last = [lg[-1] if wants else lg for lg in out.logits]
         for r in plan.rows:
             if r.snapshot_slot is not None:
                 self.pool.copy_slot(r.slot, r.snapshot_slot)
         picks = [i for i, r in enumerate(plan.rows) if r.sample]
         if not picks:
             return {}, prompt_lps
-        logits = torch.stack([last[i] for i in picks]).float()  # [B, vocab]
+        logits = self._picked_logits(out, picks, len(plan.rows))  # [B, vocab] fp32
         reqs = [requests[plan.rows[i].request_id] for i in picks]
         tokens = self._sample(logits, reqs)
         return {plan.rows[i].request_id: tok for i, tok in zip(picks, tokens)}, prompt_lps
+
+    @staticmethod
+    def _picked_logits(out, picks: list[int], n_rows: int) -> torch.Tensor:
+        """The sampled rows' last-position logits, without copying the [rows, vocab] block when every
+        row samples (the common decode step: a copy costs ~30 ms at 64 rows on a CPU)."""
+        if out.last_logits is None:  # all positions were asked for (prompt logprobs)
+            return torch.stack([out.logits[i][-1] for i in picks]).float()
+        if len(picks) == n_rows:
+            return out.last_logits.float()
+        return out.last_logits.index_select(0, torch.tensor(picks, device=out.last_logits.device)).float()
 
     @staticmethod
     def _prompt_logprobs(row, req: Request, logits: torch.Tensor) -> list[tuple[int, TokenOut]]:
