@@ -12,7 +12,7 @@ from dsv4serve.api.generation import ChoiceSpec
 from dsv4serve.api.protocol import ChatCompletionRequest, check_chat
 from dsv4serve.api.sampling import build_sampling, check_context, check_model, stop_strings, with_seed
 from dsv4serve.api.state import AppState, read_request
-from dsv4serve.api.streaming import Reply, complete, new_id, stream
+from dsv4serve.api.streaming import Reply, new_id, respond
 from dsv4serve.chat import ChatFormatError, prompt_opens_reasoning, render_prompt
 from dsv4serve.chat import tokens as T
 from dsv4serve.chat.tools import forced_call_opening
@@ -84,8 +84,4 @@ async def chat_completions(request: Request):
         reply.prompt_of.append(0)
         specs.append(ChoiceSpec(i, f"{reply.id}-{i}", prompt_ids, with_seed(sampling, i), stop_strings(req.stop),
                                 bool(req.include_stop_str_in_output), req.skip_special_tokens is not False))
-    if req.stream:
-        opts = req.stream_options
-        return await stream(state, request, reply, specs, bool(opts and opts.include_usage),
-                            bool(opts and opts.continuous_usage_stats))
-    return await complete(state, request, reply, specs)
+    return await respond(state, request, reply, specs, req)

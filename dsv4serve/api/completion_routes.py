@@ -12,7 +12,7 @@ from dsv4serve.api.generation import ChoiceSpec
 from dsv4serve.api.protocol import CompletionRequest, check_completion
 from dsv4serve.api.sampling import build_sampling, check_context, check_model, stop_strings, with_seed
 from dsv4serve.api.state import AppState, read_request
-from dsv4serve.api.streaming import Reply, complete, new_id, stream
+from dsv4serve.api.streaming import Reply, new_id, respond
 
 router = APIRouter()
 DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for text completions
@@ -60,8 +60,4 @@ async def completions(request: Request):
             specs.append(ChoiceSpec(index, f"{reply.id}-{index}", ids, with_seed(sampling, j),
                                     stop_strings(req.stop), bool(req.include_stop_str_in_output),
                                     req.skip_special_tokens is not False))
-    if req.stream:
-        opts = req.stream_options
-        return await stream(state, request, reply, specs, bool(opts and opts.include_usage),
-                            bool(opts and opts.continuous_usage_stats))
-    return await complete(state, request, reply, specs)
+    return await respond(state, request, reply, specs, req)

@@ -101,6 +101,15 @@ async def stream(state, request, reply: Reply, specs: list[ChoiceSpec], include_
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
+async def respond(state, request, reply: Reply, specs: list[ChoiceSpec], req: Any):
+    """Answer a generation request (`req` with `stream` / `stream_options`): streamed or complete."""
+    if not req.stream:
+        return await complete(state, request, reply, specs)
+    opts = req.stream_options
+    return await stream(state, request, reply, specs, bool(opts and opts.include_usage),
+                        bool(opts and opts.continuous_usage_stats))
+
+
 async def _stream_body(reply: Reply, first: ChoiceEvent, events: AsyncIterator, include_usage: bool,
                        continuous_usage: bool) -> AsyncIterator[str]:
     chunk_obj = reply.object + ".chunk" if reply.object == "chat.completion" else reply.object

@@ -27,7 +27,7 @@ from dsv4serve.worker.capacity import PROBE_TOKENS_MAX, CapacityError, kv_capaci
 from dsv4serve.worker.expert_plan import planned_expert_slots
 from dsv4serve.worker.memory_probe import host_snapshot, take_snapshot
 from dsv4serve.worker.runner import FaultInjection, Runner
-from dsv4serve.worker.scheduler import Scheduler, SchedulerLimits
+from dsv4serve.worker.scheduler import Scheduler, SchedulerLimits, sequence_slots
 
 log = logging.getLogger("dsv4serve.worker")
 
@@ -92,7 +92,7 @@ def build_engine(launch: WorkerLaunch) -> EngineParts:
     # the reference attention materializes [T, H, keys] scores: the chunk's cost grows with its square
     geometry = prefill_geometry(args, context_tokens=launch.max_model_len, max_rows=launch.max_num_seqs,
                                 dense_attention=numerics.backends.attention == "torch")
-    sched_slots = SchedulerLimits(launch.max_num_seqs, 0, page, page, page, 0).num_slots
+    sched_slots = sequence_slots(launch.max_num_seqs)
     entry_bytes = torch.empty(0, dtype=numerics.compute_dtype).element_size()
     try:
         capacity = kv_capacity(args, device, entry_bytes, sched_slots, launch.max_model_len * launch.max_num_seqs,

@@ -66,8 +66,13 @@ class SchedulerLimits:
 
     @property
     def num_slots(self) -> int:
-        """Sequence slots the runner's pool needs: running requests first, then prefix snapshots."""
-        return self.max_running + self.num_prefix_slots
+        return sequence_slots(self.max_running, self.prefix_slots)
+
+
+def sequence_slots(max_running: int, prefix_slots: int = 0) -> int:
+    """Sequence slots the runner's pool needs: running requests first, then prefix snapshots
+    (`prefix_slots`, 0: as many as max_running)."""
+    return max_running + (prefix_slots or max_running)
 
 
 class Scheduler:
