@@ -222,7 +222,8 @@ class Attention(nn.Module):
         return torch.cat(chosen)
 
     def _project_out(self, o: torch.Tensor, num: Numerics) -> torch.Tensor:
-        """o [N, H, d] -> grouped wo_a [N, G, o_lora] -> wo_b [N, D]."""
+        """o [N, H, d] -> grouped wo_a [N, G, o_lora] -> wo_b [N, D]. The einsum runs in wo_a's dtype: fp32
+        as the dense loader gives it, bf16 as the packed loader holds it (exact; packed_load.HELD_BF16)."""
         n_tokens = o.shape[0]
         grouped = o.reshape(n_tokens, self.n_groups, -1)
         wo_a = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)

@@ -9,9 +9,9 @@ shards one at a time and placed on `device`:
 - resident routed experts (MXFP4), when `fp4_moe` is on Triton: straight into the stacked copies
   `MoE.pack_fp4` would make (`MoE.use_packed_experts`); with expert slots asked for, the experts go
   to the host bank behind an expert-slot cache instead (`attach_expert_cache`, as the engine does);
-- everything else as the dense loader (`iter_dense`) gives it, in DENSE_DTYPE: norms, embeddings,
-  head, HC, router, compressor / indexer weights, `wo_a` (the reference runs it dequantized), and any
-  FP8 projection or routed expert whose kernel is on torch.
+- everything else as the dense loader (`iter_dense`) gives it, in DENSE_DTYPE: norms, head, HC,
+  router, compressor / indexer weights, and any FP8 projection or routed expert whose kernel is on
+  torch; except the tensors of HELD_BF16, held in bf16 (exact: see there).
 Buffers computed in `__init__` (the RoPE frequencies) are recomputed, and the result is checked to
 hold no meta tensor. Host memory stays near one tensor: each is moved to `device` as soon as read.
 
@@ -49,6 +49,12 @@ DENSE_DTYPE = torch.float32
 # FP8-stored projections that the model runs dense (attention.py: the reference dequantizes wo_a and
 # runs it as a grouped einsum); load_packed checks this list against the modules it fills
 FP8_RUN_DENSE = (".attn.wo_a.weight", ".attn.wo_a.scale")
+# dense tensors held in bf16 instead of DENSE_DTYPE, each exact in bf16 and used at bf16 by the model: the
+# embedding (stored bf16; its rows are looked up, then cast to the compute dtype) and wo_a (FP8 stored:
+# e4m3 times a power of two has at most 4 significant bits, exact in bf16; attention._project_out runs
+# the grouped einsum in the weight's dtype, bf16, as the reference runs its dequantized wo_a). Together
+# 3.7 GiB less than fp32 on DeepSeek-V4-Flash; `_load_dense` checks the exactness of every value.
+HELD_BF16 = ("embed.weight", ".attn.wo_a.weight")
 
 Kind = Literal["fp8_packed", "fp4_stacked", "dense", "bank"]
 
@@ -79,20 +85,27 @@ def spec_kind(spec: TensorSpec, backends: KernelBackends, experts_resident: bool
     return "dense"
 
 
+def held_bf16(name: str) -> bool:
+    """True for a dense tensor the packed path holds in bf16 (HELD_BF16)."""
+    return name == HELD_BF16[0] or name.endswith(HELD_BF16[1:])
+
+
 def model_specs(ckpt_specs: Iterable[TensorSpec], args: ModelArgs, include_mtp: bool) -> list[TensorSpec]:
     """The checkpoint tensors a model with or without its MTP blocks holds."""
     return [s for s in ckpt_specs if include_mtp or s.layer is None or s.layer < args.n_layers]
 
 
 def _dense_bytes(spec: TensorSpec) -> int:
-    """Device bytes of one tensor loaded dense: float tensors in DENSE_DTYPE at their dense shape (FP4
-    packs two values a byte), scales consumed, integers (tid2eid) as the model holds them (int64)."""
+    """Device bytes of one tensor loaded dense: float tensors in DENSE_DTYPE (bf16 for HELD_BF16) at their
+    dense shape (FP4 packs two values a byte), scales consumed, integers (tid2eid) as the model holds
+    them (int64)."""
     if spec.role in ("fp8_scale", "fp4_scale"):
         return 0
     numel = spec.numel * (2 if spec.role == "fp4_weight" else 1)
     if spec.role == "index":
         return numel * torch.empty((), dtype=torch.int64).element_size()
-    return numel * torch.empty((), dtype=DENSE_DTYPE).element_size()
+    dtype = torch.bfloat16 if held_bf16(spec.name) else DENSE_DTYPE
+    return numel * torch.empty((), dtype=dtype).element_size()
 
 
 def device_bytes(specs: Iterable[TensorSpec], args: ModelArgs, backends: KernelBackends, include_mtp: bool,
@@ -197,7 +210,7 @@ def _load_fp4(model: Transformer, ckpt: Checkpoint, specs: list[TensorSpec], dev
 def _load_dense(model: Transformer, ckpt: Checkpoint, specs: list[TensorSpec], device: torch.device,
                 bar: tqdm) -> None:
     """The dense loader's tensors (FP8 / FP4 dequantized exactly), each cast to the dtype of the meta
-    tensor it replaces and placed on `device`."""
+    tensor it replaces (bf16 for HELD_BF16, checked exact) and placed on `device`."""
     read_bytes = {s.name: s.nbytes for s in specs}
     for name, t in iter_dense(dataclasses.replace(ckpt, specs=tuple(specs)), DENSE_DTYPE, progress=False):
         bar.update(read_bytes[name] + read_bytes.get(name.removesuffix(".weight") + ".scale", 0))
@@ -207,7 +220,10 @@ def _load_dense(model: Transformer, ckpt: Checkpoint, specs: list[TensorSpec], d
         if meta is None or tuple(meta.shape) != tuple(t.shape):
             raise CheckpointError(f"{name}: shape {tuple(t.shape)} does not fit the model's "
                                   f"{None if meta is None else tuple(meta.shape)}")
-        value = _placed(t, device, meta.dtype)
+        dtype = torch.bfloat16 if held_bf16(name) else meta.dtype
+        if dtype != t.dtype and not torch.equal(t.to(dtype).to(t.dtype), t):
+            raise CheckpointError(f"{name}: values not exact in {dtype}; load this checkpoint dense")
+        value = _placed(t, device, dtype)
         if leaf in dict(module.named_parameters(recurse=False)):
             setattr(module, leaf, nn.Parameter(value, requires_grad=False))
         else:
@@ -216,7 +232,7 @@ def _load_dense(model: Transformer, ckpt: Checkpoint, specs: list[TensorSpec], d
 
 def loaded_weight_bytes(specs: list[TensorSpec], args: ModelArgs) -> WeightBytes:
     """The memory plan's weight split (memory_plan.weight_bytes) with the resident non-expert and MTP
-    bytes as the CUDA worker loads them: packed for the Triton kernels, the rest in fp32."""
+    bytes as the CUDA worker loads them: packed for the Triton kernels, the rest in fp32 or bf16."""
     loaded = device_bytes(specs, args, KernelBackends.every("triton"), include_mtp=True, experts_resident=False)
     return dataclasses.replace(weight_bytes(specs, args), non_expert_bytes=loaded.non_expert_bytes,
                                mtp_bytes=loaded.mtp_bytes)

@@ -19,7 +19,7 @@ from dsv4serve.model.backends import TORCH, KernelBackends
 from dsv4serve.model.layers import Linear
 from dsv4serve.model.moe import MoE
 from dsv4serve.model.numerics import NUMERICS_ON
-from dsv4serve.model.packed_load import device_bytes, load_packed
+from dsv4serve.model.packed_load import device_bytes, held_bf16, load_packed
 from dsv4serve.model.schema import checkpoint_schema
 from dsv4serve.model.transformer import BatchRow, Transformer
 
@@ -98,9 +98,25 @@ def test_packed_model_holds_no_dense_copy(ckpt, dense):
 
 def test_all_torch_estimate_is_the_dense_model(ckpt, dense):
     """With every kernel on torch the packed path loads everything dense: the estimate must then be the
-    dense model's own bytes (less the packed copies use_kernels added to it)."""
+    dense model's own bytes, less the packed copies use_kernels added to it and less half of the fp32
+    tensors the packed path holds in bf16 (the embedding and every wo_a)."""
     packed_copies = sum(t.numel() * t.element_size() for n, t in dense.named_buffers() if "_fp" in n)
-    assert device_bytes(ckpt.specs, ckpt.args, TORCH, include_mtp=True).total_bytes == _nbytes(dense) - packed_copies
+    halved = [n for n, _ in dense.named_parameters() if held_bf16(n)]
+    assert "embed.weight" in halved and sum(n.endswith(".attn.wo_a.weight") for n in halved) == 5  # 4 layers + MTP
+    bf16_saved = sum(t.numel() * 2 for n, t in dense.named_parameters() if held_bf16(n))
+    assert device_bytes(ckpt.specs, ckpt.args, TORCH, include_mtp=True).total_bytes == \
+        _nbytes(dense) - packed_copies - bf16_saved
+
+
+def test_embedding_and_wo_a_are_held_in_bf16_exactly(ckpt, dense):
+    """Held in bf16, the embedding rows and every wo_a equal the dense fp32 values exactly."""
+    model, _ = load_packed(ckpt, ALL_TRITON, CPU, include_mtp=True, progress=False)
+    dense_params = dict(dense.named_parameters())
+    for name, t in model.named_parameters():
+        if held_bf16(name):
+            assert t.dtype == torch.bfloat16 and torch.equal(t.float(), dense_params[name]), name
+        else:
+            assert t.dtype != torch.bfloat16, name
 
 
 def test_expert_slots_go_through_the_slot_cache(ckpt, dense):
@@ -116,18 +132,19 @@ def test_expert_slots_go_through_the_slot_cache(ckpt, dense):
 def test_real_checkpoint_device_bytes(real_model_dir):
     """DeepSeek-V4-Flash, every kernel on Triton, no MTP, from the schema (the real tensor list matches it:
     tests/unit/test_real_checkpoint_list.py). The routed experts stay as stored: exactly the memory
-    plan's 137.06 GiB. The rest is 14.90 GiB, not the plan's 8.24 GiB of stored bytes, because the model
-    holds its dense tensors in fp32: wo_a (FP8 stored, run dequantized: 43 x 8192 x 4096 at 4 bytes
-    instead of 1, +4.03 GiB), embed and head (bf16 stored, +0.99 GiB each) and the bf16 compressor,
-    indexer and router weights (+0.66 GiB); the FP8 projections on the kernel keep their stored bytes."""
+    plan's 137.06 GiB. The rest is 11.23 GiB, not the plan's 8.24 GiB of stored bytes, because the model
+    runs wo_a dequantized (FP8 stored; held in bf16: 43 x 8192 x 4096 at 2 bytes instead of 1, +1.34
+    GiB) and holds its other dense tensors in fp32: the head (bf16 stored, +0.99 GiB; the embedding is
+    held in bf16 as stored) and the bf16 compressor, indexer and router weights (+0.66 GiB); the FP8
+    projections on the kernel keep their stored bytes."""
     args = read_model_args(real_model_dir)
     specs = checkpoint_schema(args)
     plan = weight_bytes(specs, args)
     got = device_bytes(specs, args, ALL_TRITON, include_mtp=False)
     assert got.routed_expert_bytes == plan.routed_expert_bytes and got.mtp_bytes == 0
-    wo_a = 43 * (8192 * 4096 * (4 - 1) - 64 * 32)  # fp32 instead of e4m3 + its e8m0 scales
-    embed_head = 2 * 129280 * 4096 * (4 - 2)
-    rest = got.non_expert_bytes - plan.non_expert_bytes - wo_a - embed_head
+    wo_a = 43 * (8192 * 4096 * (2 - 1) - 64 * 32)  # bf16 instead of e4m3 + its e8m0 scales
+    head = 129280 * 4096 * (4 - 2)
+    rest = got.non_expert_bytes - plan.non_expert_bytes - wo_a - head
     assert rest == pytest.approx(0.66 * GIB, rel=0.01)
-    assert got.non_expert_bytes == pytest.approx(14.90 * GIB, rel=1e-3)
-    assert device_bytes(specs, args, ALL_TRITON, include_mtp=True).mtp_bytes == pytest.approx(3.44 * GIB, rel=1e-3)
+    assert got.non_expert_bytes == pytest.approx(11.23 * GIB, rel=1e-3)
+    assert device_bytes(specs, args, ALL_TRITON, include_mtp=True).mtp_bytes == pytest.approx(3.38 * GIB, rel=1e-3)
