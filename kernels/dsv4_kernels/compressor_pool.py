@@ -86,6 +86,9 @@ COMPILE_SIGNATURE = {
     "L": "constexpr", "BLOCK_L": "constexpr", "BLOCK_D": "constexpr",
 }
 
+# multiples of 16 at DeepSeek-V4-Flash's dims (registry.py): d = 512 or 128 and the strides built from it
+ALIGNED_INTS = ("d", "stride_kvw", "stride_kvl", "stride_sw", "stride_sl", "stride_ow")
+
 # (config name, signature, constexprs) for the CPU compile checks (tests/kernels/test_compile.py): the
 # overlapping CSA form (main d = 512, indexer d = 128) and HCA; decode and prefill run the same program
 COMPILE_CONFIGS = (

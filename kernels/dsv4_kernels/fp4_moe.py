@@ -13,14 +13,21 @@ Flow (`fp4_moe`), tokens T, top-k k, experts E, model dim D, expert inter dim I:
   6. out[t] = sum_j y[t*k + j] in fp32 (torch); the caller adds the shared expert.
 
 Weights stay packed e2m1 (uint8/int8 [E, N, K/2], low nibble = even K) with e8m0 scales
-[E, N, K/32] and are dequantized in registers: the code and the scale byte are assembled into fp32
-bits, exact, then cast to bf16 (exact too: at most 2 significant bits) for a bf16 tensor-core dot
-with fp32 accumulation; the FP8 activations are dequantized with their per-128 scale the same way
-(e4m3 times a power of two is exact in bf16). So every product is exact and only the fp32
-summation order differs from the reference. Hopper has no FP4 MMA (this is the upcast path); bf16
-roundings use an explicit round-to-nearest-even bit trick so the interpreter (which truncates
-fp32->bf16 casts) and the GPU round alike. Under the interpreter tiles are fp32 (DOT_FP32) and the
-outputs fp32 holding bf16 values; a GPU build uses bf16 operands and bf16 outputs.
+[E, N, K/32] and are dequantized in registers: the code and the scale byte (loaded once per 32 K and
+broadcast) are assembled into fp32 bits, exact, then cast to bf16 (exact too: at most 2 significant
+bits) and interleaved back into K order for a bf16 tensor-core dot with fp32 accumulation; the FP8
+activations are dequantized with their per-128 scale the same way (e4m3 times a power of two is
+exact in bf16). So every product is exact and only the fp32 summation order differs from the
+reference. Hopper has no FP4 MMA (this is the upcast path); bf16 roundings use an explicit
+round-to-nearest-even bit trick so the interpreter (which truncates fp32->bf16 casts) and the GPU
+round alike. Under the interpreter tiles are fp32 (DOT_FP32) and the outputs fp32 holding bf16
+values; a GPU build uses bf16 operands and bf16 outputs.
+
+A tile is computed transposed, out^T = W @ A^T: the dequantized weight tile is the dot's left
+operand, so the warps split its rows instead of each holding all of it, and on Hopper a 16-slot
+decode block is the N side of a 64-row wgmma. On mma.sync GPUs (sm_120) the right operand
+[BLOCK_K, BLOCK_M] is held whole by every warp, so 64-row blocks take BLOCK_K 64 (`pick_block_k`);
+at 128 they spill. The wrapper sets EVEN_K when K is a multiple of BLOCK_K, dropping the K masks.
 K (D for GATE_UP, I for the down GEMM) must be a multiple of 32; N is free.
 """
 
@@ -52,17 +59,18 @@ def _dequant_e2m1(codes, scale):
 
 
 @triton.jit
-def _load_fp4_tile(w_ptrs, ws_ptrs, mask, DOT_FP32: tl.constexpr):
-    """Packed [BK/2, BN] bytes and their scale bytes -> (even-K, odd-K) dequantized tiles."""
-    packed = tl.load(w_ptrs, mask=mask, other=0).to(tl.int32) & 0xFF
-    s_raw = tl.load(ws_ptrs, mask=mask, other=0).to(tl.int32) & 0xFF
+def _load_fp4_tile(w_ptrs, ws_ptrs, w_mask, ws_mask, DOT_FP32: tl.constexpr):
+    """Packed [BN, BK/2] bytes and their [BN, BK/32] scale bytes -> the dequantized [BN, BK] tile
+    (low nibble = even K). Each scale byte is loaded once and broadcast over its 16 packed bytes."""
+    packed = tl.load(w_ptrs, mask=w_mask, other=0).to(tl.int32) & 0xFF
+    s_raw = tl.load(ws_ptrs, mask=ws_mask, other=0).to(tl.int32) & 0xFF
     scale = (s_raw << 23).to(tl.float32, bitcast=True)  # 2^(byte-127)
-    w_even = _dequant_e2m1(packed & 0xF, scale)
-    w_odd = _dequant_e2m1(packed >> 4, scale)
+    scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (scale.shape[0], scale.shape[1], 16)), packed.shape)
+    w = tl.join(_dequant_e2m1(packed & 0xF, scale), _dequant_e2m1(packed >> 4, scale))
+    w = tl.reshape(w, (packed.shape[0], 2 * packed.shape[1]))
     if not DOT_FP32:
-        w_even = w_even.to(tl.bfloat16)
-        w_odd = w_odd.to(tl.bfloat16)
-    return w_even, w_odd
+        w = w.to(tl.bfloat16)
+    return w
 
 
 @triton.jit
@@ -72,9 +80,11 @@ def fp4_moe_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, w3_ptr, w3_scale
                         stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
                         A_ROW_DIV: tl.constexpr, GATE_UP: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        DOT_FP32: tl.constexpr):
-    """One (expert block of BLOCK_M slots, BLOCK_N output columns) tile. A row = slot // A_ROW_DIV
-    (the token for GATE_UP, the slot itself for the down GEMM). BLOCK_K divides 128."""
+                        EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr):
+    """One (expert block of BLOCK_M slots, BLOCK_N output columns) tile, computed transposed
+    ([BLOCK_N, BLOCK_M], see the module doc). A row = slot // A_ROW_DIV (the token for GATE_UP, the
+    slot itself for the down GEMM). BLOCK_K divides 128. EVEN_K (K a multiple of BLOCK_K) drops the
+    K masks."""
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(expert_ids_ptr + pid_b)
@@ -87,38 +97,41 @@ def fp4_moe_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, w3_ptr, w3_scale
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     offs_kp = tl.arange(0, BLOCK_K // 2)  # packed byte index in the tile
+    offs_ks = tl.arange(0, BLOCK_K // 32)  # scale index in the tile
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
-    w_off = expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_kp[:, None]
-    ws_off = expert.to(tl.int64) * stride_wse + offs_n[None, :] * stride_wsn + offs_kp[:, None] // 16
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    w_off = expert.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn + offs_kp[None, :]
+    ws_off = expert.to(tl.int64) * stride_wse + offs_n[:, None] * stride_wsn + offs_ks[None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        k_ok = offs_k < K - k0
-        a = tl.load(a_ptrs + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        a_mask = row_ok[:, None]
+        w_mask = n_ok[:, None]
+        ws_mask = n_ok[:, None]
+        if not EVEN_K:
+            a_mask = a_mask & (offs_k < K - k0)[None, :]
+            w_mask = w_mask & (offs_kp < (K - k0) // 2)[None, :]
+            ws_mask = ws_mask & (offs_ks < (K - k0) // 32)[None, :]
+        a = tl.load(a_ptrs + k0, mask=a_mask, other=0.0).to(tl.float32)
         a_s = tl.load(a_scale_ptr + a_rows * stride_asm + k0 // 128, mask=row_ok, other=0.0)
         a = a * a_s[:, None]  # exact
         if not DOT_FP32:
             a = a.to(tl.bfloat16)
-        a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, BLOCK_K // 2, 2)))
-        w_mask = (offs_kp[:, None] < (K - k0) // 2) & n_ok[None, :]
-        w_even, w_odd = _load_fp4_tile(w_ptr + w_off + k0 // 2, w_scale_ptr + ws_off + k0 // 32, w_mask, DOT_FP32)
-        acc = tl.dot(a_even, w_even, acc)
-        acc = tl.dot(a_odd, w_odd, acc)
+        a = tl.trans(a)  # [BK, BM]
+        w = _load_fp4_tile(w_ptr + w_off + k0 // 2, w_scale_ptr + ws_off + k0 // 32, w_mask, ws_mask, DOT_FP32)
+        acc = tl.dot(w, a, acc)
         if GATE_UP:
-            u_even, u_odd = _load_fp4_tile(w3_ptr + w_off + k0 // 2, w3_scale_ptr + ws_off + k0 // 32, w_mask,
-                                           DOT_FP32)
-            acc3 = tl.dot(a_even, u_even, acc3)
-            acc3 = tl.dot(a_odd, u_odd, acc3)
-    out = _round_bf16(acc)
+            u = _load_fp4_tile(w3_ptr + w_off + k0 // 2, w3_scale_ptr + ws_off + k0 // 32, w_mask, ws_mask, DOT_FP32)
+            acc3 = tl.dot(u, a, acc3)
+    out = _round_bf16(acc)  # [BN, BM]
     if GATE_UP:
         up = _round_bf16(acc3)
         if limit > 0:
             out = tl.minimum(out, limit)
             up = tl.minimum(tl.maximum(up, -limit), limit)
         route_w = tl.load(topk_weight_ptr + slots, mask=row_ok, other=0.0)
-        out = _round_bf16(route_w[:, None] * (out / (1.0 + tl.exp(-out)) * up))
-    o_ptrs = out_ptr + slots.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+        out = _round_bf16(route_w[None, :] * (out / (1.0 + tl.exp(-out)) * up))
+    o_ptrs = out_ptr + slots.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & row_ok[None, :])
 
 
 def interpreting() -> bool:
@@ -201,7 +214,7 @@ def fp4_moe_gemm(a_q: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_sc
                               a_q.stride(0), a_scale.stride(0), w.stride(0), w.stride(1),
                               w_scale.stride(0), w_scale.stride(1), out.stride(0),
                               A_ROW_DIV=a_row_div, GATE_UP=gate_up, BLOCK_M=block_m, BLOCK_N=block_n,
-                              BLOCK_K=block_k, DOT_FP32=interpreting())
+                              BLOCK_K=block_k, EVEN_K=k % block_k == 0, DOT_FP32=interpreting())
     return out
 
 
@@ -210,9 +223,15 @@ def pick_block_m(num_slots: int, num_experts: int) -> int:
     return 16 if num_slots <= 4 * num_experts else 64
 
 
+def pick_block_k(block_m: int) -> int:
+    """128 (one activation scale block per step) for decode blocks; 64 for 64-row blocks, whose
+    [BLOCK_K, BLOCK_M] activation operand each warp holds whole on mma.sync GPUs: at 128 it spills."""
+    return 128 if block_m < 64 else 64
+
+
 def fp4_moe(x: torch.Tensor, w1: torch.Tensor, w1_scale: torch.Tensor, w3: torch.Tensor, w3_scale: torch.Tensor,
             w2: torch.Tensor, w2_scale: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-            limit: float, block_m: int | None = None, block_n: int = 64, block_k: int = 128,
+            limit: float, block_m: int | None = None, block_n: int = 64, block_k: int | None = None,
             num_blocks: int | None = None, outs: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """x [T, D] bf16, W1/W3 [E, I, D/2] + [E, I, D/32], W2 [E, D, I/2] + [E, D, I/32], topk [T, k]
     (weights fp32, already route-scaled) -> routed-expert sum fp32 [T, D] (module contract above).
@@ -220,15 +239,16 @@ def fp4_moe(x: torch.Tensor, w1: torch.Tensor, w1_scale: torch.Tensor, w3: torch
     t, k = topk_ids.shape
     num_slots = t * k
     bm = block_m or pick_block_m(num_slots, w1.shape[0])
+    bk = block_k or pick_block_k(bm)
     sorted_ids, expert_ids = moe_align(topk_ids, w1.shape[0], bm, num_blocks)
     x_q, x_s = act_quant_fp8_ref(x)
     act_out, y_out = outs or (None, None)
     act = fp4_moe_gemm(x_q, x_s, w1, w1_scale, sorted_ids, expert_ids, num_slots, k, w3=w3, w3_scale=w3_scale,
-                       topk_weights=topk_weights, limit=limit, block_m=bm, block_n=block_n, block_k=block_k,
+                       topk_weights=topk_weights, limit=limit, block_m=bm, block_n=block_n, block_k=bk,
                        out=act_out)
     act_q, act_s = act_quant_fp8_ref(act)
     y = fp4_moe_gemm(act_q, act_s, w2, w2_scale, sorted_ids, expert_ids, num_slots, 1, block_m=bm, block_n=block_n,
-                     block_k=block_k, out=y_out)
+                     block_k=bk, out=y_out)
     return y.float().view(t, k, -1).sum(dim=1)
 
 
@@ -239,14 +259,18 @@ _SIG = {
     "stride_am": "i32", "stride_asm": "i32", "stride_we": "i32", "stride_wn": "i32", "stride_wse": "i32",
     "stride_wsn": "i32", "stride_om": "i32",
     "A_ROW_DIV": "constexpr", "GATE_UP": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
-    "BLOCK_K": "constexpr", "DOT_FP32": "constexpr",
+    "BLOCK_K": "constexpr", "EVEN_K": "constexpr", "DOT_FP32": "constexpr",
 }
-_GPU = {"BLOCK_K": 128, "DOT_FP32": False}
+# multiples of 16 at DeepSeek-V4-Flash's dims (registry.py; D=4096, I=2048): N, K, the activation,
+# weight and output strides and the scale strides K/128 and K/32; not the slot count
+ALIGNED_INTS = ("N", "K", "stride_am", "stride_asm", "stride_we", "stride_wn", "stride_wse", "stride_wsn",
+                "stride_om")
+_GPU = {"EVEN_K": True, "DOT_FP32": False}
 
 # (config name, signature, constexprs) for the CPU compile checks (tests/kernels/test_compile.py)
 COMPILE_CONFIGS = (
-    ("gate_up_decode", _SIG, {**_GPU, "A_ROW_DIV": 6, "GATE_UP": True, "BLOCK_M": 16, "BLOCK_N": 64}),
-    ("gate_up_prefill", _SIG, {**_GPU, "A_ROW_DIV": 6, "GATE_UP": True, "BLOCK_M": 64, "BLOCK_N": 64}),
-    ("down_decode", _SIG, {**_GPU, "A_ROW_DIV": 1, "GATE_UP": False, "BLOCK_M": 16, "BLOCK_N": 64}),
-    ("down_prefill", _SIG, {**_GPU, "A_ROW_DIV": 1, "GATE_UP": False, "BLOCK_M": 64, "BLOCK_N": 128}),
+    ("gate_up_decode", _SIG, {**_GPU, "A_ROW_DIV": 6, "GATE_UP": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128}),
+    ("gate_up_prefill", _SIG, {**_GPU, "A_ROW_DIV": 6, "GATE_UP": True, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64}),
+    ("down_decode", _SIG, {**_GPU, "A_ROW_DIV": 1, "GATE_UP": False, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128}),
+    ("down_prefill", _SIG, {**_GPU, "A_ROW_DIV": 1, "GATE_UP": False, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64}),
 )

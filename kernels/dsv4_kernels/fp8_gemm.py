@@ -9,7 +9,8 @@ Contract (reference: `fp8_gemm_ref.fp8_gemm_ref`):
 
 BLOCK_K is 128, the scale block: each K step is one tensor-core product of two fp8 tiles, promoted
 into the fp32 accumulator with its two scales (DeepGEMM's scheme). M, N, K need not be multiples of
-any block (masked loads read zeros there). e8m0 bytes are decoded by placing them in the fp32
+any block (masked loads read zeros there); the wrapper sets EVEN_K when K is a multiple of 128 (every
+model K), which drops the K masks from the loop. e8m0 bytes are decoded by placing them in the fp32
 exponent field (exact; byte 0 decodes to 0 instead of 2^-127 and 255 to inf instead of NaN; neither
 occurs in a checkpoint).
 
@@ -35,9 +36,10 @@ def interpreting() -> bool:
 def fp8_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, M, N, K,
                     stride_am, stride_asm, stride_bn, stride_bsn, stride_cm,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    SWAP_AB: tl.constexpr):
+                    SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr):
     """One [BLOCK_M, BLOCK_N] output tile. SWAP_AB computes its transpose, b_tile @ a_tile^T, so that
-    N fills the 64-row side of a Hopper wgmma when M is a decode batch (M < 64)."""
+    N fills the 64-row side of a Hopper wgmma when M is a decode batch (M < 64). EVEN_K (K a multiple
+    of BLOCK_K) drops the K masks, so the tile loads are masked along M / N only."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -52,9 +54,14 @@ def fp8_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, M, N, K,
         b_ptrs = b_ptr + offs_n[:, None] * stride_bn + offs_k[None, :]  # [BN, BK]
         acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for kb in range(0, tl.cdiv(K, BLOCK_K)):
-            k_left = K - kb * BLOCK_K
-            a = tl.load(a_ptrs, mask=(offs_k[:, None] < k_left) & mask_m[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=mask_n[:, None] & (offs_k[None, :] < k_left), other=0.0)
+            a_mask = mask_m[None, :]
+            b_mask = mask_n[:, None]
+            if not EVEN_K:
+                k_ok = offs_k < K - kb * BLOCK_K
+                a_mask = a_mask & k_ok[:, None]
+                b_mask = b_mask & k_ok[None, :]
+            a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+            b = tl.load(b_ptrs, mask=b_mask, other=0.0)
             a_s = tl.load(a_scale_ptrs + kb, mask=mask_m, other=0.0)
             b_s_raw = tl.load(b_scale_ptrs + kb, mask=mask_n, other=0)
             b_s = (b_s_raw.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # 2^(byte-127), exact
@@ -68,9 +75,14 @@ def fp8_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, M, N, K,
         b_ptrs = b_ptr + offs_n[None, :] * stride_bn + offs_k[:, None]  # [BK, BN], K-major (B^T view)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kb in range(0, tl.cdiv(K, BLOCK_K)):
-            k_left = K - kb * BLOCK_K
-            a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
-            b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & mask_n[None, :], other=0.0)
+            a_mask = mask_m[:, None]
+            b_mask = mask_n[None, :]
+            if not EVEN_K:
+                k_ok = offs_k < K - kb * BLOCK_K
+                a_mask = a_mask & k_ok[None, :]
+                b_mask = b_mask & k_ok[:, None]
+            a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+            b = tl.load(b_ptrs, mask=b_mask, other=0.0)
             a_s = tl.load(a_scale_ptrs + kb, mask=mask_m, other=0.0)
             b_s_raw = tl.load(b_scale_ptrs + kb, mask=mask_n, other=0)
             b_s = (b_s_raw.to(tl.int32) << 23).to(tl.float32, bitcast=True)
@@ -119,7 +131,8 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: t
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     fp8_gemm_kernel[grid](a, a_scale, b, b_scale, out, m, n, k,
                           a.stride(0), a_scale.stride(0), b.stride(0), b_scale.stride(0), out.stride(0),
-                          BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=FP8_BLOCK, SWAP_AB=swap_ab)
+                          BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=FP8_BLOCK, SWAP_AB=swap_ab,
+                          EVEN_K=k % FP8_BLOCK == 0)
     return out.to(torch.bfloat16)
 
 
@@ -140,11 +153,16 @@ COMPILE_SIGNATURE = {
     "M": "i32", "N": "i32", "K": "i32",
     "stride_am": "i32", "stride_asm": "i32", "stride_bn": "i32", "stride_bsn": "i32", "stride_cm": "i32",
     "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "SWAP_AB": "constexpr",
+    "EVEN_K": "constexpr",
 }
+# multiples of 16 at DeepSeek-V4-Flash's dims (registry.py): N and K of every FP8 projection and the
+# row strides that equal them; not M, nor the scale strides ceil(K/128) (8 for K=1024)
+ALIGNED_INTS = ("N", "K", "stride_am", "stride_bn", "stride_cm")
 
 # (config name, signature, constexprs) for the CPU compile checks (tests/kernels/test_compile.py)
+_K = {"BLOCK_K": 128, "EVEN_K": True}  # every model K is a multiple of 128
 COMPILE_CONFIGS = (
-    ("prefill", COMPILE_SIGNATURE, {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "SWAP_AB": False}),
-    ("decode", COMPILE_SIGNATURE, {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "SWAP_AB": True}),
-    ("decode_noswap", COMPILE_SIGNATURE, {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "SWAP_AB": False}),
+    ("prefill", COMPILE_SIGNATURE, {**_K, "BLOCK_M": 64, "BLOCK_N": 128, "SWAP_AB": False}),
+    ("decode", COMPILE_SIGNATURE, {**_K, "BLOCK_M": 16, "BLOCK_N": 128, "SWAP_AB": True}),
+    ("decode_noswap", COMPILE_SIGNATURE, {**_K, "BLOCK_M": 16, "BLOCK_N": 128, "SWAP_AB": False}),
 )

@@ -169,6 +169,9 @@ COMPILE_SIGNATURE = {
     "RATIO": "constexpr", "PER_PAGE": "constexpr", "HEAD_DIM": "constexpr", "BLOCK_H": "constexpr",
     "BLOCK_T": "constexpr", "BLOCK_E": "constexpr", "UPCAST": "constexpr",
 }
+# multiples of 16 at DeepSeek-V4-Flash's dims (registry.py): 64 heads of 128, 32 keys a page; not the
+# block table's width or the number of score columns
+ALIGNED_INTS = ("num_heads", "stride_qn", "stride_qh", "stride_wn", "stride_kp", "stride_ke")
 _REAL = {"RATIO": 4, "PER_PAGE": 32, "HEAD_DIM": 128, "BLOCK_H": 64, "UPCAST": False}  # DeepSeek-V4-Flash
 
 # (config name, signature, constexprs) for the CPU compile checks (tests/kernels/test_compile.py)

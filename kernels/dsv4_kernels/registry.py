@@ -3,6 +3,14 @@ configurations the CPU compile checks build (tests/kernels/test_registry.py, tes
 
 Entries are "module:attribute" strings resolved on demand, so reading the table imports neither
 triton nor torch, and a test can set TRITON_INTERPRET before any kernel module is imported.
+
+Besides COMPILE_CONFIGS, a kernel module may declare how its wrapper launches each config:
+LAUNCH_OPTIONS {config: {"num_warps": .., "num_stages": ..}} (absent: Triton's defaults) and
+LAUNCH_ARCHS {config: (sm, ...)} (absent: every arch in ARCHS), and ALIGNED_INTS, the integer
+arguments that are multiples of 16 at DeepSeek-V4-Flash's dimensions: at launch Triton specializes
+those, and every 16-byte-aligned pointer (any torch allocation), as divisible by 16, which lets it
+vectorize loads; the compile checks mark the same (`compile_attrs`). Together the checks build exactly
+what runs and hold it to the arch's limits.
 """
 
 from __future__ import annotations
@@ -17,6 +25,13 @@ def resolve(target: str) -> Any:
     """'package.module:attr' -> the attribute."""
     module, _, attr = target.partition(":")
     return getattr(importlib.import_module(module), attr)
+
+
+# the GPU generations we build for: sm_90 (H100 / H200) and sm_120 (RTX 50 series)
+ARCHS = (90, 120)
+# shared memory one block may opt in to, per arch (CUDA C++ Programming Guide, "Technical Specifications
+# per Compute Capability": 227 KB on 9.0, 99 KB on 12.0)
+SHARED_PER_BLOCK = MappingProxyType({90: 227 * 1024, 120: 99 * 1024})
 
 
 @dataclass(frozen=True)
@@ -35,6 +50,25 @@ class KernelSpec:
 
     def load_compile_configs(self) -> tuple[tuple[str, dict, dict], ...]:
         return resolve(self.compile_configs)
+
+    def launch_options(self, config: str, arch: int) -> dict | None:
+        """The Triton options the wrapper launches `config` with on sm_`arch` ({}: the defaults), or None
+        when it never launches that config there (see the module doc)."""
+        module = importlib.import_module(self.compile_configs.partition(":")[0])
+        if arch not in getattr(module, "LAUNCH_ARCHS", {}).get(config, ARCHS):
+            return None
+        return dict(getattr(module, "LAUNCH_OPTIONS", {}).get(config, {}))
+
+    def compile_attrs(self, signature: dict[str, str]) -> dict[tuple[int], list]:
+        """`attrs` for triton's ASTSource: pointers and the module's ALIGNED_INTS divisible by 16."""
+        module = importlib.import_module(self.compile_configs.partition(":")[0])
+        aligned = getattr(module, "ALIGNED_INTS", ())
+        wrong = [a for a in aligned if signature.get(a) != "i32"]
+        if wrong:
+            raise ValueError(f"{self.name}: ALIGNED_INTS names no i32 argument: {wrong}")
+        arg_names = self.load_kernel().arg_names
+        return {(arg_names.index(a),): [["tt.divisibility", 16]] for a, kind in signature.items()
+                if kind.startswith("*") or a in aligned}
 
 
 KERNELS: tuple[KernelSpec, ...] = (

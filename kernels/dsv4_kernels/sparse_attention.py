@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv4_kernels.registry import SHARED_PER_BLOCK
+
 LOG2E = 1.4426950408889634
 
 
@@ -83,25 +85,32 @@ def _online_softmax_step(q, k, valid, acc, m_i, l_i, scale_log2):
 
 
 @triton.jit
-def _combine_splits(n, offs_h, mask_h, offs_d, out_ptrs, part_acc_ptr, part_ml_ptr, num_heads, num_rows,
-                    num_splits, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr):
-    """PHASE 2: merge the splits' (acc, m, l) of row n: o = sum_s 2^(m_s-M) acc_s / sum_s 2^(m_s-M) l_s."""
-    m_run = tl.full([BLOCK_H], -1.0e30, tl.float32)
-    l_run = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+def _combine_splits(n, offs_h, mask_h, out_rows, part_acc_ptr, part_ml_ptr, num_heads, num_rows, num_splits,
+                    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, D_CHUNK: tl.constexpr):
+    """PHASE 2: merge the splits' (acc, m, l) of row n: o = sum_s 2^(m_s-M) acc_s / sum_s 2^(m_s-M) l_s,
+    with M = max_s m_s. out_rows [BLOCK_H]: the output row pointers. The sum runs D_CHUNK channels at a
+    time, so the merge holds a [BLOCK_H, D_CHUNK] accumulator, not a whole [BLOCK_H, HEAD_DIM] one."""
+    m_max = tl.full([BLOCK_H], -1.0e30, tl.float32)
+    for s in range(0, num_splits):
+        base = ((s * num_rows + n) * num_heads).to(tl.int64) + offs_h
+        m_max = tl.maximum(m_max, tl.load(part_ml_ptr + base * 2, mask=mask_h, other=-1.0e30))
+    l_sum = tl.zeros([BLOCK_H], tl.float32)
     for s in range(0, num_splits):
         base = ((s * num_rows + n) * num_heads).to(tl.int64) + offs_h
         m_s = tl.load(part_ml_ptr + base * 2, mask=mask_h, other=-1.0e30)
-        l_s = tl.load(part_ml_ptr + base * 2 + 1, mask=mask_h, other=0.0)
-        acc_s = tl.load(part_acc_ptr + base[:, None] * HEAD_DIM + offs_d[None, :], mask=mask_h[:, None], other=0.0)
-        m_new = tl.maximum(m_run, m_s)
-        alpha = tl.exp2(m_run - m_new)
-        beta = tl.exp2(m_s - m_new)
-        l_run = l_run * alpha + l_s * beta
-        acc = acc * alpha[:, None] + acc_s * beta[:, None]
-        m_run = m_new
-    l_run = tl.where(mask_h, l_run, 1.0)
-    tl.store(out_ptrs, (acc / l_run[:, None]).to(out_ptrs.dtype.element_ty), mask=mask_h[:, None])
+        l_sum += tl.load(part_ml_ptr + base * 2 + 1, mask=mask_h, other=0.0) * tl.exp2(m_s - m_max)
+    l_sum = tl.where(mask_h, l_sum, 1.0)
+    for d0 in tl.static_range(0, HEAD_DIM, D_CHUNK):
+        offs_d = d0 + tl.arange(0, D_CHUNK)
+        acc = tl.zeros([BLOCK_H, D_CHUNK], tl.float32)
+        for s in range(0, num_splits):
+            base = ((s * num_rows + n) * num_heads).to(tl.int64) + offs_h
+            beta = tl.exp2(tl.load(part_ml_ptr + base * 2, mask=mask_h, other=-1.0e30) - m_max)
+            acc_s = tl.load(part_acc_ptr + base[:, None] * HEAD_DIM + offs_d[None, :], mask=mask_h[:, None],
+                            other=0.0)
+            acc += acc_s * beta[:, None]
+        out_ptrs = out_rows[:, None] + offs_d[None, :]
+        tl.store(out_ptrs, (acc / l_sum[:, None]).to(out_ptrs.dtype.element_ty), mask=mask_h[:, None])
 
 
 @triton.jit
@@ -122,10 +131,10 @@ def paged_sparse_attention_kernel(
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_h < num_heads
     offs_d = tl.arange(0, HEAD_DIM)
-    out_ptrs = out_ptr + n.to(tl.int64) * stride_on + offs_h[:, None] * stride_oh + offs_d[None, :]
+    out_rows = out_ptr + n.to(tl.int64) * stride_on + offs_h * stride_oh
     if PHASE == 2:
-        _combine_splits(n, offs_h, mask_h, offs_d, out_ptrs, part_acc_ptr, part_ml_ptr, num_heads, num_rows,
-                        num_splits, HEAD_DIM, BLOCK_H)
+        _combine_splits(n, offs_h, mask_h, out_rows, part_acc_ptr, part_ml_ptr, num_heads, num_rows, num_splits,
+                        HEAD_DIM, BLOCK_H, min(HEAD_DIM, 128))
     else:
         b = tl.load(row_req_ptr + n)
         sp = tl.load(start_pos_ptr + b)
@@ -163,7 +172,8 @@ def paged_sparse_attention_kernel(
                 k = k.to(tl.float32)
             acc, m_i, l_i = _online_softmax_step(q, k, valid, acc, m_i, l_i, scale_log2)
         if PHASE == 0:
-            tl.store(out_ptrs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=mask_h[:, None])
+            tl.store(out_rows[:, None] + offs_d[None, :], (acc / l_i[:, None]).to(out_ptr.dtype.element_ty),
+                     mask=mask_h[:, None])
         else:
             base = ((split * num_rows + n) * num_heads).to(tl.int64) + offs_h
             tl.store(part_acc_ptr + base[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=mask_h[:, None])
@@ -204,17 +214,14 @@ def _check_inputs(q: torch.Tensor, new_kv: torch.Tensor, swa_kv: torch.Tensor, c
         raise ValueError(f"topk_idx must be [N={num_rows}, K], got {tuple(topk_idx.shape)}")
 
 
-def launch_shape(device: torch.device, block_h: int) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages). Measured with ptxas at H = 64, D = 512: the [64, 512] q tile and
-    two stages of [32, 512] keys take 128 KiB of shared memory, which Hopper has (227 KiB a block);
-    GPUs with ~99 KiB a block (sm_120, RTX 50) take BLOCK_N = 16 (90 KiB). Eight warps split the
-    [64, 512] fp32 accumulator to 128 registers a thread; ptxas still uses 255 with a ~0.6 KB stack
-    (four warps: ~2.3 KB). Not yet timed on a GPU (bench/gpu_cases/sparse_attention.py weighs these)."""
-    if device.type != "cuda":
-        return 32, 4, 1
-    props = torch.cuda.get_device_properties(device)
-    roomy = getattr(props, "shared_memory_per_block_optin", 0) >= 160 * 1024
-    return (32 if roomy else 16), (8 if block_h >= 64 else 4), 2
+def launch_shape(shared_per_block: int, block_h: int) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) for a GPU whose blocks may opt in to `shared_per_block` bytes.
+    Measured with ptxas at H = 64, D = 512: the [64, 512] q tile and two stages of [32, 512] keys take
+    128 KiB of shared memory, which Hopper has (227 KiB a block); GPUs with ~99 KiB a block (sm_120,
+    RTX 50) take BLOCK_N = 16 (88 KiB). Eight warps split the [64, 512] fp32 accumulator to 128
+    registers a thread; ptxas still spills a little (tests/kernels/test_compile.py keeps the count).
+    Not yet timed on a GPU (bench/gpu_cases/sparse_attention.py weighs these)."""
+    return (32 if shared_per_block >= 160 * 1024 else 16), (8 if block_h >= 64 else 4), 2
 
 
 def _workspaces(num_splits: int, q: torch.Tensor, sink: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -247,7 +254,11 @@ def paged_sparse_attention(q: torch.Tensor, new_kv: torch.Tensor, swa_kv: torch.
     topk = cu_seqlens if topk_idx is None else topk_idx.contiguous()
     num_topk = 0 if topk_idx is None else topk_idx.shape[1]
     block_h = block_h or max(16, min(64, triton.next_power_of_2(num_heads)))
-    default_block_n, num_warps, num_stages = launch_shape(q.device, block_h)
+    if q.is_cuda:
+        smem = torch.cuda.get_device_properties(q.device).shared_memory_per_block_optin
+        default_block_n, num_warps, num_stages = launch_shape(smem, block_h)
+    else:
+        default_block_n, num_warps, num_stages = 32, 4, 1
     block_n = block_n or default_block_n
     head_groups = triton.cdiv(num_heads, block_h)
     if num_splits is None:  # the most keys a token can have; HCA: what the block table holds (no host sync)
@@ -285,15 +296,30 @@ COMPILE_SIGNATURE = {
     "WINDOW": "constexpr", "ENTRIES_PER_PAGE": "constexpr", "HEAD_DIM": "constexpr", "COMP_MODE": "constexpr",
     "PHASE": "constexpr", "BLOCK_H": "constexpr", "BLOCK_N": "constexpr", "DOT_FP32": "constexpr",
 }
-_REAL_DIMS = {"WINDOW": 128, "HEAD_DIM": 512, "BLOCK_H": 64, "BLOCK_N": 32, "DOT_FP32": False}
+# multiples of 16 at DeepSeek-V4-Flash's dims (registry.py): 64 heads, 512 top-k, head dim 512 strides;
+# not the block table's width (pages per sequence), the row count or the split count
+ALIGNED_INTS = ("num_heads", "num_topk", "stride_qn", "stride_qh", "stride_new", "stride_swa_slot", "stride_swa_pos",
+                "stride_comp_page", "stride_comp_entry", "stride_topk", "stride_on", "stride_oh")
+_REAL_DIMS = {"WINDOW": 128, "HEAD_DIM": 512, "BLOCK_H": 64, "DOT_FP32": False}
+_FORMS = (("decode_csa", {"ENTRIES_PER_PAGE": 32, "COMP_MODE": 1, "PHASE": 1}),  # split-K partials
+          ("prefill_csa", {"ENTRIES_PER_PAGE": 32, "COMP_MODE": 1, "PHASE": 0}),  # one chunk, normalized
+          ("decode_hca", {"ENTRIES_PER_PAGE": 1, "COMP_MODE": 2, "PHASE": 1}),  # every entry, one a page
+          ("combine", {"ENTRIES_PER_PAGE": 32, "COMP_MODE": 1, "PHASE": 2}))  # split-K merge, no matrix product
+
+
+def _launches() -> dict[str, tuple[tuple[int, int, int], tuple[int, ...]]]:
+    """"bn<BLOCK_N>" -> (the `launch_shape` at 64 heads, the archs that get it)."""
+    by_shape: dict[tuple[int, int, int], list[int]] = {}
+    for arch, smem in SHARED_PER_BLOCK.items():
+        by_shape.setdefault(launch_shape(smem, 64), []).append(arch)
+    return {f"bn{shape[0]}": (shape, tuple(archs)) for shape, archs in by_shape.items()}
+
 
 # (config name, signature, constexprs) for the CPU compile checks (tests/kernels/test_compile.py), at
-# DeepSeek-V4-Flash's dims: CSA decode (split-K partials), CSA prefill chunk, and HCA decode (one entry a
-# page) with the 16-key blocks that sm_120 launches (`launch_shape`), and the split-K merge (no matrix product)
-COMPILE_CONFIGS = (
-    ("decode_csa", COMPILE_SIGNATURE, {**_REAL_DIMS, "ENTRIES_PER_PAGE": 32, "COMP_MODE": 1, "PHASE": 1}),
-    ("prefill_csa", COMPILE_SIGNATURE, {**_REAL_DIMS, "ENTRIES_PER_PAGE": 32, "COMP_MODE": 1, "PHASE": 0}),
-    ("decode_hca_bn16", COMPILE_SIGNATURE,
-     {**_REAL_DIMS, "ENTRIES_PER_PAGE": 1, "COMP_MODE": 2, "PHASE": 1, "BLOCK_N": 16}),
-    ("combine", COMPILE_SIGNATURE, {**_REAL_DIMS, "ENTRIES_PER_PAGE": 32, "COMP_MODE": 1, "PHASE": 2}),
-)
+# DeepSeek-V4-Flash's dims: each form with the launch shape of each arch; LAUNCH_OPTIONS / LAUNCH_ARCHS:
+# how and where the wrapper launches them (registry.py)
+COMPILE_CONFIGS = tuple((f"{form}_{tag}", COMPILE_SIGNATURE, {**_REAL_DIMS, **extra, "BLOCK_N": shape[0]})
+                        for tag, (shape, _) in _launches().items() for form, extra in _FORMS)
+LAUNCH_OPTIONS = {f"{form}_{tag}": {"num_warps": shape[1], "num_stages": shape[2]}
+                  for tag, (shape, _) in _launches().items() for form, _ in _FORMS}
+LAUNCH_ARCHS = {f"{form}_{tag}": archs for tag, (_, archs) in _launches().items() for form, _ in _FORMS}
