@@ -12,8 +12,9 @@
    medians); those lines print before the table. Cases past --budget-s are reported as skipped.
 
 `--cpu-smoke` runs the same code path on the CPU with Triton's interpreter, calling each module's
-`smoke_cases(device)` (tiny shapes) where it has one; it checks discovery, checking, timing and the
-table here, and measures nothing worth keeping.
+`smoke_cases(device)` (tiny shapes); it checks discovery, checking, timing and the table here
+(tests/unit/test_bench_gpu_check.py runs it), and measures nothing worth keeping. The exit status is
+1 when any row is not OK.
 
     python bench/gpu_check.py [--repeats 20] [--budget-s 420] [--only SUBSTR] [--json PATH]
     python bench/gpu_check.py --cpu-smoke
@@ -169,7 +170,8 @@ def format_rows(rows: list[Row]) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
-def main() -> None:
+def main() -> int:
+    """Exit status 1 when any case is not OK (a failed check, an error or a skip)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU (Triton interpreter)")
     parser.add_argument("--repeats", type=int, default=20)
@@ -191,18 +193,22 @@ def main() -> None:
     ceilings = measure_ceilings(device, opts.warmup, opts.repeats, opts.cpu_smoke)
     rows: list[Row] = []
     notes: list[str] = []
+    rows_per_module: dict[str, int] = {}
     for name in discover(CASES_DIR):
-        rows += run_module(name, device, ceilings, opts, deadline, notes)
+        module_rows = run_module(name, device, ceilings, opts, deadline, notes)
+        rows += module_rows
+        rows_per_module[name] = len(module_rows)
     title = torch.cuda.get_device_name() if device.type == "cuda" else "CPU smoke run (numbers mean nothing)"
     if opts.json:
         opts.json.write_text(json.dumps({"device": title, "ceilings": ceilings, "rows": [asdict(r) for r in rows],
-                                         "notes": notes}, indent=2))
+                                         "rows_per_module": rows_per_module, "notes": notes}, indent=2))
     print(f"\n{title}: copy {ceilings['copy_GBps']:.0f} GB/s, bf16 matmul {ceilings['matmul_TFLOPs']:.1f} TFLOP/s "
           f"(measured ceilings); times are medians of {opts.repeats}; 'vs baseline' = baseline time / run time")
     for line in notes:
         print(line)
     print(format_rows(rows))
+    return int(any(not r.ok.startswith("OK") for r in rows))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

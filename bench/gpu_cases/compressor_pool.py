@@ -42,3 +42,9 @@ def cases(device: torch.device) -> list[GpuCase]:
         out.append(_case(f"compressor_pool {label} prefill 8192 tokens", prefill_windows, slots, d, device,
                          seed=slots * d))
     return out
+
+
+def smoke_cases(device: torch.device) -> list[GpuCase]:
+    """Tiny shapes for the CPU interpreter: a few windows of each kind at small widths."""
+    return [_case("compressor_pool tiny csa", 3, 8, 64, device, seed=1),
+            _case("compressor_pool tiny hca", 2, 128, 32, device, seed=2)]

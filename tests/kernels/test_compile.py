@@ -1,13 +1,12 @@
 """Every registered kernel compiles on this CPU for the GPUs users run (sm_90 H100/H200 and sm_120
 RTX 50), in each configuration its wrapper launches there, with the wrapper's launch options and the
 alignment the launcher specializes (registry.KernelSpec.launch_options, compile_attrs); the PTX holds
-the matrix instructions we meant, and the cubin fits the arch: shared memory within what a block may opt in to (else the launch fails with "out of
-resources" on the card) and register spills (local-memory stack, read from the cubin with
-cuobjdump -res-usage) no larger than STACK_BUDGET.
+the matrix instructions we meant, and the cubin fits the arch: shared memory within what a block
+may opt in to (else the launch fails with "out of resources" on the card) and register spills
+(local-memory stack, read from the cubin with cuobjdump -res-usage) no larger than STACK_BUDGET.
 
-The builds run in one child process without TRITON_INTERPRET (conftest.py sets it for this
-process, where @triton.jit yields interpreter functions that cannot be compiled). ptxas ships in
-the triton wheel (triton/backends/nvidia/bin), so the checks reach a cubin.
+The builds run in child processes without TRITON_INTERPRET (dsv4_kernels.build_report, which also
+prints the table: `python -m dsv4_kernels.build_report`).
 
 What triton 3.7.1 emits (asserted below):
 - fp8_gemm on sm_90: `wgmma.mma_async ... .e4m3.e4m3` for prefill (m64n128k32) and, with SWAP_AB,
@@ -22,16 +21,9 @@ What triton 3.7.1 emits (asserted below):
 
 from __future__ import annotations
 
-import json
-import os
-import re
-import subprocess
-import sys
-
 import pytest
 
-MMA = re.compile(r"\b(wgmma\.mma_async\.sync\.aligned\.\w+\.\w+\.\w+\.\w+|mma\.sync\.aligned\.[\w.]+)")
-RES_USAGE = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
+from dsv4_kernels.build_report import build_all, launched_builds, table
 
 # (kernel, config, arch) -> a substring one of the PTX's matrix instructions must contain
 EXPECTED = {
@@ -76,77 +68,17 @@ STACK_BUDGET = {
 BUILD_SECONDS = {("fp4_moe_gemm", "gate_up_prefill", 120): 18, ("fp4_moe_gemm", "down_prefill", 120): 6}
 
 
-def _compile(jobs: list[str]) -> dict:
-    """Child process: build each "kernel|config|arch" job with its launch options; report the matrix
-    instructions in the PTX and the cubin's resource usage."""
-    import tempfile
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from dsv4_kernels.registry import KERNELS_BY_NAME
-
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    results = {}
-    for key in jobs:
-        name, config, arch = key.split("|")
-        spec = KERNELS_BY_NAME[name]
-        signature, constexprs = {c: (sig, cx) for c, sig, cx in spec.load_compile_configs()}[config]
-        try:
-            source = ASTSource(fn=spec.load_kernel(), signature=signature, constexprs=constexprs,
-                               attrs=spec.compile_attrs(signature))
-            built = triton.compile(source, target=GPUTarget("cuda", int(arch), 32),
-                                   options=spec.launch_options(config, int(arch)))
-            ptx = built.asm["ptx"]
-            with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-                cubin.write(built.asm["cubin"])
-                cubin.flush()
-                usage = subprocess.run([cuobjdump, "-res-usage", cubin.name], capture_output=True, text=True)
-            regs, stack, _, _ = map(int, RES_USAGE.search(usage.stdout).groups())
-            results[key] = {"mma": sorted(set(MMA.findall(ptx))), "cubin_bytes": len(built.asm["cubin"]),
-                            "target": re.search(r"\.target\s+(\w+)", ptx).group(1),
-                            "shared": built.metadata.shared, "regs": regs, "stack": stack}
-        except Exception as exc:  # reported per config by the test
-            results[key] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
-    return results
-
-
 @pytest.fixture(scope="module")
 def compiled() -> dict:
-    """Two children side by side, jobs split longest first (a cold build of everything takes ~55 s on
-    one core; the Triton cache makes reruns take a few seconds)."""
-    jobs = sorted(((name, config, arch) for name, config, arch in (p.values for p in _cases())),
-                  key=lambda job: -BUILD_SECONDS.get(job, 3))
-    shares: list[list[str]] = [[], []]
-    loads = [0, 0]
-    for job in jobs:
-        child = loads.index(min(loads))
-        shares[child].append("|".join(map(str, job)))
-        loads[child] += BUILD_SECONDS.get(job, 3)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    procs = [subprocess.Popen([sys.executable, __file__, json.dumps(share)], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for share in shares]
-    results = {}
-    for proc in procs:
-        out, err = proc.communicate(timeout=300)
-        assert proc.returncode == 0, err[-4000:]
-        results.update(json.loads(out.strip().splitlines()[-1]))
-    return results
+    """Every launched build, two child processes side by side (build_report.build_all)."""
+    return build_all(list(launched_builds()), workers=2, cost=BUILD_SECONDS)
 
 
 def _cases():
-    """(kernel, config, arch) for every build a wrapper launches."""
-    from dsv4_kernels.registry import ARCHS, KERNELS
-
-    for spec in KERNELS:
-        for config, _, _ in spec.load_compile_configs():
-            for arch in ARCHS:
-                if spec.launch_options(config, arch) is not None:
-                    yield pytest.param(spec.name, config, arch, id=f"{spec.name}-{config}-sm{arch}")
+    return [pytest.param(*build, id=f"{build[0]}-{build[1]}-sm{build[2]}") for build in launched_builds()]
 
 
-@pytest.mark.parametrize(("name", "config", "arch"), list(_cases()))
+@pytest.mark.parametrize(("name", "config", "arch"), _cases())
 def test_compiles_with_tensor_core_mma(compiled: dict, name: str, config: str, arch: int) -> None:
     result = compiled[f"{name}|{config}|{arch}"]
     assert "error" not in result, result.get("error")
@@ -164,7 +96,7 @@ def test_compiles_with_tensor_core_mma(compiled: dict, name: str, config: str, a
         assert any(expected in m for m in result["mma"]), result["mma"]
 
 
-@pytest.mark.parametrize(("name", "config", "arch"), list(_cases()))
+@pytest.mark.parametrize(("name", "config", "arch"), _cases())
 def test_fits_the_arch_without_new_spills(compiled: dict, name: str, config: str, arch: int) -> None:
     from dsv4_kernels.registry import SHARED_PER_BLOCK
 
@@ -176,10 +108,14 @@ def test_fits_the_arch_without_new_spills(compiled: dict, name: str, config: str
 
 
 def test_every_budget_names_a_launched_build() -> None:
-    launched = {tuple(p.values) for p in _cases()}
+    launched = set(launched_builds())
     assert set(STACK_BUDGET) <= launched and set(EXPECTED) <= launched, \
         (set(STACK_BUDGET) | set(EXPECTED)) - launched
 
 
-if __name__ == "__main__":
-    print(json.dumps(_compile(json.loads(sys.argv[1]))))
+
+def test_the_printed_table_has_a_row_per_build(compiled: dict) -> None:
+    rows = table(compiled).splitlines()[2:]
+    assert len(rows) == len(compiled)
+    assert {tuple(cell.strip() for cell in row.split("|")[1:4]) for row in rows} == \
+        {(name, config, f"sm_{arch}") for name, config, arch in launched_builds()}

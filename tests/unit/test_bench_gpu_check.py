@@ -73,3 +73,20 @@ def test_end_to_end_projection_against_the_bandwidth_bound(monkeypatch, real_mod
     assert "= 42" in lines[0]  # 4800 GB/s / ~11.2 GB = ~428 tokens/s
     assert "43 layers 215.0 ms = 4.7 tokens/s" in lines[1]  # 10 ms x 43 / 2 layers
     assert "prefill 2048 tokens/s" in lines[2] and "~95 tokens/s projected" in lines[2]
+
+
+def test_the_cpu_smoke_run_checks_every_case_module(gpu_check, tmp_path: Path) -> None:
+    """The GPU script's whole path (every module's cases, checks, timing, table) on tiny shapes, so a
+    lent GPU's minutes are never lost to a broken case module."""
+    import json
+    import subprocess
+
+    out = tmp_path / "smoke.json"
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_check.py"), "--cpu-smoke", "--repeats", "1",
+                           "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    rows = report["rows"]
+    assert set(report["rows_per_module"]) == set(gpu_check.discover(gpu_check.CASES_DIR))
+    assert min(report["rows_per_module"].values()) >= 2
+    assert all(row["ok"].startswith("OK") for row in rows), [r for r in rows if not r["ok"].startswith("OK")]
