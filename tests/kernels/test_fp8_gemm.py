@@ -16,6 +16,7 @@ import torch
 
 from dsv4_kernels.fp8_gemm import fp8_gemm, fp8_linear, act_quant_fp8, store_dtype
 from dsv4_kernels.fp8_gemm_ref import dequant_act_fp8_ref, fp8_gemm_ref
+from dsv4_kernels.testing import into_poisoned
 from dsv4serve.model.numerics import NUMERICS_ON, fp8_quant_dequant, linear
 from dsv4serve.model.quant import dequant_fp8_block, quant_fp8_block
 
@@ -37,13 +38,8 @@ def _bound(a, a_scale, b, b_scale, ref: torch.Tensor) -> torch.Tensor:
 
 
 def _run_poisoned(a, a_scale, b, b_scale, blocks=None) -> torch.Tensor:
-    m, n = a.shape[0], b.shape[0]
-    big = torch.full((m + 3, n + 5), float("nan"), dtype=store_dtype())
-    out = fp8_gemm(a, a_scale, b, b_scale, blocks=blocks, out=big[1:m + 1, 2:n + 2])
-    border = big.clone()
-    border[1:m + 1, 2:n + 2] = 0
-    assert torch.isnan(border).sum() == border.numel() - m * n, "the kernel stored outside its output"
-    return out
+    return into_poisoned((a.shape[0], b.shape[0]), store_dtype(),
+                         lambda out: fp8_gemm(a, a_scale, b, b_scale, blocks=blocks, out=out))
 
 
 # (M, N, K): decode m=1 with ragged N and K (300 = 2 blocks + 44, 200 = 128 + 72), exact blocks,

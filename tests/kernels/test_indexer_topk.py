@@ -22,6 +22,7 @@ import torch
 from dsv4_kernels.indexer_topk import indexer_scores, indexer_topk, select_topk
 from dsv4_kernels.indexer_topk_ref import (gather_keys, indexer_scores_ref, indexer_topk_ref, topk_from_scores_ref,
                                            visible_counts)
+from dsv4_kernels.testing import into_poisoned
 
 RATIO = 4
 
@@ -76,14 +77,9 @@ def _score_bound(p: dict, num_cols: int) -> torch.Tensor:
 
 
 def _scores_poisoned(p: dict, num_cols: int, max_rows: int, blocks=None) -> torch.Tensor:
-    n = p["q"].shape[0]
-    big = torch.full((n + 2, num_cols + 3), float("nan"))
-    out = indexer_scores(**p, ratio=RATIO, num_cols=num_cols, max_rows_per_request=max_rows, blocks=blocks,
-                         out=big[1:n + 1, 1:num_cols + 1])
-    border = big.clone()
-    border[1:n + 1, 1:num_cols + 1] = 0
-    assert torch.isnan(border).sum() == border.numel() - n * num_cols, "the kernel stored outside its output"
-    return out
+    return into_poisoned((p["q"].shape[0], num_cols), torch.float32,
+                         lambda out: indexer_scores(**p, ratio=RATIO, num_cols=num_cols, max_rows_per_request=max_rows,
+                                                    blocks=blocks, out=out))
 
 
 # (requests [(start_pos, n_rows)], heads, head_dim, entries per page)

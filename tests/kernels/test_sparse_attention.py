@@ -21,6 +21,7 @@ import torch
 
 from dsv4_kernels.sparse_attention import paged_sparse_attention, store_dtype
 from dsv4_kernels.sparse_attention_ref import paged_sparse_attention_ref
+from dsv4_kernels.testing import into_poisoned
 from dsv4serve.model.attention import sparse_attention
 
 WINDOW = 16  # dsv4-tiny's window
@@ -85,13 +86,8 @@ def _make_batch(rows: list[tuple[int, int]], mode: str, heads: int = 6, dim: int
 
 
 def _run_poisoned(batch: Batch, **launch) -> torch.Tensor:
-    n, h, d = batch.kwargs["q"].shape
-    big = torch.full((n + 2, h + 1, d + 3), float("nan"), dtype=store_dtype())
-    out = paged_sparse_attention(**batch.kwargs, out=big[1:n + 1, :h, 2:d + 2], **launch)
-    border = big.clone()
-    border[1:n + 1, :h, 2:d + 2] = 0
-    assert torch.isnan(border).sum() == border.numel() - n * h * d, "the kernel stored outside its output"
-    return out
+    return into_poisoned(tuple(batch.kwargs["q"].shape), store_dtype(),
+                         lambda out: paged_sparse_attention(**batch.kwargs, out=out, **launch))
 
 
 def _assert_close(out: torch.Tensor, ref: torch.Tensor, batch: Batch) -> None:
