@@ -119,7 +119,7 @@ class ServeConfig:
     num_tokens: Setting[int | None] = option("KV capacity in tokens [auto: from the memory plan]",
                                              parse=positive_int, metavar="T")
     kernels: Setting[str] = option("Triton or torch per kernel (attention, indexer, compressor, fp8_gemm, "
-                                   "fp4_moe): auto = Triton on CUDA, torch on CPU; e.g. all=triton,fp4_moe=torch",
+                                   "fp4_moe, head): auto = Triton on CUDA, torch on CPU; e.g. all=triton,fp4_moe=torch",
                                    parse=kernel_spec, default="auto", metavar="SPEC")
     api_key: Setting[str | None] = option("Bearer token required on /v1/*, /tokenize, /detokenize",
                                           metavar="K", secret=True)

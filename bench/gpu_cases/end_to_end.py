@@ -74,7 +74,7 @@ def random_model(args, device: torch.device, seed: int):
     """A Transformer on `device` whose weights follow random_init's rules, drawn one tensor at a time
     on the device (a CPU state dict at real dimensions would take minutes and ~100 GB), FP8 / FP4
     weights rounded to what their storage holds, as a real checkpoint's are (the Triton kernels'
-    weight packing checks that it is exact)."""
+    weight packing checks that it is exact), bf16 ones likewise."""
     from dsv4serve.model.quant import dequant_fp4, dequant_fp8_block, quant_fp4, quant_fp8_block
     from dsv4serve.model.random_init import _sample, dense_shape
     from dsv4serve.model.schema import checkpoint_schema
@@ -93,6 +93,8 @@ def random_model(args, device: torch.device, seed: int):
                     value = dequant_fp8_block(*quant_fp8_block(value))
                 elif spec.role == "fp4_weight":
                     value = dequant_fp4(*quant_fp4(value))
+                elif spec.dtype == "BF16":  # exact in bf16 (the head kernel reads it so: use_kernels)
+                    value = value.to(torch.bfloat16)
                 params[spec.name].copy_(value)
     return model
 

@@ -11,7 +11,8 @@ shards one at a time and placed on `device`:
   to the host bank behind an expert-slot cache instead (`attach_expert_cache`, as the engine does);
 - everything else as the dense loader (`iter_dense`) gives it, in DENSE_DTYPE: norms, head, HC,
   router, compressor / indexer weights, and any FP8 projection or routed expert whose kernel is on
-  torch; except the tensors of HELD_BF16, held in bf16 (exact: see there).
+  torch; except the tensors of HELD_BF16 (and the head, with its kernel on Triton), held in bf16
+  (exact: see there).
 Buffers computed in `__init__` (the RoPE frequencies) are recomputed, and the result is checked to
 hold no meta tensor. Host memory stays near one tensor: each is moved to `device` as soon as read.
 
@@ -53,8 +54,10 @@ FP8_RUN_DENSE = (".attn.wo_a.weight", ".attn.wo_a.scale")
 # embedding (stored bf16; its rows are looked up, then cast to the compute dtype) and wo_a (FP8 stored:
 # e4m3 times a power of two has at most 4 significant bits, exact in bf16; attention._project_out runs
 # the grouped einsum in the weight's dtype, bf16, as the reference runs its dequantized wo_a). Together
-# 3.7 GiB less than fp32 on DeepSeek-V4-Flash; `_load_dense` checks the exactness of every value.
+# 3.7 GiB less than fp32 on DeepSeek-V4-Flash; `_load_dense` checks the exactness of every value. The head
+# (stored bf16) joins them when its kernel is on Triton, which reads it as stored (HEAD_BF16; 0.99 GiB).
 HELD_BF16 = ("embed.weight", ".attn.wo_a.weight")
+HEAD_BF16 = "head.weight"
 
 Kind = Literal["fp8_packed", "fp4_stacked", "dense", "bank"]
 
@@ -85,9 +88,10 @@ def spec_kind(spec: TensorSpec, backends: KernelBackends, experts_resident: bool
     return "dense"
 
 
-def held_bf16(name: str) -> bool:
-    """True for a dense tensor the packed path holds in bf16 (HELD_BF16)."""
-    return name == HELD_BF16[0] or name.endswith(HELD_BF16[1:])
+def held_bf16(name: str, backends: KernelBackends) -> bool:
+    """True for a dense tensor the packed path holds in bf16 (HELD_BF16; HEAD_BF16 with head=triton)."""
+    return name == HELD_BF16[0] or name.endswith(HELD_BF16[1:]) or \
+        (name == HEAD_BF16 and backends.head == "triton")
 
 
 def model_specs(ckpt_specs: Iterable[TensorSpec], args: ModelArgs, include_mtp: bool) -> list[TensorSpec]:
@@ -95,8 +99,8 @@ def model_specs(ckpt_specs: Iterable[TensorSpec], args: ModelArgs, include_mtp: 
     return [s for s in ckpt_specs if include_mtp or s.layer is None or s.layer < args.n_layers]
 
 
-def _dense_bytes(spec: TensorSpec) -> int:
-    """Device bytes of one tensor loaded dense: float tensors in DENSE_DTYPE (bf16 for HELD_BF16) at their
+def _dense_bytes(spec: TensorSpec, backends: KernelBackends) -> int:
+    """Device bytes of one tensor loaded dense: float tensors in DENSE_DTYPE (bf16 if `held_bf16`) at their
     dense shape (FP4 packs two values a byte), scales consumed, integers (tid2eid) as the model holds
     them (int64)."""
     if spec.role in ("fp8_scale", "fp4_scale"):
@@ -104,7 +108,7 @@ def _dense_bytes(spec: TensorSpec) -> int:
     numel = spec.numel * (2 if spec.role == "fp4_weight" else 1)
     if spec.role == "index":
         return numel * torch.empty((), dtype=torch.int64).element_size()
-    dtype = torch.bfloat16 if held_bf16(spec.name) else DENSE_DTYPE
+    dtype = torch.bfloat16 if held_bf16(spec.name, backends) else DENSE_DTYPE
     return numel * torch.empty((), dtype=dtype).element_size()
 
 
@@ -115,7 +119,7 @@ def device_bytes(specs: Iterable[TensorSpec], args: ModelArgs, backends: KernelB
     split = {"non_expert": 0, "routed": 0, "mtp": 0}
     for spec in model_specs(specs, args, include_mtp):
         kind = spec_kind(spec, backends, experts_resident)
-        n = {"bank": 0, "dense": _dense_bytes(spec)}.get(kind, spec.nbytes)
+        n = {"bank": 0, "dense": _dense_bytes(spec, backends)}.get(kind, spec.nbytes)
         part = "mtp" if spec.layer is not None and spec.layer >= args.n_layers else \
             "routed" if spec.group == "routed_experts" else "non_expert"
         split[part] += n
@@ -149,7 +153,7 @@ def load_packed(ckpt: Checkpoint, backends: KernelBackends, device: torch.device
               unit_divisor=1024, desc=f"loading {ckpt.folder.name} packed", disable=not progress) as bar:
         _load_fp8(model, ckpt, [s for s in specs if kinds[s.name] == "fp8_packed"], device, bar)
         _load_fp4(model, ckpt, [s for s in specs if kinds[s.name] == "fp4_stacked"], device, bar)
-        _load_dense(model, ckpt, [s for s in specs if kinds[s.name] == "dense"], device, bar)
+        _load_dense(model, ckpt, [s for s in specs if kinds[s.name] == "dense"], backends, device, bar)
     for module in model.modules():
         if isinstance(module, Attention):  # as __init__ computes it (on the CPU, like the dense path)
             module.freqs = inv_freq(ckpt.args, bool(module.compress_ratio)).to(device)
@@ -207,10 +211,10 @@ def _load_fp4(model: Transformer, ckpt: Checkpoint, specs: list[TensorSpec], dev
         moe.use_packed_experts(layer)
 
 
-def _load_dense(model: Transformer, ckpt: Checkpoint, specs: list[TensorSpec], device: torch.device,
-                bar: tqdm) -> None:
+def _load_dense(model: Transformer, ckpt: Checkpoint, specs: list[TensorSpec], backends: KernelBackends,
+                device: torch.device, bar: tqdm) -> None:
     """The dense loader's tensors (FP8 / FP4 dequantized exactly), each cast to the dtype of the meta
-    tensor it replaces (bf16 for HELD_BF16, checked exact) and placed on `device`."""
+    tensor it replaces (bf16 if `held_bf16`, checked exact) and placed on `device`."""
     read_bytes = {s.name: s.nbytes for s in specs}
     for name, t in iter_dense(dataclasses.replace(ckpt, specs=tuple(specs)), DENSE_DTYPE, progress=False):
         bar.update(read_bytes[name] + read_bytes.get(name.removesuffix(".weight") + ".scale", 0))
@@ -220,7 +224,7 @@ def _load_dense(model: Transformer, ckpt: Checkpoint, specs: list[TensorSpec], d
         if meta is None or tuple(meta.shape) != tuple(t.shape):
             raise CheckpointError(f"{name}: shape {tuple(t.shape)} does not fit the model's "
                                   f"{None if meta is None else tuple(meta.shape)}")
-        dtype = torch.bfloat16 if held_bf16(name) else meta.dtype
+        dtype = torch.bfloat16 if held_bf16(name, backends) else meta.dtype
         if dtype != t.dtype and not torch.equal(t.to(dtype).to(t.dtype), t):
             raise CheckpointError(f"{name}: values not exact in {dtype}; load this checkpoint dense")
         value = _placed(t, device, dtype)
@@ -230,9 +234,11 @@ def _load_dense(model: Transformer, ckpt: Checkpoint, specs: list[TensorSpec], d
             setattr(module, leaf, value)
 
 
-def loaded_weight_bytes(specs: list[TensorSpec], args: ModelArgs) -> WeightBytes:
+def loaded_weight_bytes(specs: list[TensorSpec], args: ModelArgs,
+                        backends: KernelBackends = KernelBackends.every("triton")) -> WeightBytes:
     """The memory plan's weight split (memory_plan.weight_bytes) with the resident non-expert and MTP
-    bytes as the CUDA worker loads them: packed for the Triton kernels, the rest in fp32 or bf16."""
-    loaded = device_bytes(specs, args, KernelBackends.every("triton"), include_mtp=True, experts_resident=False)
+    bytes as the CUDA worker loads them with `backends` (on CUDA by default every kernel on Triton):
+    packed for the Triton kernels, the rest in fp32 or bf16 (held_bf16)."""
+    loaded = device_bytes(specs, args, backends, include_mtp=True, experts_resident=False)
     return dataclasses.replace(weight_bytes(specs, args), non_expert_bytes=loaded.non_expert_bytes,
                                mtp_bytes=loaded.mtp_bytes)

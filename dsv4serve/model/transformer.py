@@ -7,6 +7,7 @@ A forward runs a batch of rows; each row is a chunk of one request's tokens plus
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,8 @@ from dsv4serve.model.moe import MoE
 from dsv4serve.model.numerics import Numerics, matmul
 from dsv4serve.model.kv_pool import KvPool, LayerCache
 from dsv4serve.model.state import SequenceState
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -140,8 +143,17 @@ class Transformer(nn.Module):
         """Prepare, once after loading, the packed weights the chosen Triton kernels read: FP8 blocks of
         every FP8-stored projection (fp8_gemm) and stacked MXFP4 routed experts (fp4_moe; layers whose
         experts come from an expert-slot cache stay on torch). Each packing asserts it is exact; weights
-        packed already (by the packed loader, model/packed_load.py) are left as they are. The other
-        kernels need no preparation; `Numerics.backends` picks the path at each forward."""
+        packed already (by the packed loader, model/packed_load.py) are left as they are. With the head
+        kernel on Triton the head weight is held in bf16 when that is exact (a checkpoint stores it so),
+        else it stays fp32 on torch, with a warning. The other kernels need no preparation;
+        `Numerics.backends` picks the path at each forward."""
+        head = self.head.weight
+        if backends.head == "triton" and head.dtype != torch.bfloat16:
+            if torch.equal(head.to(torch.bfloat16).to(head.dtype), head):
+                self.head.weight = nn.Parameter(head.to(torch.bfloat16), requires_grad=False)
+            else:
+                log.warning("head=triton: the head weight is not exact in bf16 (not a checkpoint's?); "
+                            "its logits stay on torch in %s", head.dtype)
         for module in self.modules():
             if backends.fp8_gemm == "triton" and isinstance(module, Linear) and module.fp8_stored \
                     and module.weight_fp8 is None:
@@ -189,9 +201,16 @@ class Transformer(nn.Module):
 
     def logits(self, h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
                norm: RMSNorm, num: Numerics) -> torch.Tensor:
-        """Streams [M, hc, D] -> HC head -> final norm -> fp32 head: [M, vocab] fp32."""
-        y = norm(hc_head(h, fn, scale, base, self.args.hc_eps, self.args.norm_eps, num))
-        return matmul(y.float(), self.head.weight.float(), num)
+        """Streams [M, hc, D] -> HC head -> final norm -> fp32 head: [M, vocab] fp32. With the head kernel
+        on Triton and the weight held in bf16 (`use_kernels`), the kernel reads it as stored and gives the
+        fp32 product (dsv4_kernels.head_logits); otherwise torch multiplies in fp32."""
+        y = norm(hc_head(h, fn, scale, base, self.args.hc_eps, self.args.norm_eps, num)).float()
+        weight = self.head.weight
+        if num.backends.head == "triton" and weight.dtype == torch.bfloat16:
+            from dsv4_kernels.head_logits import head_logits, pick_block_m  # lazy, as for the other kernels
+
+            return head_logits(y, weight, block_m=pick_block_m(y.shape[0], num.batch_invariant))
+        return matmul(y, weight.float(), num)
 
     @staticmethod
     def _pick(h: torch.Tensor, spans: list[RowSpan], all_logits: bool) -> torch.Tensor:

@@ -74,7 +74,7 @@ def build_engine(launch: WorkerLaunch) -> EngineParts:
     if backends.fp8_gemm == "triton" and backends.fp4_moe == "triton":
         # the kernels read FP8 / MXFP4 as stored: load them packed, never dense
         if launch.moe_cache_size is None and device.type == "cuda":
-            launch = _with_planned_expert_slots(ckpt, launch)
+            launch = _with_planned_expert_slots(ckpt, launch, backends)
         _check_weights_fit(ckpt, backends, True, include_mtp, launch, device)
         model, expert_cache = load_packed(ckpt, backends, device, include_mtp, launch.moe_cache_size)
     else:
@@ -153,10 +153,10 @@ def _device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _with_planned_expert_slots(ckpt, launch: WorkerLaunch) -> WorkerLaunch:
+def _with_planned_expert_slots(ckpt, launch: WorkerLaunch, backends: KernelBackends) -> WorkerLaunch:
     """--moe-cache-size auto on CUDA: the whole-card memory plan's expert slots for this card."""
     try:
-        slots, why = planned_expert_slots(list(ckpt.specs), ckpt.args, launch)
+        slots, why = planned_expert_slots(list(ckpt.specs), ckpt.args, launch, backends)
     except ConfigError as exc:
         raise StartupError(str(exc)) from exc
     if slots is not None:

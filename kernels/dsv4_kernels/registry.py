@@ -108,6 +108,13 @@ KERNELS: tuple[KernelSpec, ...] = (
         test_module="tests/kernels/test_compressor_pool.py",
         compile_configs="dsv4_kernels.compressor_pool:COMPILE_CONFIGS",
     ),
+    KernelSpec(
+        name="head_logits",
+        kernel="dsv4_kernels.head_logits:head_logits_kernel",
+        references=("dsv4_kernels.head_logits_ref:head_logits_ref",),
+        test_module="tests/kernels/test_head_logits.py",
+        compile_configs="dsv4_kernels.head_logits:COMPILE_CONFIGS",
+    ),
 )
 
 KERNELS_BY_NAME = MappingProxyType({spec.name: spec for spec in KERNELS})

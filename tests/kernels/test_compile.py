@@ -48,6 +48,11 @@ EXPECTED = {
     ("indexer_topk", "decode", 120): "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32",
     ("indexer_topk", "decode_small", 120): "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32",
     ("indexer_topk", "prefill", 120): "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32",
+    # the head: [128 vocab, 64 K] bf16 weight tiles against the three bf16 parts of y^T (16 or 32 rows)
+    ("head_logits", "decode", 90): "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16",
+    ("head_logits", "batch", 90): "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16",
+    ("head_logits", "decode", 120): "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32",
+    ("head_logits", "batch", 120): "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32",
     # "": no tensor-core instruction at all (a per-channel softmax pooling has no matrix product)
     ("compressor_pool", "csa", 90): "", ("compressor_pool", "csa", 120): "",
     ("compressor_pool", "csa_indexer", 90): "", ("compressor_pool", "csa_indexer", 120): "",

@@ -44,7 +44,7 @@ def ckpt(tiny_dir):
 def dense(ckpt) -> Transformer:
     model = Transformer(ckpt.args, include_mtp=True).eval()
     model.load_state_dict(dict(iter_dense(ckpt, progress=False)), strict=True)
-    model.use_kernels(ALL_TRITON)  # packs both kinds: serves every backends mix below
+    model.use_kernels(ALL_TRITON)  # packs both kinds (serves every backends mix below); head held in bf16
     return model
 
 
@@ -99,21 +99,28 @@ def test_packed_model_holds_no_dense_copy(ckpt, dense):
 def test_all_torch_estimate_is_the_dense_model(ckpt, dense):
     """With every kernel on torch the packed path loads everything dense: the estimate must then be the
     dense model's own bytes, less the packed copies use_kernels added to it and less half of the fp32
-    tensors the packed path holds in bf16 (the embedding and every wo_a)."""
+    tensors the packed path holds in bf16 (the embedding and every wo_a), plus what use_kernels saved by
+    holding the head in bf16 (head=triton; with every kernel on torch the packed path keeps it fp32)."""
     packed_copies = sum(t.numel() * t.element_size() for n, t in dense.named_buffers() if "_fp" in n)
-    halved = [n for n, _ in dense.named_parameters() if held_bf16(n)]
+    halved = [n for n, _ in dense.named_parameters() if held_bf16(n, TORCH)]
     assert "embed.weight" in halved and sum(n.endswith(".attn.wo_a.weight") for n in halved) == 5  # 4 layers + MTP
-    bf16_saved = sum(t.numel() * 2 for n, t in dense.named_parameters() if held_bf16(n))
+    bf16_saved = sum(t.numel() * 2 for n, t in dense.named_parameters() if held_bf16(n, TORCH))
+    assert dense.head.weight.dtype == torch.bfloat16 and not held_bf16("head.weight", TORCH)
+    head_saved = dense.head.weight.numel() * 2
     assert device_bytes(ckpt.specs, ckpt.args, TORCH, include_mtp=True).total_bytes == \
-        _nbytes(dense) - packed_copies - bf16_saved
+        _nbytes(dense) - packed_copies - bf16_saved + head_saved
 
 
-def test_embedding_and_wo_a_are_held_in_bf16_exactly(ckpt, dense):
-    """Held in bf16, the embedding rows and every wo_a equal the dense fp32 values exactly."""
+def test_embedding_wo_a_and_head_are_held_in_bf16_exactly(ckpt):
+    """Held in bf16, the embedding rows, every wo_a and (head=triton) the head equal the dense fp32
+    values exactly."""
     model, _ = load_packed(ckpt, ALL_TRITON, CPU, include_mtp=True, progress=False)
+    dense = Transformer(ckpt.args, include_mtp=True)
+    dense.load_state_dict(dict(iter_dense(ckpt, progress=False)), strict=True)
     dense_params = dict(dense.named_parameters())
+    assert held_bf16("head.weight", ALL_TRITON) and model.head.weight.dtype == torch.bfloat16
     for name, t in model.named_parameters():
-        if held_bf16(name):
+        if held_bf16(name, ALL_TRITON):
             assert t.dtype == torch.bfloat16 and torch.equal(t.float(), dense_params[name]), name
         else:
             assert t.dtype != torch.bfloat16, name
@@ -132,10 +139,10 @@ def test_expert_slots_go_through_the_slot_cache(ckpt, dense):
 def test_real_checkpoint_device_bytes(real_model_dir):
     """DeepSeek-V4-Flash, every kernel on Triton, no MTP, from the schema (the real tensor list matches it:
     tests/unit/test_real_checkpoint_list.py). The routed experts stay as stored: exactly the memory
-    plan's 137.06 GiB. The rest is 11.23 GiB, not the plan's 8.24 GiB of stored bytes, because the model
+    plan's 137.06 GiB. The rest is 10.24 GiB, not the plan's 8.24 GiB of stored bytes, because the model
     runs wo_a dequantized (FP8 stored; held in bf16: 43 x 8192 x 4096 at 2 bytes instead of 1, +1.34
-    GiB) and holds its other dense tensors in fp32: the head (bf16 stored, +0.99 GiB; the embedding is
-    held in bf16 as stored) and the bf16 compressor, indexer and router weights (+0.66 GiB); the FP8
+    GiB) and holds the bf16 compressor, indexer and router weights in fp32 (+0.66 GiB); the embedding and
+    the head are held in bf16 as stored (with head=torch the head would be fp32: +0.99 GiB), the FP8
     projections on the kernel keep their stored bytes."""
     args = read_model_args(real_model_dir)
     specs = checkpoint_schema(args)
@@ -143,8 +150,9 @@ def test_real_checkpoint_device_bytes(real_model_dir):
     got = device_bytes(specs, args, ALL_TRITON, include_mtp=False)
     assert got.routed_expert_bytes == plan.routed_expert_bytes and got.mtp_bytes == 0
     wo_a = 43 * (8192 * 4096 * (2 - 1) - 64 * 32)  # bf16 instead of e4m3 + its e8m0 scales
-    head = 129280 * 4096 * (4 - 2)
-    rest = got.non_expert_bytes - plan.non_expert_bytes - wo_a - head
+    rest = got.non_expert_bytes - plan.non_expert_bytes - wo_a
     assert rest == pytest.approx(0.66 * GIB, rel=0.01)
-    assert got.non_expert_bytes == pytest.approx(11.23 * GIB, rel=1e-3)
+    assert got.non_expert_bytes == pytest.approx(10.24 * GIB, rel=1e-3)
+    head_on_torch = device_bytes(specs, args, dataclasses.replace(ALL_TRITON, head="torch"), include_mtp=False)
+    assert head_on_torch.non_expert_bytes - got.non_expert_bytes == 129280 * 4096 * (4 - 2)
     assert device_bytes(specs, args, ALL_TRITON, include_mtp=True).mtp_bytes == pytest.approx(3.38 * GIB, rel=1e-3)

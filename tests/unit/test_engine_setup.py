@@ -93,7 +93,8 @@ def test_auto_expert_slots_on_cuda_are_the_memory_plan_s(real_model_dir, monkeyp
     monkeypatch.setattr(expert_plan, "host_snapshot", lambda: MemorySnapshot(100 * gib, 128 * gib, "native"))
     args = read_model_args(real_model_dir)
     launch = WorkerLaunch("", "", "m", "cuda", 32, 256, args.max_position_embeddings, False, None, "default", None)
-    slots, why = expert_plan.planned_expert_slots(checkpoint_schema(args), args, launch)
+    slots, why = expert_plan.planned_expert_slots(checkpoint_schema(args), args, launch,
+                                                  KernelBackends.every("triton"))
     plan = subprocess.run([sys.executable, "-m", "dsv4serve", "plan", "--model", str(real_model_dir), "--gpu-memory",
                            "32GiB", "--host-memory", "128GiB", "--platform", "wsl2", "--json"],
                           capture_output=True, text=True, check=True)

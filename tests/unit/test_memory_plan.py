@@ -213,6 +213,10 @@ def test_plan_cli_prints_and_emits_the_memory_plan(real_model_dir):
     args = read_model_args(real_model_dir)
     loaded = device_bytes(checkpoint_schema(args), args, KernelBackends.every("triton"), True, experts_resident=False)
     assert mp["resident_weight_bytes"] == loaded.non_expert_bytes
+    # --kernels is honoured: the head on torch is held in fp32, 0.99 GiB more, fewer expert slots
+    head_torch = json.loads(_run(base + ["--kernels", "head=torch", "--json"]).stdout)["memory_plan"]
+    assert head_torch["resident_weight_bytes"] - loaded.non_expert_bytes == args.vocab_size * args.dim * 2
+    assert head_torch["experts"]["slots"] < mp["experts"]["slots"]
     text = _run(base)
     assert text.returncode == 0 and "memory plan (32.00 GiB GPU, wsl2)" in text.stdout
     assert "bound by memory" in text.stdout and "expert slots" in text.stdout

@@ -1,0 +1,126 @@
+"""The output head (dsv4-model.md, step 6: logits = head . y in fp32 with the bf16 weight upcast) in
+Triton, reading the weight as stored.
+
+Contract (reference: `head_logits_ref.head_logits_ref`):
+  y    [M, K] fp32, row-major (K contiguous): the final normed hidden states of the rows that need logits
+  w    [V, K] bf16, row-major: the head weight as the checkpoint stores it
+  out  [M, V] fp32 = y @ w^T, every product exact, fp32 accumulation
+
+Why: upcast once and held in fp32 (the dense loader's way), DeepSeek-V4-Flash's head is 1.97 GiB of
+device memory and of reads per decode step; held in bf16 it is half of both. The kernel splits y into
+three bf16 parts, hi = bf16(y), mid = bf16(y - hi), lo = bf16(y - hi - mid): each takes the next 8
+significant bits of what is left and fp32 has 24, so hi + mid + lo == y exactly (for |y| above
+2^-100, where no part falls below bf16's normal range). Then w @ y = w @ hi + w @ mid + w @ lo, and
+each bf16 x bf16 product is exact in the fp32 accumulator: three tensor-core dots per tile give the
+fp32 GEMM's result up to summation order, while w is read once.
+
+Tiles are computed transposed, out^T [BLOCK_V, BLOCK_M] = w_tile [BLOCK_V, BLOCK_K] @ y_tile^T: the
+vocabulary fills the MMA's 64-row side and a decode batch its N side (16). The wrapper sets EVEN_K when
+K is a multiple of BLOCK_K (K = 4096 for the real model), dropping the K masks. Under the Triton
+interpreter the tiles are fp32 holding the bf16 values (DOT_FP32; toolchain.md: bf16 dots are wrong
+there); the interpreter's fp32 -> bf16 casts truncate instead of rounding, which keeps the split exact
+(each part then takes exactly the next 8 bits).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_V = 128
+BLOCK_K = 64  # 3 pipeline stages of a [128, 64] bf16 weight tile and a [64, BLOCK_M] fp32 y tile fit sm_120
+
+
+def interpreting() -> bool:
+    """True when @triton.jit builds interpreter functions (TRITON_INTERPRET=1 at import time)."""
+    return not isinstance(head_logits_kernel, triton.runtime.JITFunction)
+
+
+@triton.jit
+def head_logits_kernel(y_ptr, w_ptr, out_ptr, M, V, K, stride_ym, stride_wv, stride_om,
+                       BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+                       EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr):
+    """One [BLOCK_M rows, BLOCK_V vocabulary] tile of the logits, computed transposed."""
+    pid_v = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    v_ok = offs_v < V
+    m_ok = offs_m < M
+    w_ptrs = w_ptr + offs_v.to(tl.int64)[:, None] * stride_wv + offs_k[None, :]  # [BV, BK]
+    y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_k[:, None]  # [BK, BM]: y^T
+    acc = tl.zeros((BLOCK_V, BLOCK_M), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        w_mask = v_ok[:, None]
+        y_mask = m_ok[None, :]
+        if not EVEN_K:
+            k_ok = offs_k < K - k0
+            w_mask = w_mask & k_ok[None, :]
+            y_mask = y_mask & k_ok[:, None]
+        w = tl.load(w_ptrs + k0, mask=w_mask, other=0.0)
+        y = tl.load(y_ptrs + k0, mask=y_mask, other=0.0)
+        hi = y.to(tl.bfloat16)
+        rest = y - hi.to(tl.float32)  # exact
+        mid = rest.to(tl.bfloat16)
+        lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)  # exact: at most 8 significant bits were left
+        if DOT_FP32:
+            w = w.to(tl.float32)
+            acc = tl.dot(w, lo.to(tl.float32), acc)
+            acc = tl.dot(w, mid.to(tl.float32), acc)
+            acc = tl.dot(w, hi.to(tl.float32), acc)
+        else:
+            acc = tl.dot(w, lo, acc)  # the smallest part first
+            acc = tl.dot(w, mid, acc)
+            acc = tl.dot(w, hi, acc)
+    o_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_v[:, None]
+    tl.store(o_ptrs, acc, mask=v_ok[:, None] & m_ok[None, :])
+
+
+def pick_block_m(m: int, batch_invariant: bool = False) -> int:
+    """16 rows (a decode batch: the wgmma's N side) up to 16 rows, else 32. Not 64: on mma.sync GPUs
+    (sm_120) every warp holds the whole [BLOCK_K, BLOCK_M] right operand, three of them here, and at 64
+    rows they spill (python -m dsv4_kernels.build_report); the weight is then read once per 32 rows,
+    which matters only past a few dozen rows, where the step's other work dwarfs the head.
+    Batch-invariant numerics take 16 always, so a row's tile shape never depends on the others."""
+    return 16 if batch_invariant or m <= 16 else 32
+
+
+def head_logits(y: torch.Tensor, w: torch.Tensor, block_m: int | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """See the module contract. `out` ([M, V] fp32, unit column stride) receives the stores (tests pass
+    a NaN-poisoned view)."""
+    m, k = y.shape
+    v, k_w = w.shape
+    if y.dtype != torch.float32 or w.dtype != torch.bfloat16 or k_w != k:
+        raise ValueError(f"need fp32 y [M, K] and bf16 w [V, K], got {y.dtype} {tuple(y.shape)}, "
+                         f"{w.dtype} {tuple(w.shape)}")
+    y, w = y.contiguous(), w.contiguous()
+    if out is None:
+        out = torch.empty(m, v, dtype=torch.float32, device=y.device)
+    elif tuple(out.shape) != (m, v) or out.dtype != torch.float32 or out.stride(1) != 1:
+        raise ValueError(f"out must be [{m}, {v}] fp32 with unit column stride")
+    if m == 0:
+        return out
+    bm = block_m or pick_block_m(m)
+    grid = (triton.cdiv(v, BLOCK_V), triton.cdiv(m, bm))
+    head_logits_kernel[grid](y, w, out, m, v, k, y.stride(0), w.stride(0), out.stride(0),
+                             BLOCK_M=bm, BLOCK_V=BLOCK_V, BLOCK_K=BLOCK_K, EVEN_K=k % BLOCK_K == 0,
+                             DOT_FP32=interpreting())
+    return out
+
+
+_SIG = {"y_ptr": "*fp32", "w_ptr": "*bf16", "out_ptr": "*fp32", "M": "i32", "V": "i32", "K": "i32",
+        "stride_ym": "i32", "stride_wv": "i32", "stride_om": "i32", "BLOCK_M": "constexpr",
+        "BLOCK_V": "constexpr", "BLOCK_K": "constexpr", "EVEN_K": "constexpr", "DOT_FP32": "constexpr"}
+_GPU = {"BLOCK_V": BLOCK_V, "BLOCK_K": BLOCK_K, "EVEN_K": True, "DOT_FP32": False}
+# multiples of 16 at DeepSeek-V4-Flash's dims: V = 129280, K = 4096 and the row strides equal to them;
+# not M
+ALIGNED_INTS = ("V", "K", "stride_ym", "stride_wv", "stride_om")
+
+# (config name, signature, constexprs) for the CPU compile checks (tests/kernels/test_compile.py)
+COMPILE_CONFIGS = (
+    ("decode", _SIG, {**_GPU, "BLOCK_M": 16}),
+    ("batch", _SIG, {**_GPU, "BLOCK_M": 32}),
+)
