@@ -8,10 +8,20 @@ with the stated tolerance, times `run` (and `baseline` when there is one) with C
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
+
+
+def real_config_dir() -> Path:
+    """The folder holding DeepSeek-V4-Flash's config.json: $DSV4_REAL_CONFIG_DIR, else
+    ../shared/data/DeepSeek-V4-Flash beside the repository. A device machine receives the repository
+    alone, so bench/gpu_session.sh points the variable at a copy carried inside it."""
+    default = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "DeepSeek-V4-Flash"
+    return Path(os.environ.get("DSV4_REAL_CONFIG_DIR") or default)
 
 
 @dataclass(frozen=True)

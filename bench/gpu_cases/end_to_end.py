@@ -22,13 +22,11 @@ measured copy bandwidth.
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 
-from bench.gpu_cases import GpuCase
+from bench.gpu_cases import GpuCase, real_config_dir
 
-REAL_CONFIG = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "DeepSeek-V4-Flash"
 REAL_LAYERS = 43
 N_LAYERS = 2
 PREFILL_TOKENS = 2048
@@ -138,7 +136,7 @@ def build(device: torch.device, args, prompt_tokens: int) -> list[GpuCase]:
 def cases(device: torch.device) -> list[GpuCase]:
     from dsv4serve.model.args import read_model_args
 
-    return build(device, bench_args(read_model_args(REAL_CONFIG)), PREFILL_TOKENS)
+    return build(device, bench_args(read_model_args(real_config_dir())), PREFILL_TOKENS)
 
 
 def smoke_cases(device: torch.device) -> list[GpuCase]:
@@ -155,7 +153,7 @@ def notes(times_ms: dict[str, float], ceilings: dict[str, float]) -> list[str]:
     """The 43-layer projection and the bandwidth bound, from the medians of this module's cases."""
     from dsv4serve.model.args import read_model_args
 
-    bound_bytes = decode_bytes_per_token(read_model_args(REAL_CONFIG))
+    bound_bytes = decode_bytes_per_token(read_model_args(real_config_dir()))
     bound_tps = ceilings["copy_GBps"] * 1e9 / bound_bytes
     lines = [f"end_to_end: bandwidth bound at batch 1 = {bound_bytes / 1e9:.1f} GB per token / "
              f"{ceilings['copy_GBps']:.0f} GB/s = {bound_tps:.0f} tokens/s"]

@@ -17,14 +17,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from bench.gpu_cases import GpuCase
+from bench.gpu_cases import GpuCase, real_config_dir
 
-REAL_CONFIG = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "DeepSeek-V4-Flash"
 FP4_BLOCK = 32
 
 
@@ -40,7 +38,7 @@ class MoeDims:
 def real_dims() -> MoeDims:
     from dsv4serve.model.args import read_model_args
 
-    a = read_model_args(REAL_CONFIG)
+    a = read_model_args(real_config_dir())
     return MoeDims(a.dim, a.moe_inter_dim, a.n_routed_experts, a.n_activated_experts, a.swiglu_limit)
 
 

@@ -13,13 +13,11 @@ Baselines: torch bf16 matmul on the dequantized weight; flashinfer's SM90 block-
 from __future__ import annotations
 
 from functools import partial
-from pathlib import Path
 
 import torch
 
-from bench.gpu_cases import GpuCase
+from bench.gpu_cases import GpuCase, real_config_dir
 
-REAL_CONFIG = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "DeepSeek-V4-Flash"
 FP8_BLOCK = 128
 SCALE_BYTES = (119, 123)  # e8m0 exponents 2^-8 .. 2^-5: outputs of order one for N(0, 1) inputs
 
@@ -28,7 +26,7 @@ def real_shapes() -> list[tuple[str, int, int]]:
     """(label, N, K) of the projections measured, from the real config.json."""
     from dsv4serve.model.args import read_model_args
 
-    a = read_model_args(REAL_CONFIG)
+    a = read_model_args(real_config_dir())
     return [("wq_b", a.n_heads * a.head_dim, a.q_lora_rank), ("shared w1", a.moe_inter_dim, a.dim)]
 
 

@@ -16,8 +16,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from bench.gpu_cases import GpuCase
-from bench.gpu_cases.fp8_gemm import REAL_CONFIG
+from bench.gpu_cases import GpuCase, real_config_dir
 from dsv4_kernels.head_logits import head_logits
 
 
@@ -43,7 +42,7 @@ def build(device: torch.device, vocab: int, dim: int, ms: tuple[int, ...]) -> li
 def cases(device: torch.device) -> list[GpuCase]:
     from dsv4serve.model.args import read_model_args
 
-    args = read_model_args(REAL_CONFIG)
+    args = read_model_args(real_config_dir())
     return build(device, args.vocab_size, args.dim, (1, 16, 32))
 
 

@@ -17,13 +17,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 
 import torch
 
-from bench.gpu_cases import GpuCase
+from bench.gpu_cases import GpuCase, real_config_dir
 
-REAL_CONFIG = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "DeepSeek-V4-Flash"
 
 
 @dataclass(frozen=True)
@@ -39,7 +37,7 @@ class Dims:
 def real_dims() -> Dims:
     from dsv4serve.model.args import read_model_args
 
-    a = read_model_args(REAL_CONFIG)
+    a = read_model_args(real_config_dir())
     ratios = sorted({r for r in a.compress_ratios if r})
     return Dims(a.n_heads, a.head_dim, a.window_size, ratios[0], a.index_topk, ratios[-1])
 

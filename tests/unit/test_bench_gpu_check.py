@@ -90,3 +90,16 @@ def test_the_cpu_smoke_run_checks_every_case_module(gpu_check, tmp_path: Path) -
     assert set(report["rows_per_module"]) == set(gpu_check.discover(gpu_check.CASES_DIR))
     assert min(report["rows_per_module"].values()) >= 2
     assert all(row["ok"].startswith("OK") for row in rows), [r for r in rows if not r["ok"].startswith("OK")]
+
+
+def test_the_real_config_can_travel_with_the_repository(monkeypatch, tmp_path: Path, real_model_dir: Path) -> None:
+    """A device machine receives the repository alone: bench/gpu_session.sh points the cases at a
+    carried copy of config.json through DSV4_REAL_CONFIG_DIR."""
+    monkeypatch.syspath_prepend(str(REPO))
+    from bench.gpu_cases import real_config_dir
+
+    monkeypatch.delenv("DSV4_REAL_CONFIG_DIR", raising=False)
+    assert (real_config_dir() / "config.json").read_bytes() == (real_model_dir / "config.json").read_bytes()
+    monkeypatch.setenv("DSV4_REAL_CONFIG_DIR", str(tmp_path))
+    assert real_config_dir() == tmp_path
+    assert "DSV4_REAL_CONFIG_DIR" in (REPO / "bench" / "gpu_session.sh").read_text()
