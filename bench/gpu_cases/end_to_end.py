@@ -26,6 +26,7 @@ from dataclasses import replace
 import torch
 
 from bench.gpu_cases import GpuCase, real_config_dir
+from dsv4serve.model.random_init import random_model
 
 REAL_LAYERS = 43
 N_LAYERS = 2
@@ -68,42 +69,13 @@ def active_params(real) -> int:
     return _active(real, lambda s: 0 if s.role.endswith("scale") else s.numel * (2 if s.role == "fp4_weight" else 1))
 
 
-def random_model(args, device: torch.device, seed: int):
-    """A Transformer on `device` whose weights follow random_init's rules, drawn one tensor at a time
-    on the device (a CPU state dict at real dimensions would take minutes and ~100 GB), FP8 / FP4
-    weights rounded to what their storage holds, as a real checkpoint's are (the Triton kernels'
-    weight packing checks that it is exact), bf16 ones likewise."""
-    from dsv4serve.model.quant import dequant_fp4, dequant_fp8_block, quant_fp4, quant_fp8_block
-    from dsv4serve.model.random_init import _sample, dense_shape
-    from dsv4serve.model.schema import checkpoint_schema
-    from dsv4serve.model.transformer import Transformer
-
-    with torch.device(device):
-        model = Transformer(args, include_mtp=False).eval()
-        params = model.state_dict()
-        gen = torch.Generator(device=device).manual_seed(seed)
-        with torch.no_grad():
-            for spec in checkpoint_schema(args, include_mtp=False):
-                if spec.role in ("fp8_scale", "fp4_scale"):
-                    continue
-                value = _sample(spec, dense_shape(spec), args, gen)
-                if spec.role == "fp8_weight":
-                    value = dequant_fp8_block(*quant_fp8_block(value))
-                elif spec.role == "fp4_weight":
-                    value = dequant_fp4(*quant_fp4(value))
-                elif spec.dtype == "BF16":  # exact in bf16 (the head kernel reads it so: use_kernels)
-                    value = value.to(torch.bfloat16)
-                params[spec.name].copy_(value)
-    return model
-
-
 def build(device: torch.device, args, prompt_tokens: int) -> list[GpuCase]:
     from dsv4serve.model.backends import default_backends
     from dsv4serve.model.numerics import NUMERICS_ON
     from dsv4serve.model.transformer import BatchRow
 
     num = replace(NUMERICS_ON, backends=default_backends(device))  # what the server runs on this device
-    model = random_model(args, device, seed=0)
+    model = random_model(args, device, seed=0, include_mtp=False)
     model.use_kernels(num.backends)
     label = "triton" if num.backends.uses_triton() else "torch"
     gen = torch.Generator(device=device).manual_seed(1)

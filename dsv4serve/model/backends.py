@@ -82,3 +82,12 @@ def parse_backends(spec: str, base: KernelBackends = TORCH) -> KernelBackends:
             raise ValueError(f"kernel backends {spec!r}: part {part!r} names kernel {kernel!r}; "
                              f"expected 'all' or one of {names}")
     return result
+
+
+def named_kernels(spec: str) -> frozenset[str]:
+    """The kernels a setting string names explicitly ("all" names every one; "auto" none), for the
+    start-up kernel check: a kernel the user asked for by name is never swapped behind their back."""
+    if spec.strip() == "auto":
+        return frozenset()
+    named = {part.partition("=")[0].strip() for part in spec.split(",") if part.strip()}
+    return frozenset(kernel_names()) if "all" in named else frozenset(named & set(kernel_names()))

@@ -16,7 +16,7 @@ from dsv4serve.config import ConfigError, Setting, Source
 from dsv4serve.experts.attach import attach_expert_cache, iter_resident_dense
 from dsv4serve.experts.slot_cache import ExpertSlotCache
 from dsv4serve.ipc.messages import Ready, WorkerLaunch
-from dsv4serve.model.backends import TORCH, KernelBackends, default_backends, parse_backends
+from dsv4serve.model.backends import TORCH, KernelBackends, default_backends, named_kernels, parse_backends
 from dsv4serve.model.kv_pool import KvPool
 from dsv4serve.model.numerics import NUMERICS_OFF, NUMERICS_ON, Numerics
 from dsv4serve.model.packed_load import device_bytes, load_packed
@@ -25,6 +25,7 @@ from dsv4serve.model.transformer import BatchRow, Transformer
 from dsv4serve.worker.chunk_planner import ChunkPlan, PlannerLimits, plan_chunk, prefill_geometry, shrink_after_oom
 from dsv4serve.worker.capacity import PROBE_TOKENS_MAX, CapacityError, kv_capacity, planner_snapshot
 from dsv4serve.worker.expert_plan import planned_expert_slots
+from dsv4serve.worker.kernel_check import KernelCheckError, check_kernels
 from dsv4serve.worker.memory_probe import host_snapshot, take_snapshot
 from dsv4serve.worker.runner import FaultInjection, Runner
 from dsv4serve.worker.scheduler import Scheduler, SchedulerLimits, sequence_slots
@@ -70,6 +71,8 @@ def build_engine(launch: WorkerLaunch) -> EngineParts:
     args = ckpt.args
     include_mtp = ckpt.layout == "official"
     numerics = _numerics(args, launch.kernels, device)
+    if device.type == "cuda":  # before any weight is placed: a fallback changes how the head loads
+        numerics = _checked_kernels(numerics, launch.kernels, device)
     backends = numerics.backends
     if backends.fp8_gemm == "triton" and backends.fp4_moe == "triton":
         # the kernels read FP8 / MXFP4 as stored: load them packed, never dense
@@ -145,6 +148,15 @@ def _numerics(args, kernels: str, device: torch.device) -> Numerics:
                            "for tests); this worker runs on the CPU")
     num: Numerics = NUMERICS_ON if args.dtype == "fp8" else NUMERICS_OFF
     return dataclasses.replace(num, backends=backends)
+
+
+def _checked_kernels(numerics: Numerics, kernels: str, device: torch.device) -> Numerics:
+    """The start-up kernel check (worker/kernel_check.py): the backends that passed it."""
+    try:
+        backends = check_kernels(numerics.backends, device, named_kernels(kernels))
+    except KernelCheckError as exc:
+        raise StartupError(f"--kernels {kernels}: {exc}") from exc
+    return dataclasses.replace(numerics, backends=backends)
 
 
 def _device(name: str) -> torch.device:
