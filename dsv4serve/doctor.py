@@ -3,7 +3,8 @@
     dsv4serve doctor [--json]
 
 It looks at Python, torch and its CUDA build, the NVIDIA driver, triton, flashinfer, every GPU
-(total / free memory, compute capability), WSL2 and containers, the pinned-memory budget (measured
+(total / free memory, compute capability), the Triton kernels (on a GPU: the worker's start-up kernel
+check, each compiled and run against torch), WSL2 and containers, the pinned-memory budget (measured
 on CUDA), host RAM, and the disk behind the Hugging Face cache. It runs on CPU-only machines too:
 the CPU path (the PyTorch reference) counts as runnable. Exit code 0 when the server can run, 1
 when a check found a blocking problem (status "fail"); "warn" lines never change the exit code.
@@ -49,6 +50,8 @@ def gather(env: Environment) -> list[Check]:
                doctor_gpu.check_flashinfer()]
     gpu_checks, largest_gpu_bytes = doctor_gpu.check_gpus(torch)
     checks += gpu_checks
+    if not any(c.status == "fail" for c in checks):
+        checks.append(doctor_gpu.check_kernels(torch))
     checks.append(platform_check)
     host = doctor_host.check_host_ram(platform, largest_gpu_bytes)
     checks += [host, doctor_gpu.check_pinned(torch, platform, host.data.get("available_bytes", 0))]

@@ -177,3 +177,37 @@ def check_pinned(torch: ModuleType | None, platform: str, available_ram_bytes: i
             fix += "; WSL2 limits pinned memory (less inside Docker): raise memory= in .wslconfig"
         return Check("pinned memory", "warn", value, fix, data)
     return Check("pinned memory", "ok", value, data=data)
+
+
+def check_kernels(torch: ModuleType | None) -> Check:
+    """The worker's start-up kernel check (worker/kernel_check.py), run here on GPU 0: every Triton
+    kernel compiled and run on the tiny architecture against torch. A failing FP8 GEMM or FP4 MoE is
+    a "fail" (the server cannot load the model packed without them); any other kernel, a "warn" (the
+    worker runs it on torch)."""
+    if torch is None or not torch.cuda.is_available():
+        return Check("Triton kernels", "ok", "no CUDA: the CPU path runs none", data={"verdicts": []})
+    import time
+
+    from dsv4serve.model.backends import kernel_names
+    from dsv4serve.worker.kernel_check import NO_FALLBACK, run_check
+
+    start = time.monotonic()
+    try:
+        verdicts = run_check(list(kernel_names()), torch.device("cuda:0"))
+    except Exception as exc:  # noqa: BLE001 - the tiny model itself failed: reported, never raised
+        return Check("Triton kernels", "fail", f"the check could not run: {type(exc).__name__}: {exc}"[:300],
+                     "run `dsv4serve doctor` again after the GPU and torch lines above are OK")
+    seconds = time.monotonic() - start
+    failed = [v for v in verdicts if not v.ok]
+    data = {"verdicts": [{"kernel": v.kernel, "ok": v.ok, "detail": v.detail} for v in verdicts],
+            "seconds": round(seconds, 1)}
+    if not failed:
+        return Check("Triton kernels", "ok", f"{len(verdicts)} compiled and checked against torch in {seconds:.0f} s",
+                     data=data)
+    value = "; ".join(f"{v.kernel}: {v.detail}" for v in failed)
+    blocking = [v.kernel for v in failed if v.kernel in NO_FALLBACK]
+    if blocking:
+        return Check("Triton kernels", "fail", value, f"{', '.join(blocking)} must run on Triton to load the model "
+                     "packed: fix the error above", data)
+    return Check("Triton kernels", "warn", value, "the server runs these on torch (slower); fix the error above "
+                 "to get them back", data)

@@ -236,3 +236,27 @@ def test_pinned_budget_on_cuda_is_measured_within_a_cap_and_warns_when_small(mon
     assert small.data["budget_bytes"] == 768 * 1024**2 and "refused" in small.value
     check_pinned(torch_cuda, "native", 512 * GIB)  # type: ignore[arg-type]
     assert asked[-1] == PIN_PROBE_CAP_BYTES
+
+
+def test_kernel_line_runs_the_start_up_check_on_cuda(monkeypatch):
+    from dsv4serve.doctor_gpu import check_kernels
+    from dsv4serve.worker.kernel_check import Verdict
+
+    assert check_kernels(None).status == "ok"  # no torch / no CUDA: nothing to check
+    ran = []
+
+    def run_check(kernels, device):
+        ran.append((tuple(kernels), str(device)))
+        return [Verdict(k, k not in failing, "greedy 45/45" if k not in failing else "ERR -> fix it") for k in kernels]
+    monkeypatch.setattr("dsv4serve.worker.kernel_check.run_check", run_check)
+    fake = fake_cuda_torch("unused")
+    fake.device = lambda name: name
+    failing: set[str] = set()
+    ok = check_kernels(fake)  # type: ignore[arg-type]
+    assert ok.status == "ok" and ran[0][1] == "cuda:0" and "head" in ran[0][0] and len(ok.data["verdicts"]) == 6
+    failing = {"attention"}
+    warn = check_kernels(fake)  # type: ignore[arg-type]
+    assert warn.status == "warn" and "attention: ERR -> fix it" in warn.value and "torch" in warn.fix
+    failing = {"attention", "fp4_moe"}
+    fail = check_kernels(fake)  # type: ignore[arg-type]
+    assert fail.status == "fail" and "fp4_moe must run on Triton" in fail.fix
