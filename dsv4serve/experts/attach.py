@@ -50,10 +50,10 @@ def attach_expert_cache(model: Transformer, ckpt: Checkpoint, slots: int | None,
     if slots < k:
         raise ValueError(f"{slots} expert slots cannot hold one token's {k} experts of a layer")
     layers = [m.layer_id for m in moes]
-    if pin is None:
-        pin = measure_pin_budget(bank_bytes(expert_specs(ckpt, layers)))
-    if ram_bytes is None:
+    if ram_bytes is None:  # before the pin probe, which takes host memory while it measures
         ram_bytes = max(0, host_snapshot().free_bytes - HOST_MARGIN_BYTES)
+    if pin is None:  # never probe past the RAM the bank may fill
+        pin = measure_pin_budget(min(bank_bytes(expert_specs(ckpt, layers)), ram_bytes))
     bank = load_expert_bank(ckpt, layers, pin, ram_bytes, progress)
     main = [m.layer_id for m in moes[: len(model.layers)]]
     cache = ExpertSlotCache(bank, slots, device, next_layer=dict(zip(main, main[1:])),

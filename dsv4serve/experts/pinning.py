@@ -66,6 +66,10 @@ def measure_pin_budget(cap_bytes: int, platform: str | None = None,
             block = min(2 * block, MAX_BLOCK_BYTES) if not refusal else block
     finally:
         held.clear()
+        if allocate is _pin:  # freed pinned blocks stay in torch's host cache, still locked, until emptied
+            empty_host_cache = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+            if empty_host_cache is not None:
+                empty_host_cache()
     if not refusal:
         return PinBudget(pinned, platform, f"pinned the whole {cap_bytes / GIB:.2f} GiB asked for")
     reserve = min(pinned, max(MIN_BLOCK_BYTES, pinned // 16))

@@ -18,7 +18,8 @@ forward: projections run one token at a time (a CPU GEMM's sum order depends on 
 and attention gathers exactly each query's keys. With the fp64-rounded transcendental functions
 (`in_fp64`, always on) and the indexer's stable tie-break, the logits are bitwise the same for any
 chunking and batching, which the quantizers need (a one-ulp difference can flip an FP8 rounding).
-Decode (one token per row) costs the same either way; only multi-token prefill is slower.
+On the CPU it costs little in decode and slows multi-token prefill; the CUDA worker turns it off
+(one kernel launch per token would leave the GPU waiting on launches).
 
 `backends` picks torch or Triton per kernel (model/backends.py); the Triton paths are not batch
 invariant (their sums run in tile order) and are checked against the torch path by tolerance.

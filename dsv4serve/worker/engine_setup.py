@@ -137,8 +137,14 @@ def build_engine(launch: WorkerLaunch) -> EngineParts:
 
 
 def _numerics(args, kernels: str, device: torch.device) -> Numerics:
-    """The checkpoint's numerics with the kernel backends of --kernels (auto: Triton on CUDA)."""
+    """The checkpoint's numerics with the kernel backends of --kernels (auto: Triton on CUDA; the FP8
+    GEMM and FP4 MoE only for an FP8 checkpoint, whose numerics they need). On CUDA batch invariance
+    is off: the Triton paths are not batch-invariant anyway, and one launch per token would leave the
+    GPU waiting on launches."""
+    fp8 = args.dtype == "fp8"
     base = default_backends(device)
+    if not fp8:
+        base = dataclasses.replace(base, fp8_gemm="torch", fp4_moe="torch")
     try:
         backends = base if kernels == "auto" else parse_backends(kernels, base)
     except ValueError as exc:
@@ -146,8 +152,12 @@ def _numerics(args, kernels: str, device: torch.device) -> Numerics:
     if backends.uses_triton() and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise StartupError(f"--kernels {kernels}: the Triton kernels need a CUDA device (or TRITON_INTERPRET=1, "
                            "for tests); this worker runs on the CPU")
-    num: Numerics = NUMERICS_ON if args.dtype == "fp8" else NUMERICS_OFF
-    return dataclasses.replace(num, backends=backends)
+    fixed = [k for k in ("fp8_gemm", "fp4_moe") if getattr(backends, k) == "triton"]
+    if fixed and not fp8:
+        raise StartupError(f"--kernels {kernels}: {', '.join(fixed)}=triton reads FP8 / MXFP4 weights as an FP8 "
+                           f"checkpoint stores them; this checkpoint is {args.dtype}: choose torch for them")
+    num: Numerics = NUMERICS_ON if fp8 else NUMERICS_OFF
+    return dataclasses.replace(num, backends=backends, batch_invariant=device.type != "cuda")
 
 
 def _checked_kernels(numerics: Numerics, kernels: str, device: torch.device) -> Numerics:

@@ -92,6 +92,13 @@ def _explain(exc: BaseException) -> str:
     return first + (f" -> {hints[0]}" if hints else "")
 
 
+def _poisons_the_device(exc: BaseException) -> bool:
+    """A device-side fault (an illegal address, a trap) is sticky: the CUDA context is lost for every
+    later call. Compile and launch errors are not."""
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    return (accelerator_error is not None and isinstance(exc, accelerator_error)) or "CUDA error" in str(exc)
+
+
 def _compare(kernel: str, got: torch.Tensor, want: torch.Tensor) -> Verdict:
     if not torch.isfinite(got).all():
         return Verdict(kernel, False, "non-finite logits")
@@ -115,6 +122,10 @@ def run_check(kernels: list[str], device: torch.device) -> list[Verdict]:
             verdicts.append(_compare(kernel, _scenario(model, num), want))
         except Exception as exc:  # noqa: BLE001 - every failure is reported by kernel
             verdicts.append(Verdict(kernel, False, _explain(exc)))
+            if _poisons_the_device(exc):  # later kernels (and torch) would fail for this one's fault
+                raise KernelCheckError(f"{kernel}: {verdicts[-1].detail}: a device fault, which leaves the "
+                                       "CUDA context unusable; run this kernel on torch with --kernels "
+                                       f"{kernel}=torch where its torch path fits in memory") from exc
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -133,12 +133,14 @@ class Runner:
         prompt = req.prompt_token_ids
         n = min(len(row.token_ids), len(prompt) - 1 - row.start_position)  # positions with a next prompt token
         logp = torch.log_softmax(logits[:n].float(), dim=-1)  # [n, vocab]
-        targets = torch.tensor(prompt[row.start_position + 1:row.start_position + 1 + n])
-        chosen = logp.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+        targets = prompt[row.start_position + 1:row.start_position + 1 + n]
+        index = torch.tensor(targets, device=logp.device).unsqueeze(1)  # gather wants it beside logp
+        chosen = logp.gather(1, index).squeeze(1).tolist()
         k = req.sampling.prompt_logprobs or 0
         top_v, top_i = logp.topk(k, dim=-1) if k else (None, None)
+        top_vs, top_is = (top_v.tolist(), top_i.tolist()) if k else ([], [])  # one host sync each, not one a row
         out = []
         for j in range(n):
-            top = [TokenLogprob(int(t), float(v)) for t, v in zip(top_i[j].tolist(), top_v[j].tolist())] if k else None
+            top = [TokenLogprob(int(t), float(v)) for t, v in zip(top_is[j], top_vs[j])] if k else None
             out.append((row.start_position + 1 + j, TokenOut(int(targets[j]), float(chosen[j]), top)))
         return out

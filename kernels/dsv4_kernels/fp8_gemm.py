@@ -68,7 +68,7 @@ def fp8_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, M, N, K,
             acc_t += tl.dot(b, a) * b_s[:, None] * a_s[None, :]
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K
-        c_ptrs = c_ptr + offs_m[None, :] * stride_cm + offs_n[:, None]
+        c_ptrs = c_ptr + offs_m.to(tl.int64)[None, :] * stride_cm + offs_n[:, None]  # M x N may pass 2^31
         tl.store(c_ptrs, acc_t.to(c_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
     else:
         a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :]  # [BM, BK]
@@ -89,7 +89,7 @@ def fp8_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, M, N, K,
             acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K
-        c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
+        c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 

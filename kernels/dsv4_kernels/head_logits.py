@@ -74,7 +74,7 @@ def head_logits_kernel(y_ptr, w_ptr, out_ptr, M, V, K, stride_ym, stride_wv, str
             acc = tl.dot(w, lo, acc)  # the smallest part first
             acc = tl.dot(w, mid, acc)
             acc = tl.dot(w, hi, acc)
-    o_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_v[:, None]
+    o_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_om + offs_v[:, None]  # M x V passes 2^31 at 16,612 rows
     tl.store(o_ptrs, acc, mask=v_ok[:, None] & m_ok[None, :])
 
 

@@ -73,3 +73,13 @@ def test_the_worker_stops_with_the_flag_named(monkeypatch):
         _checked_kernels(dataclasses.replace(NUMERICS_ON, backends=HEAD), "head=triton", CPU)
     auto = _checked_kernels(dataclasses.replace(NUMERICS_ON, backends=HEAD), "auto", CPU)
     assert auto.backends == KernelBackends() and auto.fp8_act  # the rest of the numerics kept
+
+
+def test_a_device_fault_stops_the_check_at_that_kernel(monkeypatch):
+    """A sticky CUDA error poisons the context: no later kernel (nor torch) could run, so no fallback."""
+    def fault(*args, **kwargs):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(dsv4_kernels.head_logits, "head_logits", fault)
+    with pytest.raises(KernelCheckError, match="head: RuntimeError: CUDA error.*device fault"):
+        check_kernels(KernelBackends(compressor="triton", head="triton"), CPU, frozenset())

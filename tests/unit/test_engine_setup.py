@@ -99,3 +99,16 @@ def test_auto_expert_slots_on_cuda_are_the_memory_plan_s(real_model_dir, monkeyp
                            "32GiB", "--host-memory", "128GiB", "--platform", "wsl2", "--json"],
                           capture_output=True, text=True, check=True)
     assert slots == json.loads(plan.stdout)["memory_plan"]["experts"]["slots"] and "expert-slot cache" in why
+
+
+def test_numerics_on_cuda_are_not_batch_invariant_and_a_bf16_checkpoint_keeps_fp8_kernels_off(monkeypatch):
+    import dataclasses
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    cuda = torch.device("cuda")
+    assert not _numerics(ARGS, "auto", cuda).batch_invariant and _numerics(ARGS, "auto", CPU).batch_invariant
+    bf16 = dataclasses.replace(ARGS, dtype="bf16")
+    auto = _numerics(bf16, "auto", cuda)
+    assert auto.backends.fp8_gemm == auto.backends.fp4_moe == "torch" and auto.backends.attention == "triton"
+    with pytest.raises(StartupError, match="fp8_gemm=triton reads FP8"):
+        _numerics(bf16, "fp8_gemm=triton", cuda)
