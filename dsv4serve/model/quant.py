@@ -13,6 +13,8 @@ division, correctly rounded casts) so the bytes they produce are the same on eve
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 E8M0_BIAS = 127
@@ -81,6 +83,14 @@ def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
     return (pairs[..., 0] | (pairs[..., 1] << 4)).view(torch.int8)
 
 
+@functools.lru_cache(maxsize=None)
+def _e2m1_table(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The first n e2m1 values, made once per (dtype, device): on a GPU each torch.tensor(...) from host
+    data is a blocking copy, and these run per layer."""
+    with torch.inference_mode(False), torch.no_grad():
+        return torch.tensor(E2M1_VALUES[:n], dtype=dtype, device=device)
+
+
 def dequant_fp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """MXFP4 int8 [out, in/2] with e8m0 scales [out, in/32] -> dense [out, in]."""
     out_dim, half_k = packed.shape
@@ -88,8 +98,7 @@ def dequant_fp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = 
     if tuple(scale.shape) != (out_dim, -(-k // FP4_BLOCK_K)):
         raise ValueError(f"FP4 scale shape {tuple(scale.shape)} does not fit weight [{out_dim}, {k}] "
                          f"(expected [{out_dim}, {-(-k // FP4_BLOCK_K)}])")
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
-    values = table[unpack_fp4(packed).long()]
+    values = _e2m1_table(16, torch.float32, packed.device)[unpack_fp4(packed).long()]
     s = e8m0_to_float(scale).repeat_interleave(FP4_BLOCK_K, 1)[:, :k]
     return (values * s).to(dtype)
 
@@ -109,7 +118,7 @@ def _pow2_scale(amax: torch.Tensor, max_code: float) -> torch.Tensor:
 def round_e2m1_codes(v: torch.Tensor) -> torch.Tensor:
     """Codes (uint8, sign in bit 3) of the e2m1 values nearest to v (|v| <= 6); a tie goes to the even
     code, as a hardware cast rounds."""
-    mags = torch.tensor(E2M1_VALUES[:8], dtype=torch.float32, device=v.device)
+    mags = _e2m1_table(8, torch.float32, v.device)
     dist = (v.float().abs().unsqueeze(-1) - mags).abs()  # [..., 8]
     ties = dist == dist.min(dim=-1, keepdim=True).values
     codes = torch.arange(8, device=v.device)
@@ -120,7 +129,7 @@ def round_e2m1_codes(v: torch.Tensor) -> torch.Tensor:
 
 def round_e2m1(v: torch.Tensor) -> torch.Tensor:
     """v rounded to the nearest e2m1 value (ties to the even code), in v's dtype, sign kept."""
-    mags = torch.tensor(E2M1_VALUES[:8], dtype=v.dtype, device=v.device)
+    mags = _e2m1_table(8, v.dtype, v.device)
     return torch.copysign(mags[(round_e2m1_codes(v) & 0x7).long()], v)
 
 
