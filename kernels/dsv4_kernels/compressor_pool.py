@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv4_kernels.outputs import output_buffer
+
 
 def interpreting() -> bool:
     """True when @triton.jit builds interpreter functions (TRITON_INTERPRET=1 at import time)."""
@@ -67,10 +69,7 @@ def compressor_pool(kv: torch.Tensor, score: torch.Tensor, block_d: int | None =
         kv = kv.contiguous()
     if score.stride(2) != 1:
         score = score.contiguous()
-    if out is None:
-        out = torch.empty(n_windows, d, dtype=torch.float32, device=kv.device)
-    elif tuple(out.shape) != (n_windows, d) or out.dtype != torch.float32 or out.stride(1) != 1:
-        raise ValueError(f"out must be [{n_windows}, {d}] fp32 with unit column stride")
+    out = output_buffer(out, (n_windows, d), torch.float32, kv.device)
     if n_windows == 0:
         return out
     block_d = block_d or pick_block_d(slots, d)

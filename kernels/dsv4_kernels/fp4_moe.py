@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from dsv4_kernels.fp8_gemm_ref import act_quant_fp8_ref
+from dsv4_kernels.outputs import output_buffer
 
 
 @triton.jit
@@ -204,10 +205,7 @@ def fp4_moe_gemm(a_q: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_sc
     if gate_up and (w3.stride() != w.stride() or w3_scale.stride() != w_scale.stride()):
         raise ValueError("w1 and w3 must share one layout")
     route_w = topk_weights.float().contiguous().flatten() if gate_up else a_scale
-    if out is None:
-        out = torch.empty(num_slots, n, dtype=store_dtype(), device=a_q.device)
-    elif tuple(out.shape) != (num_slots, n) or out.dtype != store_dtype() or out.stride(1) != 1:
-        raise ValueError(f"out must be [{num_slots}, {n}] {store_dtype()} with unit column stride")
+    out = output_buffer(out, (num_slots, n), store_dtype(), a_q.device)
     grid = (len(expert_ids), triton.cdiv(n, block_n))
     fp4_moe_gemm_kernel[grid](a_q, a_scale, w, w_scale, w3, w3_scale, out, route_w, sorted_ids, expert_ids,
                               num_slots, n, k, float(limit),

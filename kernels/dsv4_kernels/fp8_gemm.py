@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from dsv4_kernels.fp8_gemm_ref import FP8_BLOCK, act_quant_fp8_ref
+from dsv4_kernels.outputs import output_buffer
 
 
 def interpreting() -> bool:
@@ -124,10 +125,7 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: t
     a_scale = a_scale.float().contiguous()
     b_scale = b_scale.contiguous().view(torch.uint8)
     bm, bn, swap_ab = blocks or pick_blocks(m)
-    if out is None:
-        out = torch.empty(m, n, dtype=store_dtype(), device=a.device)
-    elif tuple(out.shape) != (m, n) or out.dtype != store_dtype() or out.stride(1) != 1:
-        raise ValueError(f"out must be [{m}, {n}] {store_dtype()} with unit column stride")
+    out = output_buffer(out, (m, n), store_dtype(), a.device)
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     fp8_gemm_kernel[grid](a, a_scale, b, b_scale, out, m, n, k,
                           a.stride(0), a_scale.stride(0), b.stride(0), b_scale.stride(0), out.stride(0),

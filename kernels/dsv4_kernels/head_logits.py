@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv4_kernels.outputs import output_buffer
+
 BLOCK_V = 128
 BLOCK_K = 64  # 3 pipeline stages of a [128, 64] bf16 weight tile and a [64, BLOCK_M] fp32 y tile fit sm_120
 
@@ -97,10 +99,7 @@ def head_logits(y: torch.Tensor, w: torch.Tensor, block_m: int | None = None,
         raise ValueError(f"need fp32 y [M, K] and bf16 w [V, K], got {y.dtype} {tuple(y.shape)}, "
                          f"{w.dtype} {tuple(w.shape)}")
     y, w = y.contiguous(), w.contiguous()
-    if out is None:
-        out = torch.empty(m, v, dtype=torch.float32, device=y.device)
-    elif tuple(out.shape) != (m, v) or out.dtype != torch.float32 or out.stride(1) != 1:
-        raise ValueError(f"out must be [{m}, {v}] fp32 with unit column stride")
+    out = output_buffer(out, (m, v), torch.float32, y.device)
     if m == 0:
         return out
     bm = block_m or pick_block_m(m)

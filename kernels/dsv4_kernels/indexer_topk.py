@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from dsv4_kernels.indexer_topk_ref import visible_counts
+from dsv4_kernels.outputs import output_buffer
 
 
 def interpreting() -> bool:
@@ -111,10 +112,7 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, idx_k: torch.Tensor, 
     q, idx_k = q.contiguous(), idx_k.contiguous()
     weights = weights.float().contiguous()
     block_table = block_table.to(torch.int32).contiguous()
-    if out is None:
-        out = torch.empty(n_rows, num_cols, dtype=torch.float32, device=q.device)
-    elif tuple(out.shape) != (n_rows, num_cols) or out.dtype != torch.float32 or out.stride(1) != 1:
-        raise ValueError(f"out must be [{n_rows}, {num_cols}] fp32 with unit column stride")
+    out = output_buffer(out, (n_rows, num_cols), torch.float32, q.device)
     num_requests = cu_seqlens.shape[0] - 1
     if n_rows == 0 or num_requests == 0:
         return out

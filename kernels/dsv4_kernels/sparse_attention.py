@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv4_kernels.outputs import output_buffer
 from dsv4_kernels.registry import SHARED_PER_BLOCK
 
 LOG2E = 1.4426950408889634
@@ -265,10 +266,7 @@ def paged_sparse_attention(q: torch.Tensor, new_kv: torch.Tensor, swa_kv: torch.
         max_keys = swa_kv.shape[1] + num_topk + (table.shape[1] * comp.shape[1] if comp_mode == 2 else 0)
         num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
         num_splits = pick_num_splits(num_rows * head_groups, triton.cdiv(max_keys, block_n), num_sms)
-    if out is None:
-        out = torch.empty(q.shape, dtype=store_dtype(), device=q.device)
-    elif tuple(out.shape) != tuple(q.shape) or out.dtype != store_dtype() or out.stride(2) != 1:
-        raise ValueError(f"out must be {tuple(q.shape)} {store_dtype()} with unit last stride")
+    out = output_buffer(out, tuple(q.shape), store_dtype(), q.device)
     if num_rows == 0:
         return out
     part_acc, part_ml = _workspaces(num_splits, q, sink)
