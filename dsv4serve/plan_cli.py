@@ -98,13 +98,12 @@ def _memory_plan(ns: argparse.Namespace, cfg: Any, args: ModelArgs, specs: list[
     if ns.gpu_memory is None:
         return None
     from dsv4serve.memory_plan import Machine, PlanSettings, plan_memory
-    from dsv4serve.model.backends import default_backends, parse_backends
+    from dsv4serve.model.backends import default_backends, resolve_backends
     from dsv4serve.model.packed_load import loaded_weight_bytes
 
     machine = Machine(ns.gpu_memory, ns.host_memory, ns.platform)
     # resident weights as the CUDA worker loads them with --kernels, not as the checkpoint stores them
-    backends = default_backends("cuda") if cfg.kernels.value == "auto" else \
-        parse_backends(cfg.kernels.value, default_backends("cuda"))
+    backends = resolve_backends(cfg.kernels.value, default_backends("cuda"))
     return plan_memory(args, loaded_weight_bytes(specs, args, backends), machine, PlanSettings.from_config(cfg))
 
 

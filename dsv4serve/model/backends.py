@@ -84,6 +84,11 @@ def parse_backends(spec: str, base: KernelBackends = TORCH) -> KernelBackends:
     return result
 
 
+def resolve_backends(spec: str, base: KernelBackends) -> KernelBackends:
+    """--kernels as given: "auto" is `base` (the device default), anything else `parse_backends` over it."""
+    return base if spec.strip() == "auto" else parse_backends(spec, base)
+
+
 def named_kernels(spec: str) -> frozenset[str]:
     """The kernels a setting string names explicitly ("all" names every one; "auto" none), for the
     start-up kernel check: a kernel the user asked for by name is never swapped behind their back."""

@@ -16,7 +16,7 @@ from dsv4serve.config import ConfigError, Setting, Source
 from dsv4serve.experts.attach import attach_expert_cache, iter_resident_dense
 from dsv4serve.experts.slot_cache import ExpertSlotCache
 from dsv4serve.ipc.messages import Ready, WorkerLaunch
-from dsv4serve.model.backends import TORCH, KernelBackends, default_backends, named_kernels, parse_backends
+from dsv4serve.model.backends import TORCH, KernelBackends, default_backends, named_kernels, resolve_backends
 from dsv4serve.model.kv_pool import KvPool
 from dsv4serve.model.numerics import NUMERICS_OFF, NUMERICS_ON, Numerics
 from dsv4serve.model.packed_load import device_bytes, load_packed
@@ -146,7 +146,7 @@ def _numerics(args, kernels: str, device: torch.device) -> Numerics:
     if not fp8:
         base = dataclasses.replace(base, fp8_gemm="torch", fp4_moe="torch")
     try:
-        backends = base if kernels == "auto" else parse_backends(kernels, base)
+        backends = resolve_backends(kernels, base)
     except ValueError as exc:
         raise StartupError(f"--kernels: {exc}") from exc
     if backends.uses_triton() and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":

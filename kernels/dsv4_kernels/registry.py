@@ -51,18 +51,21 @@ class KernelSpec:
     def load_compile_configs(self) -> tuple[tuple[str, dict, dict], ...]:
         return resolve(self.compile_configs)
 
+    def _configs_module(self) -> Any:
+        """The kernel module holding COMPILE_CONFIGS and its optional launch declarations."""
+        return importlib.import_module(self.compile_configs.partition(":")[0])
+
     def launch_options(self, config: str, arch: int) -> dict | None:
         """The Triton options the wrapper launches `config` with on sm_`arch` ({}: the defaults), or None
         when it never launches that config there (see the module doc)."""
-        module = importlib.import_module(self.compile_configs.partition(":")[0])
+        module = self._configs_module()
         if arch not in getattr(module, "LAUNCH_ARCHS", {}).get(config, ARCHS):
             return None
         return dict(getattr(module, "LAUNCH_OPTIONS", {}).get(config, {}))
 
     def compile_attrs(self, signature: dict[str, str]) -> dict[tuple[int], list]:
         """`attrs` for triton's ASTSource: pointers and the module's ALIGNED_INTS divisible by 16."""
-        module = importlib.import_module(self.compile_configs.partition(":")[0])
-        aligned = getattr(module, "ALIGNED_INTS", ())
+        aligned = getattr(self._configs_module(), "ALIGNED_INTS", ())
         wrong = [a for a in aligned if signature.get(a) != "i32"]
         if wrong:
             raise ValueError(f"{self.name}: ALIGNED_INTS names no i32 argument: {wrong}")
