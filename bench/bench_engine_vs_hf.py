@@ -21,8 +21,8 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -37,8 +37,11 @@ from dsv4serve.tiny.builder import ensure_tiny
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `bench.report`
 from bench.report import format_table, spread
 
-HF_LAYER_TYPE = {"swa": "sliding_attention", "csa": "compressed_sparse_attention",
-                 "hca": "heavily_compressed_attention"}
+HF_LAYER_TYPE = {
+    "swa": "sliding_attention",
+    "csa": "compressed_sparse_attention",
+    "hca": "heavily_compressed_attention",
+}
 Generate = Callable[[int], list[int]]  # number of new tokens -> the greedy tokens
 
 
@@ -48,19 +51,45 @@ def hf_config(a: ModelArgs):
 
     rates = {HF_LAYER_TYPE[k]: r for k, r in zip(a.layer_kinds, a.compress_ratios) if r}
     return DeepseekV4Config(
-        vocab_size=a.vocab_size, hidden_size=a.dim, moe_intermediate_size=a.moe_inter_dim,
-        num_hidden_layers=a.n_layers, num_attention_heads=a.n_heads, head_dim=a.head_dim,
-        qk_rope_head_dim=a.rope_head_dim, q_lora_rank=a.q_lora_rank, o_groups=a.o_groups,
-        o_lora_rank=a.o_lora_rank, n_routed_experts=a.n_routed_experts, n_shared_experts=a.n_shared_experts,
-        num_experts_per_tok=a.n_activated_experts, routed_scaling_factor=a.route_scale,
-        swiglu_limit=a.swiglu_limit, layer_types=[HF_LAYER_TYPE[k] for k in a.layer_kinds[:a.n_layers]],
-        compress_rates=rates, sliding_window=a.window_size, hc_mult=a.hc_mult,
-        hc_sinkhorn_iters=a.hc_sinkhorn_iters, hc_eps=a.hc_eps, rms_norm_eps=a.norm_eps,
-        index_n_heads=a.index_n_heads, index_head_dim=a.index_head_dim, index_topk=a.index_topk,
-        num_hash_layers=a.n_hash_layers, rope_theta=a.rope_theta, compress_rope_theta=a.compress_rope_theta,
-        rope_scaling={"type": "yarn", "factor": a.rope_factor, "original_max_position_embeddings":
-                      a.original_seq_len, "beta_fast": a.beta_fast, "beta_slow": a.beta_slow},
-        max_position_embeddings=a.max_position_embeddings, eos_token_id=None, bos_token_id=a.bos_token_id)
+        vocab_size=a.vocab_size,
+        hidden_size=a.dim,
+        moe_intermediate_size=a.moe_inter_dim,
+        num_hidden_layers=a.n_layers,
+        num_attention_heads=a.n_heads,
+        head_dim=a.head_dim,
+        qk_rope_head_dim=a.rope_head_dim,
+        q_lora_rank=a.q_lora_rank,
+        o_groups=a.o_groups,
+        o_lora_rank=a.o_lora_rank,
+        n_routed_experts=a.n_routed_experts,
+        n_shared_experts=a.n_shared_experts,
+        num_experts_per_tok=a.n_activated_experts,
+        routed_scaling_factor=a.route_scale,
+        swiglu_limit=a.swiglu_limit,
+        layer_types=[HF_LAYER_TYPE[k] for k in a.layer_kinds[: a.n_layers]],
+        compress_rates=rates,
+        sliding_window=a.window_size,
+        hc_mult=a.hc_mult,
+        hc_sinkhorn_iters=a.hc_sinkhorn_iters,
+        hc_eps=a.hc_eps,
+        rms_norm_eps=a.norm_eps,
+        index_n_heads=a.index_n_heads,
+        index_head_dim=a.index_head_dim,
+        index_topk=a.index_topk,
+        num_hash_layers=a.n_hash_layers,
+        rope_theta=a.rope_theta,
+        compress_rope_theta=a.compress_rope_theta,
+        rope_scaling={
+            "type": "yarn",
+            "factor": a.rope_factor,
+            "original_max_position_embeddings": a.original_seq_len,
+            "beta_fast": a.beta_fast,
+            "beta_slow": a.beta_slow,
+        },
+        max_position_embeddings=a.max_position_embeddings,
+        eos_token_id=None,
+        bos_token_id=a.bos_token_id,
+    )
 
 
 def ours_generate(model: Transformer, prompt: torch.Tensor, n_new: int, num: Numerics) -> list[int]:
@@ -76,9 +105,8 @@ def ours_generate(model: Transformer, prompt: torch.Tensor, n_new: int, num: Num
 
 def hf_generate(hf, prompt: torch.Tensor, n_new: int) -> list[int]:
     with torch.no_grad():
-        ids = hf.generate(prompt[None], max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False,
-                          pad_token_id=0)
-    return ids[0, prompt.shape[0]:].tolist()
+        ids = hf.generate(prompt[None], max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False, pad_token_id=0)
+    return ids[0, prompt.shape[0] :].tolist()
 
 
 def time_phases(generate: Generate, n_prompt: int, n_new: int) -> tuple[float, float, list[int]]:
@@ -91,10 +119,6 @@ def time_phases(generate: Generate, n_prompt: int, n_new: int) -> tuple[float, f
     return n_prompt / (t1 - t0), (n_new - 1) / max((t2 - t1) - (t1 - t0), 1e-9), tokens
 
 
-
-
-
-
 def summarize(rates: dict[str, dict[str, list[float]]], base: str) -> tuple[dict, list[list[str]]]:
     """rates[path][phase] per repeat -> (JSON summary, table rows); ratios are per repeat vs `base`."""
     summary: dict = {}
@@ -105,8 +129,16 @@ def summarize(rates: dict[str, dict[str, list[float]]], base: str) -> tuple[dict
             ratios = [v / b for v, b in zip(values, rates[base][phase])]
             summary[path][phase] = {"tokens_per_s": spread(values), "ratio_to_" + base: spread(ratios)}
             s, r = spread(values), spread(ratios)
-            rows.append([path, phase, f"{s['min']:.1f}", f"{s['median']:.1f}", f"{s['max']:.1f}",
-                         f"{r['min']:.2f} / {r['median']:.2f} / {r['max']:.2f}"])
+            rows.append(
+                [
+                    path,
+                    phase,
+                    f"{s['min']:.1f}",
+                    f"{s['median']:.1f}",
+                    f"{s['max']:.1f}",
+                    f"{r['min']:.2f} / {r['median']:.2f} / {r['max']:.2f}",
+                ]
+            )
     return summary, rows
 
 
@@ -114,6 +146,7 @@ def load_models() -> tuple[ModelArgs, Transformer, object]:
     """Our model and transformers' model holding the same dsv4-tiny weights."""
     from transformers import DeepseekV4ForCausalLM
     from transformers.utils import logging
+
     logging.set_verbosity_error()
     args, state = load_dense_state_dict(ensure_tiny(read_environment().cache_dir))
     state = {k: v for k, v in state.items() if not k.startswith("mtp.")}  # transformers has no MTP
@@ -143,21 +176,36 @@ def main() -> None:
     rates = {name: {"prefill": [], "decode": []} for name in names}
     tokens: dict[str, list[int]] = {}
     for rep in range(opts.repeats):
-        order = names[rep % len(names):] + names[:rep % len(names)]  # rotate who runs first
+        order = names[rep % len(names) :] + names[: rep % len(names)]  # rotate who runs first
         for name in order:
             prefill, decode, tokens[name] = time_phases(paths[name], opts.prompt_tokens, opts.new_tokens)
             rates[name]["prefill"].append(prefill)
             rates[name]["decode"].append(decode)
-        print(f"repeat {rep + 1}/{opts.repeats}: " + ", ".join(
-            f"{n} {rates[n]['prefill'][-1]:.0f}/{rates[n]['decode'][-1]:.1f}" for n in names), flush=True)
+        print(
+            f"repeat {rep + 1}/{opts.repeats}: "
+            + ", ".join(f"{n} {rates[n]['prefill'][-1]:.0f}/{rates[n]['decode'][-1]:.1f}" for n in names),
+            flush=True,
+        )
     same = {name: tokens[name] == tokens["transformers"] for name in names}
     summary, rows = summarize(rates, "transformers")
     if opts.json:
-        opts.json.write_text(json.dumps({"prompt_tokens": opts.prompt_tokens, "new_tokens": opts.new_tokens,
-                                         "repeats": opts.repeats, "threads": 1, "results": summary,
-                                         "same_tokens_as_transformers": same}, indent=2))
-    print(f"\ndsv4-tiny, prompt {opts.prompt_tokens} tokens, {opts.new_tokens} new, greedy, 1 thread, "
-          f"{opts.repeats} alternating repeats; tokens/s min / median / max; ratio = ours / transformers")
+        opts.json.write_text(
+            json.dumps(
+                {
+                    "prompt_tokens": opts.prompt_tokens,
+                    "new_tokens": opts.new_tokens,
+                    "repeats": opts.repeats,
+                    "threads": 1,
+                    "results": summary,
+                    "same_tokens_as_transformers": same,
+                },
+                indent=2,
+            )
+        )
+    print(
+        f"\ndsv4-tiny, prompt {opts.prompt_tokens} tokens, {opts.new_tokens} new, greedy, 1 thread, "
+        f"{opts.repeats} alternating repeats; tokens/s min / median / max; ratio = ours / transformers"
+    )
     print("same greedy tokens as transformers: " + ", ".join(f"{n}: {'yes' if s else 'no'}" for n, s in same.items()))
     print(format_table(["path", "phase", "min", "median", "max", "ratio min / med / max"], rows))
 

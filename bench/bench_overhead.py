@@ -24,9 +24,9 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import msgspec
 import torch
@@ -47,8 +47,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `
 from bench.report import format_table, spread
 
 PROMPT_TOKENS = 16
-API_TEXT = ("The scheduler plans every step without touching a tensor: each decoding request gets one "
-            "token, and the rest of the budget goes to prompt chunks. Überprüfung: naïve café, 東京, 🙂. ")
+API_TEXT = (
+    "The scheduler plans every step without touching a tensor: each decoding request gets one "
+    "token, and the rest of the budget goes to prompt chunks. Überprüfung: naïve café, 東京, 🙂. "
+)
 
 
 class EncodingChannel:
@@ -78,6 +80,7 @@ class Timers:
                 return fn(*args, **kwargs)
             finally:
                 self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+
         return timed
 
     def reset(self) -> None:
@@ -91,15 +94,26 @@ class Level:
     num_running: int
     loop: EngineLoop
     timers: Timers
-    samples: dict[str, list[float]] = field(default_factory=lambda: {
-        "step": [], "forward": [], "schedule": [], "sample": [], "overhead": []})
+    samples: dict[str, list[float]] = field(
+        default_factory=lambda: {"step": [], "forward": [], "schedule": [], "sample": [], "overhead": []}
+    )
 
 
 def launch_for(model_path: Path, max_running: int) -> WorkerLaunch:
-    return WorkerLaunch(to_worker="", from_worker="", model_path=str(model_path), device="cpu",
-                        max_num_seqs=max_running, max_queued_requests=max_running, max_model_len=4096,
-                        max_model_len_explicit=False, max_prefill_length=None, max_prefill_length_source="default",
-                        num_tokens=None, log_level="warning")
+    return WorkerLaunch(
+        to_worker="",
+        from_worker="",
+        model_path=str(model_path),
+        device="cpu",
+        max_num_seqs=max_running,
+        max_queued_requests=max_running,
+        max_model_len=4096,
+        max_model_len_explicit=False,
+        max_prefill_length=None,
+        max_prefill_length_source="default",
+        num_tokens=None,
+        log_level="warning",
+    )
 
 
 def start_level(model_path: Path, num_running: int, max_tokens: int) -> Level:
@@ -157,10 +171,6 @@ def api_per_token_us(tokenizer: TextTokenizer, repeats: int) -> list[float]:
     return results
 
 
-
-
-
-
 def engine_rows(levels: list[Level]) -> tuple[dict, list[list[str]]]:
     summary, rows = {}, []
     for lv in levels:
@@ -168,10 +178,18 @@ def engine_rows(levels: list[Level]) -> tuple[dict, list[list[str]]]:
         share = [o / st for o, st in zip(lv.samples["overhead"], lv.samples["step"])]
         summary[lv.num_running] = {**s, "overhead_share": spread(share)}
         o = s["overhead"]
-        rows.append([str(lv.num_running), f"{s['step']['median']:.1f}", f"{s['forward']['median']:.1f}",
-                     f"{s['schedule']['median']:.3f}", f"{s['sample']['median']:.3f}",
-                     f"{o['min']:.3f} / {o['median']:.3f} / {o['max']:.3f}",
-                     f"{100 * statistics.median(share):.1f}%", "yes" if o["median"] < 1.0 else "NO"])
+        rows.append(
+            [
+                str(lv.num_running),
+                f"{s['step']['median']:.1f}",
+                f"{s['forward']['median']:.1f}",
+                f"{s['schedule']['median']:.3f}",
+                f"{s['sample']['median']:.3f}",
+                f"{o['min']:.3f} / {o['median']:.3f} / {o['max']:.3f}",
+                f"{100 * statistics.median(share):.1f}%",
+                "yes" if o["median"] < 1.0 else "NO",
+            ]
+        )
     return summary, rows
 
 
@@ -196,15 +214,23 @@ def main() -> None:
     api = api_per_token_us(TextTokenizer.for_model(model_path), opts.api_repeats)
     summary, rows = engine_rows(levels)
     if opts.json:
-        opts.json.write_text(json.dumps({"steps": opts.steps, "engine_ms_per_step": summary,
-                                         "api_us_per_token": spread(api)}, indent=2))
-    print(f"\ndsv4-tiny, CPU, 1 thread, {opts.steps} decode steps per level (levels alternate), ms per step; "
-          "overhead = step - model forward (schedule and sample are part of it)")
-    print(format_table(["running", "step", "forward", "schedule", "sample", "overhead min / med / max",
-                        "share", "< 1 ms"], rows))
+        opts.json.write_text(
+            json.dumps({"steps": opts.steps, "engine_ms_per_step": summary, "api_us_per_token": spread(api)}, indent=2)
+        )
+    print(
+        f"\ndsv4-tiny, CPU, 1 thread, {opts.steps} decode steps per level (levels alternate), ms per step; "
+        "overhead = step - model forward (schedule and sample are part of it)"
+    )
+    print(
+        format_table(
+            ["running", "step", "forward", "schedule", "sample", "overhead min / med / max", "share", "< 1 ms"], rows
+        )
+    )
     a = spread(api)
-    print(f"\nAPI process per streamed token (IPC decode + detokenize + chat parser + SSE): "
-          f"{a['min']:.1f} / {a['median']:.1f} / {a['max']:.1f} us (min / median / max of {opts.api_repeats})")
+    print(
+        f"\nAPI process per streamed token (IPC decode + detokenize + chat parser + SSE): "
+        f"{a['min']:.1f} / {a['median']:.1f} / {a['max']:.1f} us (min / median / max of {opts.api_repeats})"
+    )
 
 
 if __name__ == "__main__":

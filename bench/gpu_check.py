@@ -23,6 +23,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import json
 import os
@@ -31,9 +32,9 @@ import statistics
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -78,13 +79,13 @@ def measure_ceilings(device: torch.device, warmup: int, repeats: int, smoke: boo
     nbytes = (64 if smoke else 4096) << 20
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    copy = time_ms(lambda: dst.copy_(src), device, warmup, repeats)
+    copy = time_ms(functools.partial(dst.copy_, src), device, warmup, repeats)
     n = 256 if smoke else 8192
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    mm = time_ms(lambda: a @ b, device, warmup, repeats)
+    mm = time_ms(functools.partial(torch.matmul, a, b), device, warmup, repeats)
     del src, dst, a, b
-    return {"copy_GBps": 2 * nbytes / copy / 1e6, "matmul_TFLOPs": 2 * n ** 3 / mm / 1e9}
+    return {"copy_GBps": 2 * nbytes / copy / 1e6, "matmul_TFLOPs": 2 * n**3 / mm / 1e9}
 
 
 def discover(cases_dir: Path) -> list[str]:
@@ -122,8 +123,9 @@ def error_text(exc: BaseException) -> str:
     return f"ERROR: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:160]
 
 
-def run_module(name: str, device: torch.device, ceilings: dict[str, float], opts, deadline: float,
-               notes: list[str]) -> list[Row]:
+def run_module(
+    name: str, device: torch.device, ceilings: dict[str, float], opts, deadline: float, notes: list[str]
+) -> list[Row]:
     """Rows of one module's cases; every failure becomes a row."""
     try:
         module = importlib.import_module(f"bench.gpu_cases.{name}")
@@ -160,12 +162,22 @@ def run_module(name: str, device: torch.device, ceilings: dict[str, float], opts
 
 def format_rows(rows: list[Row]) -> str:
     headers = ["case", "time ms", "rate", "% ceiling", "vs baseline", "check"]
-    body = [[r.case, "" if r.time_ms is None else f"{r.time_ms:.3f}", r.rate,
-             "" if r.pct_of_ceiling is None else f"{r.pct_of_ceiling:.0f}%",
-             "" if r.speedup is None else f"{r.speedup:.2f}x {r.baseline}", r.ok] for r in rows]
+    body = [
+        [
+            r.case,
+            "" if r.time_ms is None else f"{r.time_ms:.3f}",
+            r.rate,
+            "" if r.pct_of_ceiling is None else f"{r.pct_of_ceiling:.0f}%",
+            "" if r.speedup is None else f"{r.speedup:.2f}x {r.baseline}",
+            r.ok,
+        ]
+        for r in rows
+    ]
     widths = [max(len(x[i]) for x in [headers, *body]) for i in range(len(headers))]
-    lines = ["  ".join(c.ljust(w) if i in (0, 4, 5) else c.rjust(w) for i, (c, w) in enumerate(zip(x, widths)))
-             for x in [headers, *body]]
+    lines = [
+        "  ".join(c.ljust(w) if i in (0, 4, 5) else c.rjust(w) for i, (c, w) in enumerate(zip(x, widths)))
+        for x in [headers, *body]
+    ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(line.rstrip() for line in lines)
 
@@ -200,10 +212,22 @@ def main() -> int:
         rows_per_module[name] = len(module_rows)
     title = torch.cuda.get_device_name() if device.type == "cuda" else "CPU smoke run (numbers mean nothing)"
     if opts.json:
-        opts.json.write_text(json.dumps({"device": title, "ceilings": ceilings, "rows": [asdict(r) for r in rows],
-                                         "rows_per_module": rows_per_module, "notes": notes}, indent=2))
-    print(f"\n{title}: copy {ceilings['copy_GBps']:.0f} GB/s, bf16 matmul {ceilings['matmul_TFLOPs']:.1f} TFLOP/s "
-          f"(measured ceilings); times are medians of {opts.repeats}; 'vs baseline' = baseline time / run time")
+        opts.json.write_text(
+            json.dumps(
+                {
+                    "device": title,
+                    "ceilings": ceilings,
+                    "rows": [asdict(r) for r in rows],
+                    "rows_per_module": rows_per_module,
+                    "notes": notes,
+                },
+                indent=2,
+            )
+        )
+    print(
+        f"\n{title}: copy {ceilings['copy_GBps']:.0f} GB/s, bf16 matmul {ceilings['matmul_TFLOPs']:.1f} TFLOP/s "
+        f"(measured ceilings); times are medians of {opts.repeats}; 'vs baseline' = baseline time / run time"
+    )
     for line in notes:
         print(line)
     print(format_rows(rows))

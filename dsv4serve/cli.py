@@ -1,8 +1,8 @@
 """`dsv4serve`: serve / plan / doctor. The flags are built from the config's option declarations.
 
-    dsv4serve --model MODEL [options]          # same as: dsv4serve serve --model MODEL
-    dsv4serve plan  --model MODEL [options]    # memory plan only: reads config.json, loads no weights
-    dsv4serve doctor                           # environment report
+dsv4serve --model MODEL [options]          # same as: dsv4serve serve --model MODEL
+dsv4serve plan  --model MODEL [options]    # memory plan only: reads config.json, loads no weights
+dsv4serve doctor                           # environment report
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from dsv4serve import __version__
 from dsv4serve.config import ConfigError, options
@@ -22,8 +22,12 @@ log = logging.getLogger("dsv4serve")
 
 def _add_serve_options(parser: argparse.ArgumentParser) -> None:
     for name, opt in options().items():
-        kwargs = {"dest": name, "default": None, "help": f"{opt.help} (env {option_env_name(name)})",
-                  "metavar": opt.metavar}
+        kwargs = {
+            "dest": name,
+            "default": None,
+            "help": f"{opt.help} (env {option_env_name(name)})",
+            "metavar": opt.metavar,
+        }
         if opt.choices:
             kwargs["choices"] = opt.choices
             kwargs["type"] = str
@@ -39,6 +43,7 @@ def _argparse_type(parse):  # argparse reports ValueError/TypeError messages as 
             return parse(text)
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from exc
+
     convert.__name__ = parse.__name__
     return convert
 
@@ -46,18 +51,24 @@ def _argparse_type(parse):  # argparse reports ValueError/TypeError messages as 
 def build_parser(command: str) -> argparse.ArgumentParser:
     if command == "doctor":
         from dsv4serve.doctor import add_doctor_options
-        parser = argparse.ArgumentParser(prog="dsv4serve doctor", description="environment report: what the "
-                                         "server will run on, each line OK or what to fix")
+
+        parser = argparse.ArgumentParser(
+            prog="dsv4serve doctor",
+            description="environment report: what the server will run on, each line OK or what to fix",
+        )
         add_doctor_options(parser)
         return parser
     prog = "dsv4serve" if command == "serve" else f"dsv4serve {command}"
-    desc = ("Serve DeepSeek-V4 behind an OpenAI-style API. Subcommands: serve (default), plan, doctor."
-            if command == "serve" else "Print the memory plan the server would use: reads config.json, loads "
-                                        "no weights, needs no GPU.")
+    desc = (
+        "Serve DeepSeek-V4 behind an OpenAI-style API. Subcommands: serve (default), plan, doctor."
+        if command == "serve"
+        else "Print the memory plan the server would use: reads config.json, loads no weights, needs no GPU."
+    )
     parser = argparse.ArgumentParser(prog=prog, description=desc)
     _add_serve_options(parser)
     if command == "plan":
         from dsv4serve.plan_cli import add_plan_options
+
         add_plan_options(parser)
     return parser
 
@@ -75,8 +86,7 @@ def _cli_values(ns: argparse.Namespace) -> dict[str, object]:
     return values
 
 
-def resolve_from_cli(ns: argparse.Namespace, env: Environment, config_only: bool,
-                     simulate_gpu: bool = False):
+def resolve_from_cli(ns: argparse.Namespace, env: Environment, config_only: bool, simulate_gpu: bool = False):
     """Locate the model, read its config, and resolve the settings: (config, location, model args)."""
     from dsv4serve.model.args import read_model_args
     from dsv4serve.model_source import locate_model
@@ -85,18 +95,21 @@ def resolve_from_cli(ns: argparse.Namespace, env: Environment, config_only: bool
     cli = _cli_values(ns)
     model_spec = user_values(cli, env)["model"].value
     if not model_spec:
-        raise ConfigError("--model is required: a model folder, a Hugging Face repo id, DeepSeek-V4-Flash, or "
-                          "dsv4-tiny")
+        raise ConfigError(
+            "--model is required: a model folder, a Hugging Face repo id, DeepSeek-V4-Flash, or dsv4-tiny"
+        )
     location = locate_model(model_spec, env.cache_dir, config_only=config_only)
     args = read_model_args(location.path) if config_only else None
     if args is None:
         from dsv4serve.checkpoint.loader import open_checkpoint
+
         ckpt = open_checkpoint(location.path)
         args = ckpt.args
     if simulate_gpu:
         machine = MachineFacts(cuda_available=True, simulated=True)
     else:
         import torch
+
         machine = MachineFacts(cuda_available=torch.cuda.is_available())
     facts = ModelFacts(name=location.name, max_position_embeddings=args.max_position_embeddings)
     cfg = resolve(cli, env, facts, machine)
@@ -109,9 +122,16 @@ def _serve(ns: argparse.Namespace, env: Environment) -> int:
     cfg, location, args = resolve_from_cli(ns, env, config_only=False)
     logging.getLogger().setLevel(cfg.log_level.value.upper())
     print(format_settings(cfg), file=sys.stderr)
-    log.info("model %s at %s (%s): %d layers + %d MTP, checkpoint validated", location.name, location.path,
-             location.origin, args.n_layers, args.n_mtp_layers)
+    log.info(
+        "model %s at %s (%s): %d layers + %d MTP, checkpoint validated",
+        location.name,
+        location.path,
+        location.origin,
+        args.n_layers,
+        args.n_mtp_layers,
+    )
     from dsv4serve.api.server import serve
+
     return serve(cfg, location.path)
 
 
@@ -127,12 +147,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         env = read_environment(option_names=tuple(options()))
         if command == "doctor":
             from dsv4serve.doctor import run_doctor
+
             return run_doctor(ns, env)
         if command == "plan":
             from dsv4serve.plan_cli import run_plan
+
             return run_plan(ns, env)
         return _serve(ns, env)
     except (ConfigError, ModelSourceError, CheckpointError, ModelConfigError) as exc:
         print(f"dsv4serve: error: {exc}", file=sys.stderr)
         return 2
-

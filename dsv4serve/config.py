@@ -8,9 +8,10 @@ resolution: a child process receives a copy.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Callable, Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -65,6 +66,7 @@ def kernel_spec(text: str) -> str:
     if text.strip() == "auto":
         return "auto"
     from dsv4serve.model.backends import parse_backends  # imports torch: only when the option is given
+
     parse_backends(text)
     return text.strip()
 
@@ -95,38 +97,51 @@ def option(help: str, **kwargs: Any) -> Any:
 
 @dataclass(frozen=True)
 class ServeConfig:
-    model: Setting[str] = option("model folder, Hugging Face repo id, DeepSeek-V4-Flash, or dsv4-tiny",
-                                 metavar="MODEL")
-    served_model_name: Setting[str] = option("the id in /v1/models and the only accepted `model` value "
-                                             "[folder name / alias]", metavar="NAME")
+    model: Setting[str] = option("model folder, Hugging Face repo id, DeepSeek-V4-Flash, or dsv4-tiny", metavar="MODEL")
+    served_model_name: Setting[str] = option(
+        "the id in /v1/models and the only accepted `model` value [folder name / alias]", metavar="NAME"
+    )
     host: Setting[str] = option("bind address", default="127.0.0.1")
     port: Setting[int] = option("bind port", parse=port_number, default=8000)
-    device: Setting[str] = option("where the model runs; cpu runs the PyTorch reference path", default="auto",
-                                  choices=("auto", "cuda", "cpu"))
-    max_model_len: Setting[int | None] = option("context limit, prompt + output [model limit, capped by KV "
-                                                "capacity]", parse=positive_int, metavar="L")
+    device: Setting[str] = option(
+        "where the model runs; cpu runs the PyTorch reference path", default="auto", choices=("auto", "cuda", "cpu")
+    )
+    max_model_len: Setting[int | None] = option(
+        "context limit, prompt + output [model limit, capped by KV capacity]", parse=positive_int, metavar="L"
+    )
     max_num_seqs: Setting[int] = option("requests running at once", parse=positive_int, default=32, metavar="S")
-    max_queued_requests: Setting[int] = option("waiting requests beyond the running ones; past it: 503",
-                                               parse=positive_int, default=256, metavar="Q")
+    max_queued_requests: Setting[int] = option(
+        "waiting requests beyond the running ones; past it: 503", parse=positive_int, default=256, metavar="Q"
+    )
     max_prefill_length: Setting[int | None] = option(
         "prefill chunk cap in tokens; an explicit value is always honoured, or startup stops and says why "
         "[auto: the largest chunk that fits the free memory measured after start-up]",
-        parse=positive_int, metavar="N")
-    memory_ratio: Setting[float] = option("share of GPU memory the server may use", parse=ratio, default=0.9,
-                                          metavar="R")
-    moe_cache_size: Setting[int | None] = option("GPU expert slots [auto: from the memory plan]",
-                                                 parse=positive_int, metavar="N")
-    num_tokens: Setting[int | None] = option("KV capacity in tokens [auto: from the memory plan]",
-                                             parse=positive_int, metavar="T")
-    kernels: Setting[str] = option("Triton or torch per kernel (attention, indexer, compressor, fp8_gemm, "
-                                   "fp4_moe, head): auto = Triton on CUDA, torch on CPU; e.g. all=triton,fp4_moe=torch",
-                                   parse=kernel_spec, default="auto", metavar="SPEC")
-    api_key: Setting[str | None] = option("Bearer token required on /v1/*, /tokenize, /detokenize",
-                                          metavar="K", secret=True)
-    default_thinking: Setting[bool] = option("thinking mode when a request does not say", parse=on_off,
-                                             default=True, choices=("on", "off"))
-    log_level: Setting[str] = option("log verbosity", default="info",
-                                     choices=("debug", "info", "warning", "error"))
+        parse=positive_int,
+        metavar="N",
+    )
+    memory_ratio: Setting[float] = option(
+        "share of GPU memory the server may use", parse=ratio, default=0.9, metavar="R"
+    )
+    moe_cache_size: Setting[int | None] = option(
+        "GPU expert slots [auto: from the memory plan]", parse=positive_int, metavar="N"
+    )
+    num_tokens: Setting[int | None] = option(
+        "KV capacity in tokens [auto: from the memory plan]", parse=positive_int, metavar="T"
+    )
+    kernels: Setting[str] = option(
+        "Triton or torch per kernel (attention, indexer, compressor, fp8_gemm, "
+        "fp4_moe, head): auto = Triton on CUDA, torch on CPU; e.g. all=triton,fp4_moe=torch",
+        parse=kernel_spec,
+        default="auto",
+        metavar="SPEC",
+    )
+    api_key: Setting[str | None] = option(
+        "Bearer token required on /v1/*, /tokenize, /detokenize", metavar="K", secret=True
+    )
+    default_thinking: Setting[bool] = option(
+        "thinking mode when a request does not say", parse=on_off, default=True, choices=("on", "off")
+    )
+    log_level: Setting[str] = option("log verbosity", default="info", choices=("debug", "info", "warning", "error"))
 
 
 def options() -> dict[str, Option]:

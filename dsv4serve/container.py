@@ -16,8 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # (substring of a cgroup line, runtime it names); the first match wins
-_CGROUP_MARKS = (("/docker/", "docker"), ("docker-", "docker"), ("kubepods", "kubernetes"),
-                 ("containerd", "containerd"), ("libpod", "podman"))
+_CGROUP_MARKS = (
+    ("/docker/", "docker"),
+    ("docker-", "docker"),
+    ("kubepods", "kubernetes"),
+    ("containerd", "containerd"),
+    ("libpod", "podman"),
+)
 
 
 @dataclass(frozen=True)

@@ -46,8 +46,12 @@ def gather(env: Environment) -> list[Check]:
     build = torch.version.cuda if torch is not None else None
     driver = doctor_gpu.driver_cuda_version()
     release = doctor_gpu.driver_release() if driver is not None else None
-    checks += [torch_check, doctor_gpu.check_driver(build, driver, release), doctor_gpu.check_triton(),
-               doctor_gpu.check_flashinfer()]
+    checks += [
+        torch_check,
+        doctor_gpu.check_driver(build, driver, release),
+        doctor_gpu.check_triton(),
+        doctor_gpu.check_flashinfer(),
+    ]
     gpu_checks, largest_gpu_bytes = doctor_gpu.check_gpus(torch)
     checks += gpu_checks
     if not any(c.status == "fail" for c in checks):
@@ -70,8 +74,9 @@ def format_report(checks: list[Check]) -> str:
         lines.append(f"  {c.status.upper():<4}  {c.name:<{width}}  {c.value}")
         if c.fix:
             lines.append(f"  {'':<4}  {'':<{width}}  fix: {c.fix}")
-    verdict = ("the server can run here" if can_run(checks)
-               else "the server cannot run here until the FAIL lines are fixed")
+    verdict = (
+        "the server can run here" if can_run(checks) else "the server cannot run here until the FAIL lines are fixed"
+    )
     n_warn = sum(c.status == "warn" for c in checks)
     lines.append(f"verdict: {verdict}" + (f" ({n_warn} warning{'s' * (n_warn != 1)})" if n_warn else ""))
     return "\n".join(lines)

@@ -69,8 +69,9 @@ def driver_release() -> str | None:
     if exe is None:
         return None
     try:
-        out = subprocess.run([exe, "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True,
-                             text=True, timeout=20)
+        out = subprocess.run(
+            [exe, "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True, timeout=20
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     lines = out.stdout.split()
@@ -84,14 +85,24 @@ def check_driver(build: str | None, driver: tuple[int, int] | None, release: str
     shown = (f"{release}, " if release else "") + f"supports CUDA {driver[0]}.{driver[1]}"
     data: dict[str, Any] = {"release": release, "cuda_driver": f"{driver[0]}.{driver[1]}", "torch_cuda_build": build}
     if build is None:
-        return Check("NVIDIA driver", "warn", f"{shown}, but torch is the CPU build",
-                     "install the CUDA build: pip install --force-reinstall torch==2.13.0 from PyPI (its "
-                     "Linux wheel is built for CUDA 13.0)", data)
+        return Check(
+            "NVIDIA driver",
+            "warn",
+            f"{shown}, but torch is the CPU build",
+            "install the CUDA build: pip install --force-reinstall torch==2.13.0 from PyPI (its "
+            "Linux wheel is built for CUDA 13.0)",
+            data,
+        )
     need = tuple(int(x) for x in build.split(".")[:2])
     if driver[0] < need[0]:
-        return Check("NVIDIA driver", "warn", f"{shown}; torch needs CUDA {build}: the server falls back to CPU",
-                     f"update the NVIDIA driver to one for CUDA {need[0]}.x (R580 or newer for CUDA 13); under "
-                     "WSL2 update the Windows driver, never install a Linux driver inside WSL", data)
+        return Check(
+            "NVIDIA driver",
+            "warn",
+            f"{shown}; torch needs CUDA {build}: the server falls back to CPU",
+            f"update the NVIDIA driver to one for CUDA {need[0]}.x (R580 or newer for CUDA 13); under "
+            "WSL2 update the Windows driver, never install a Linux driver inside WSL",
+            data,
+        )
     return Check("NVIDIA driver", "ok", f"{shown} (torch's build: CUDA {build})", data=data)
 
 
@@ -101,8 +112,9 @@ def check_triton() -> Check:
     except metadata.PackageNotFoundError:
         return Check("triton", "warn", "not installed", "pip install -e . (it pins triton)")
     note = _version_note("triton", version)
-    return Check("triton", "warn" if note else "ok", version, f"{note}: reinstall it" if note else "",
-                 {"version": version})
+    return Check(
+        "triton", "warn" if note else "ok", version, f"{note}: reinstall it" if note else "", {"version": version}
+    )
 
 
 def check_flashinfer() -> Check:
@@ -133,8 +145,9 @@ def arch_supported(capability: tuple[int, int], arch_list: list[str]) -> bool:
 def check_gpus(torch: ModuleType | None) -> tuple[list[Check], int]:
     """One line per visible GPU: name, total / free memory, compute capability; and the largest total."""
     if torch is None or not torch.cuda.is_available():
-        return [Check("GPU", "ok", "no CUDA device visible to torch: the CPU path (PyTorch reference)",
-                      data={"count": 0})], 0
+        return [
+            Check("GPU", "ok", "no CUDA device visible to torch: the CPU path (PyTorch reference)", data={"count": 0})
+        ], 0
     from dsv4serve.worker.memory_probe import take_snapshot
 
     checks, largest, archs = [], 0, torch.cuda.get_arch_list()
@@ -144,18 +157,38 @@ def check_gpus(torch: ModuleType | None) -> tuple[list[Check], int]:
             props = torch.cuda.get_device_properties(i)
             snap = take_snapshot(f"cuda:{i}", 1.0)
         except RuntimeError as exc:  # e.g. "device not ready" under WSL2
-            checks.append(Check(name, "fail", f"CUDA could not use it: {str(exc).splitlines()[0]}",
-                                "see the Windows + WSL2 section of README.md; or run with --device cpu"))
+            checks.append(
+                Check(
+                    name,
+                    "fail",
+                    f"CUDA could not use it: {str(exc).splitlines()[0]}",
+                    "see the Windows + WSL2 section of README.md; or run with --device cpu",
+                )
+            )
             continue
         cc = (props.major, props.minor)
         largest = max(largest, snap.total_bytes)
-        data = {"name": props.name, "total_bytes": snap.total_bytes, "free_bytes": snap.free_bytes,
-                "compute_capability": f"{cc[0]}.{cc[1]}"}
-        value = (f"{props.name}: {gib(snap.total_bytes)} total, {gib(snap.free_bytes)} free, "
-                 f"compute capability {cc[0]}.{cc[1]}")
+        data = {
+            "name": props.name,
+            "total_bytes": snap.total_bytes,
+            "free_bytes": snap.free_bytes,
+            "compute_capability": f"{cc[0]}.{cc[1]}",
+        }
+        value = (
+            f"{props.name}: {gib(snap.total_bytes)} total, {gib(snap.free_bytes)} free, "
+            f"compute capability {cc[0]}.{cc[1]}"
+        )
         if not arch_supported(cc, archs):
-            checks.append(Check(name, "fail", value, f"torch {torch.__version__} has no kernels for sm_{cc[0]}"
-                                f"{cc[1]} (it ships {', '.join(archs)}): use a newer GPU, or --device cpu", data))
+            checks.append(
+                Check(
+                    name,
+                    "fail",
+                    value,
+                    f"torch {torch.__version__} has no kernels for sm_{cc[0]}"
+                    f"{cc[1]} (it ships {', '.join(archs)}): use a newer GPU, or --device cpu",
+                    data,
+                )
+            )
         else:
             checks.append(Check(name, "ok", value, data=data))
     return checks, largest
@@ -194,20 +227,37 @@ def check_kernels(torch: ModuleType | None) -> Check:
     start = time.monotonic()
     try:
         verdicts = run_check(list(kernel_names()), torch.device("cuda:0"))
-    except Exception as exc:  # noqa: BLE001 - the tiny model itself failed: reported, never raised
-        return Check("Triton kernels", "fail", f"the check could not run: {type(exc).__name__}: {exc}"[:300],
-                     "run `dsv4serve doctor` again after the GPU and torch lines above are OK")
+    except Exception as exc:
+        return Check(
+            "Triton kernels",
+            "fail",
+            f"the check could not run: {type(exc).__name__}: {exc}"[:300],
+            "run `dsv4serve doctor` again after the GPU and torch lines above are OK",
+        )
     seconds = time.monotonic() - start
     failed = [v for v in verdicts if not v.ok]
-    data = {"verdicts": [{"kernel": v.kernel, "ok": v.ok, "detail": v.detail} for v in verdicts],
-            "seconds": round(seconds, 1)}
+    data = {
+        "verdicts": [{"kernel": v.kernel, "ok": v.ok, "detail": v.detail} for v in verdicts],
+        "seconds": round(seconds, 1),
+    }
     if not failed:
-        return Check("Triton kernels", "ok", f"{len(verdicts)} compiled and checked against torch in {seconds:.0f} s",
-                     data=data)
+        return Check(
+            "Triton kernels", "ok", f"{len(verdicts)} compiled and checked against torch in {seconds:.0f} s", data=data
+        )
     value = "; ".join(f"{v.kernel}: {v.detail}" for v in failed)
     blocking = [v.kernel for v in failed if v.kernel in NO_FALLBACK]
     if blocking:
-        return Check("Triton kernels", "fail", value, f"{', '.join(blocking)} must run on Triton to load the model "
-                     "packed: fix the error above", data)
-    return Check("Triton kernels", "warn", value, "the server runs these on torch (slower); fix the error above "
-                 "to get them back", data)
+        return Check(
+            "Triton kernels",
+            "fail",
+            value,
+            f"{', '.join(blocking)} must run on Triton to load the model packed: fix the error above",
+            data,
+        )
+    return Check(
+        "Triton kernels",
+        "warn",
+        value,
+        "the server runs these on torch (slower); fix the error above to get them back",
+        data,
+    )

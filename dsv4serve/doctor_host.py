@@ -28,8 +28,7 @@ def check_python() -> Check:
     version = ".".join(map(str, sys.version_info[:3]))
     data = {"version": version, "executable": sys.executable}
     if sys.version_info[:2] < MIN_PYTHON:
-        return Check("python", "fail", f"{version} ({sys.executable})",
-                     "dsv4serve needs Python 3.10 or newer", data)
+        return Check("python", "fail", f"{version} ({sys.executable})", "dsv4serve needs Python 3.10 or newer", data)
     return Check("python", "ok", f"{version} ({sys.executable})", data=data)
 
 
@@ -40,10 +39,17 @@ def check_platform(proc_version: Path = Path("/proc/version"), root: Path = Path
     margin = gib(PLATFORM_MARGIN_BYTES[platform])
     where = "WSL2" if platform == "wsl2" else "native Linux"
     inside = f", inside {container.runtime} ({container.evidence})" if container else ", not in a container"
-    data = {"platform": platform, "container": container.runtime if container else None,
-            "margin_bytes": PLATFORM_MARGIN_BYTES[platform]}
-    return Check("platform", "ok", f"{where}{inside}; the chunk planner keeps a {margin} {platform} margin of "
-                 "free GPU memory", data=data), platform
+    data = {
+        "platform": platform,
+        "container": container.runtime if container else None,
+        "margin_bytes": PLATFORM_MARGIN_BYTES[platform],
+    }
+    return Check(
+        "platform",
+        "ok",
+        f"{where}{inside}; the chunk planner keeps a {margin} {platform} margin of free GPU memory",
+        data=data,
+    ), platform
 
 
 def check_host_ram(platform: str, largest_gpu_bytes: int, meminfo: Path = PROC_MEMINFO) -> Check:
@@ -56,9 +62,11 @@ def check_host_ram(platform: str, largest_gpu_bytes: int, meminfo: Path = PROC_M
     value = f"{gib(snap.total_bytes)} total, {gib(snap.free_bytes)} available"
     if largest_gpu_bytes >= DSV4_FLASH_CHECKPOINT_BYTES or snap.total_bytes >= DSV4_FLASH_EXPERT_BANK_BYTES:
         return Check("host RAM", "ok", value, data=data)
-    fix = (f"DeepSeek-V4-Flash keeps its {gib(DSV4_FLASH_EXPERT_BANK_BYTES)} expert bank in host RAM on a GPU "
-           "that cannot hold the model; with less RAM, experts page in from disk and decode slows "
-           "(dsv4-tiny is not affected)")
+    fix = (
+        f"DeepSeek-V4-Flash keeps its {gib(DSV4_FLASH_EXPERT_BANK_BYTES)} expert bank in host RAM on a GPU "
+        "that cannot hold the model; with less RAM, experts page in from disk and decode slows "
+        "(dsv4-tiny is not affected)"
+    )
     if platform == "wsl2":
         fix += "; WSL2 gets half of the Windows RAM by default: raise memory= in %UserProfile%\\.wslconfig"
     return Check("host RAM", "warn", value, fix, data)
@@ -81,17 +89,33 @@ def check_hf_cache(hub_cache: Path, platform: str) -> Check:
     base = _existing_ancestor(hub_cache)
     free = shutil.disk_usage(base).free
     cached = (hub_cache / DSV4_FLASH_HUB_FOLDER).is_dir()
-    data = {"path": str(hub_cache), "free_bytes": free, "dsv4_flash_cached": cached,
-            "checkpoint_bytes": DSV4_FLASH_CHECKPOINT_BYTES}
+    data = {
+        "path": str(hub_cache),
+        "free_bytes": free,
+        "dsv4_flash_cached": cached,
+        "checkpoint_bytes": DSV4_FLASH_CHECKPOINT_BYTES,
+    }
     value = f"{hub_cache}: {gib(free)} free" + ("; DeepSeek-V4-Flash is in it" if cached else "")
     if platform == "wsl2" and _on_windows_drive(hub_cache):
-        return Check("HF cache", "warn", value, "the cache is on a Windows drive (/mnt/...): reading the "
-                     "checkpoint through WSL2's file bridge is slow; set HF_HOME to a folder inside the WSL2 "
-                     "file system", data)
+        return Check(
+            "HF cache",
+            "warn",
+            value,
+            "the cache is on a Windows drive (/mnt/...): reading the "
+            "checkpoint through WSL2's file bridge is slow; set HF_HOME to a folder inside the WSL2 "
+            "file system",
+            data,
+        )
     if cached or free >= DSV4_FLASH_CHECKPOINT_BYTES:
         return Check("HF cache", "ok", value, data=data)
-    return Check("HF cache", "warn", value, f"DeepSeek-V4-Flash needs {gib(DSV4_FLASH_CHECKPOINT_BYTES)}: point "
-                 "HF_HOME (or HF_HUB_CACHE) at a larger disk, or download it elsewhere and pass --model DIR", data)
+    return Check(
+        "HF cache",
+        "warn",
+        value,
+        f"DeepSeek-V4-Flash needs {gib(DSV4_FLASH_CHECKPOINT_BYTES)}: point "
+        "HF_HOME (or HF_HUB_CACHE) at a larger disk, or download it elsewhere and pass --model DIR",
+        data,
+    )
 
 
 def check_tiny_cache(cache_dir: Path) -> Check:
@@ -99,8 +123,13 @@ def check_tiny_cache(cache_dir: Path) -> Check:
     base = _existing_ancestor(cache_dir)
     data = {"path": str(cache_dir), "writable": os.access(base, os.W_OK)}
     if not data["writable"]:
-        return Check("dsv4serve cache", "warn", f"{cache_dir}: {base} is not writable",
-                     "set DSV4SERVE_CACHE_DIR to a writable folder (dsv4-tiny is built there)", data)
+        return Check(
+            "dsv4serve cache",
+            "warn",
+            f"{cache_dir}: {base} is not writable",
+            "set DSV4SERVE_CACHE_DIR to a writable folder (dsv4-tiny is built there)",
+            data,
+        )
     return Check("dsv4serve cache", "ok", f"{cache_dir} (dsv4-tiny is built here)", data=data)
 
 

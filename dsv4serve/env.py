@@ -10,9 +10,9 @@ Hugging Face's own variables (HF_HOME, HF_HUB_OFFLINE, HF_TOKEN, ...) are read b
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
 
 PREFIX = "DSV4SERVE_"
 
@@ -27,11 +27,9 @@ def option_env_name(option: str) -> str:
     return PREFIX + option.upper()
 
 
-def read_environment(environ: Mapping[str, str] | None = None,
-                     option_names: tuple[str, ...] = ()) -> Environment:
+def read_environment(environ: Mapping[str, str] | None = None, option_names: tuple[str, ...] = ()) -> Environment:
     env = os.environ if environ is None else environ
-    options = {name: env[option_env_name(name)] for name in option_names
-               if env.get(option_env_name(name), "") != ""}
+    options = {name: env[option_env_name(name)] for name in option_names if env.get(option_env_name(name), "") != ""}
     if env.get(PREFIX + "CACHE_DIR"):
         cache = Path(env[PREFIX + "CACHE_DIR"]).expanduser()
     elif env.get("XDG_CACHE_HOME"):

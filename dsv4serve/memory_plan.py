@@ -45,9 +45,16 @@ from dsv4serve.config import ConfigError, Setting
 from dsv4serve.model.args import ModelArgs
 from dsv4serve.model.schema import TensorSpec
 from dsv4serve.resolve import who
-from dsv4serve.worker.chunk_planner import (GEOMETRY_SAFETY_FACTOR, PLATFORM_MARGIN_BYTES, ChunkPlan,
-                                            MemorySnapshot, PlannerLimits, PrefillGeometry, plan_chunk,
-                                            prefill_geometry)
+from dsv4serve.worker.chunk_planner import (
+    GEOMETRY_SAFETY_FACTOR,
+    PLATFORM_MARGIN_BYTES,
+    ChunkPlan,
+    MemorySnapshot,
+    PlannerLimits,
+    PrefillGeometry,
+    plan_chunk,
+    prefill_geometry,
+)
 
 GIB = 1024**3
 OFFLOAD_CHUNK_TARGET = 4096  # experts offloaded: slots matter for decode; ds4 saw 1K->8K = +24% prefill
@@ -63,6 +70,7 @@ def _g(n: int | float) -> str:
 
 
 # ----------------------------------------------------------------------------------- inputs
+
 
 @dataclass(frozen=True)
 class WeightBytes:
@@ -115,8 +123,11 @@ def kv_geometry(args: ModelArgs, include_mtp: bool = False, entry_bytes: int = 2
         if kind == "csa":
             per_token += Fraction(args.index_head_dim * entry_bytes, r)  # indexer keys
             rings += _carry_bytes(r, args.index_head_dim)
-    terms = (("compressed entries + indexer keys per token", f"{float(per_token):,.1f} B"),
-             ("window per sequence", f"{window:,} B"), ("compressor carry per sequence (fp32)", f"{rings:,} B"))
+    terms = (
+        ("compressed entries + indexer keys per token", f"{float(per_token):,.1f} B"),
+        ("window per sequence", f"{window:,} B"),
+        ("compressor carry per sequence (fp32)", f"{rings:,} B"),
+    )
     return KvGeometry(per_token, window + rings, terms)
 
 
@@ -145,12 +156,19 @@ class PlanSettings:
     max_prefill_length: Setting[int | None]
 
     @classmethod
-    def from_config(cls, cfg: Any) -> "PlanSettings":
-        return cls(cfg.memory_ratio, cfg.num_tokens, cfg.moe_cache_size, cfg.max_num_seqs, cfg.max_model_len,
-                   cfg.max_prefill_length)
+    def from_config(cls, cfg: Any) -> PlanSettings:
+        return cls(
+            cfg.memory_ratio,
+            cfg.num_tokens,
+            cfg.moe_cache_size,
+            cfg.max_num_seqs,
+            cfg.max_model_len,
+            cfg.max_prefill_length,
+        )
 
 
 # ----------------------------------------------------------------------------------- output
+
 
 @dataclass(frozen=True)
 class MemoryPlan:
@@ -174,78 +192,141 @@ class MemoryPlan:
     chunk: ChunkPlan
     decisions: tuple[str, ...]
     warnings: tuple[str, ...]
-    host: "HostSplit | None" = None  # where the expert bank lives in host memory; None: all resident
+    host: HostSplit | None = None  # where the expert bank lives in host memory; None: all resident
 
     @property
     def gpu_used_bytes(self) -> int:
-        return self.resident_weight_bytes + self.expert_slots * self.expert_slot_bytes + self.kv_cache_bytes \
+        return (
+            self.resident_weight_bytes
+            + self.expert_slots * self.expert_slot_bytes
+            + self.kv_cache_bytes
             + self.seq_state_bytes
+        )
 
     def to_json(self) -> dict[str, Any]:
         c = self.chunk
         return {
-            "budget_bytes": self.budget_bytes, "platform_margin_bytes": self.margin_bytes,
-            "resident_weight_bytes": self.resident_weight_bytes, "mtp_resident": self.include_mtp,
-            "experts": {"all_resident": self.experts_resident, "slots": self.expert_slots,
-                        "slot_bytes": self.expert_slot_bytes, "total": self.n_experts,
-                        "gpu_bytes": self.expert_slots * self.expert_slot_bytes,
-                        "host_bytes": self.host_expert_bytes,
-                        "host_memory": dataclasses.asdict(self.host) if self.host else None},
-            "kv": {"tokens": self.kv_tokens, "cache_bytes": self.kv_cache_bytes,
-                   "seq_state_bytes": self.seq_state_bytes, "max_running": self.max_running,
-                   "max_model_len": self.max_model_len},
-            "activations": {"free_bytes": self.activation_free_bytes,
-                            "bytes_per_token_estimate": self.geometry.activation_bytes_per_token,
-                            "bytes_per_token_planned": c.activation_bytes_per_token,
-                            "safety_factor": GEOMETRY_SAFETY_FACTOR, "fixed_bytes": self.geometry.fixed_bytes,
-                            "alignment_tokens": self.geometry.alignment_tokens},
-            "chunk": {"requested": c.requested, "effective": c.effective_tokens, "binding": c.binding,
-                      "safe_tokens": c.safe_tokens, "reason": c.reason, "warning": c.warning},
-            "gpu_used_bytes": self.gpu_used_bytes, "decisions": list(self.decisions),
+            "budget_bytes": self.budget_bytes,
+            "platform_margin_bytes": self.margin_bytes,
+            "resident_weight_bytes": self.resident_weight_bytes,
+            "mtp_resident": self.include_mtp,
+            "experts": {
+                "all_resident": self.experts_resident,
+                "slots": self.expert_slots,
+                "slot_bytes": self.expert_slot_bytes,
+                "total": self.n_experts,
+                "gpu_bytes": self.expert_slots * self.expert_slot_bytes,
+                "host_bytes": self.host_expert_bytes,
+                "host_memory": dataclasses.asdict(self.host) if self.host else None,
+            },
+            "kv": {
+                "tokens": self.kv_tokens,
+                "cache_bytes": self.kv_cache_bytes,
+                "seq_state_bytes": self.seq_state_bytes,
+                "max_running": self.max_running,
+                "max_model_len": self.max_model_len,
+            },
+            "activations": {
+                "free_bytes": self.activation_free_bytes,
+                "bytes_per_token_estimate": self.geometry.activation_bytes_per_token,
+                "bytes_per_token_planned": c.activation_bytes_per_token,
+                "safety_factor": GEOMETRY_SAFETY_FACTOR,
+                "fixed_bytes": self.geometry.fixed_bytes,
+                "alignment_tokens": self.geometry.alignment_tokens,
+            },
+            "chunk": {
+                "requested": c.requested,
+                "effective": c.effective_tokens,
+                "binding": c.binding,
+                "safe_tokens": c.safe_tokens,
+                "reason": c.reason,
+                "warning": c.warning,
+            },
+            "gpu_used_bytes": self.gpu_used_bytes,
+            "decisions": list(self.decisions),
             "warnings": list(self.warnings),
         }
 
 
 # ---------------------------------------------------------------------------------- planning
 
-def plan_memory(args: ModelArgs, weights: WeightBytes, machine: Machine, settings: PlanSettings,
-                include_mtp: bool = False) -> MemoryPlan:
+
+def plan_memory(
+    args: ModelArgs, weights: WeightBytes, machine: Machine, settings: PlanSettings, include_mtp: bool = False
+) -> MemoryPlan:
     s, seqs, model_len = settings, settings.max_num_seqs.value, settings.max_model_len.value
     margin = margin_for(machine)
     budget = int(machine.gpu_bytes * s.memory_ratio.value)
     resident = weights.non_expert_bytes + (weights.mtp_bytes if include_mtp else 0)
-    decisions = [f"budget {_g(budget)} = {_g(machine.gpu_bytes)} x {s.memory_ratio.value} (--memory-ratio, "
-                 f"{s.memory_ratio.source.value}); {_g(margin)} {machine.platform} margin is never planned"]
+    decisions = [
+        f"budget {_g(budget)} = {_g(machine.gpu_bytes)} x {s.memory_ratio.value} (--memory-ratio, "
+        f"{s.memory_ratio.source.value}); {_g(margin)} {machine.platform} margin is never planned"
+    ]
     avail = budget - margin - resident
     if avail <= 0:
-        raise ConfigError(f"{who('memory_ratio', s.memory_ratio)} {s.memory_ratio.value}: a budget of {_g(budget)} "
-                          f"minus the {_g(margin)} {machine.platform} margin cannot hold the {_g(resident)} of "
-                          "non-expert weights that must stay on the GPU; use a larger GPU or memory ratio")
-    decisions.append(f"non-expert weights resident: {_g(resident)}" + ("" if include_mtp else
-                     f" (MTP block, {_g(weights.mtp_bytes)}, not loaded: no speculative decoding in this build)"))
+        raise ConfigError(
+            f"{who('memory_ratio', s.memory_ratio)} {s.memory_ratio.value}: a budget of {_g(budget)} "
+            f"minus the {_g(margin)} {machine.platform} margin cannot hold the {_g(resident)} of "
+            "non-expert weights that must stay on the GPU; use a larger GPU or memory ratio"
+        )
+    decisions.append(
+        f"non-expert weights resident: {_g(resident)}"
+        + (
+            ""
+            if include_mtp
+            else f" (MTP block, {_g(weights.mtp_bytes)}, not loaded: no speculative decoding in this build)"
+        )
+    )
     r = _Reservations.make(args, weights, s, avail, include_mtp)
     cap = s.max_prefill_length
     if cap.source.explicit and cap.value is not None:
-        decisions.append(f"{who('max_prefill_length', cap)} {cap.value}: " + (
-            "activation room for it is reserved before the expert cache" if r.cap else
-            "does not fit beside the minimum expert slots and KV floor; honoured anyway, with a warning "
-            f"(the largest cap the plan can reserve is {r.largest_reservable_chunk(weights.expert_bytes):,})"))
+        decisions.append(
+            f"{who('max_prefill_length', cap)} {cap.value}: "
+            + (
+                "activation room for it is reserved before the expert cache"
+                if r.cap
+                else "does not fit beside the minimum expert slots and KV floor; honoured anyway, with a warning "
+                f"(the largest cap the plan can reserve is {r.largest_reservable_chunk(weights.expert_bytes):,})"
+            )
+        )
     slots, resident_all, kv_target, act_target = _experts(r, weights, s, decisions)
     rest = avail - slots * weights.expert_bytes - r.seq_bytes  # for KV + activations
     kv_tok = _kv_tokens(r, s, rest, kv_target, act_target)
     kvb = kv_bytes(r.kv, kv_tok)
     max_len = model_len if s.max_model_len.source.explicit else min(model_len, kv_tok)
-    decisions.append(f"KV: {kv_tok:,} tokens ({_g(kvb)} at {float(r.kv.bytes_per_token):,.1f} B/token bf16) + "
-                     f"{seqs} sequence states ({_g(r.seq_bytes)}); max_model_len {max_len:,}"
-                     + ("" if max_len == model_len else f" (model limit {model_len:,}, capped by KV capacity)"))
+    decisions.append(
+        f"KV: {kv_tok:,} tokens ({_g(kvb)} at {float(r.kv.bytes_per_token):,.1f} B/token bf16) + "
+        f"{seqs} sequence states ({_g(r.seq_bytes)}); max_model_len {max_len:,}"
+        + ("" if max_len == model_len else f" (model limit {model_len:,}, capped by KV capacity)")
+    )
     free = budget - resident - slots * weights.expert_bytes - kvb - r.seq_bytes
     geometry, chunk = final_chunk(args, machine, s, free, kv_tok, max_len)
     warnings = [chunk.warning] if chunk.warning else []
     host = 0 if resident_all else weights.routed_expert_bytes
     split = host_split(host, machine, decisions, warnings) if host else None
-    return MemoryPlan(machine, budget, margin, resident, include_mtp, resident_all, slots, weights.expert_bytes,
-                      weights.n_experts, host, kv_tok, kvb, r.seq_bytes, seqs, max_len, free, geometry, chunk,
-                      tuple(decisions), tuple(warnings), split)
+    return MemoryPlan(
+        machine,
+        budget,
+        margin,
+        resident,
+        include_mtp,
+        resident_all,
+        slots,
+        weights.expert_bytes,
+        weights.n_experts,
+        host,
+        kv_tok,
+        kvb,
+        r.seq_bytes,
+        seqs,
+        max_len,
+        free,
+        geometry,
+        chunk,
+        tuple(decisions),
+        tuple(warnings),
+        split,
+    )
 
 
 @dataclass(frozen=True)
@@ -262,21 +343,27 @@ class HostSplit:
 def host_split(bank: int, machine: Machine, decisions: list[str], warnings: list[str]) -> HostSplit:
     """Item 5 of the plan: the bank against host RAM minus the margin, and the expected pin budget."""
     if machine.host_bytes is None:
-        decisions.append(f"expert bank {_g(bank)} in host memory (give --host-memory to check it fits; the pin "
-                         "budget is measured at startup)")
+        decisions.append(
+            f"expert bank {_g(bank)} in host memory (give --host-memory to check it fits; the pin "
+            "budget is measured at startup)"
+        )
         return HostSplit(bank, HOST_MARGIN_BYTES, None, None, None)
     room = max(0, machine.host_bytes - HOST_MARGIN_BYTES)
     ram = min(bank, room)
     cap = int(machine.host_bytes * WSL2_PIN_FRACTION) if machine.platform == "wsl2" else room
     pin = min(ram, cap)
-    decisions.append(f"expert bank {_g(bank)} in host memory: {_g(ram)} in RAM ({_g(machine.host_bytes)} minus the "
-                     f"{_g(HOST_MARGIN_BYTES)} margin), about {_g(pin)} of it pinned" +
-                     (" (WSL2 caps pinning near half of RAM, less inside Docker)" if machine.platform == "wsl2"
-                      else "") + "; the real pin budget is measured at startup, pageable staging beyond it")
+    decisions.append(
+        f"expert bank {_g(bank)} in host memory: {_g(ram)} in RAM ({_g(machine.host_bytes)} minus the "
+        f"{_g(HOST_MARGIN_BYTES)} margin), about {_g(pin)} of it pinned"
+        + (" (WSL2 caps pinning near half of RAM, less inside Docker)" if machine.platform == "wsl2" else "")
+        + "; the real pin budget is measured at startup, pageable staging beyond it"
+    )
     if bank > ram:
-        warnings.append(f"the expert bank ({_g(bank)}) is larger than host memory ({_g(machine.host_bytes)}) minus "
-                        f"the {_g(HOST_MARGIN_BYTES)} margin: {_g(bank - ram)} of experts stay in the checkpoint "
-                        "files and page in from disk (mmap) on a miss, and decode slows down")
+        warnings.append(
+            f"the expert bank ({_g(bank)}) is larger than host memory ({_g(machine.host_bytes)}) minus "
+            f"the {_g(HOST_MARGIN_BYTES)} margin: {_g(bank - ram)} of experts stay in the checkpoint "
+            "files and page in from disk (mmap) on a miss, and decode slows down"
+        )
     return HostSplit(bank, HOST_MARGIN_BYTES, ram, bank - ram, pin)
 
 
@@ -295,35 +382,48 @@ class _Reservations:
     avail: int
 
     @classmethod
-    def make(cls, args: ModelArgs, weights: WeightBytes, s: PlanSettings, avail: int,
-             include_mtp: bool = False) -> "_Reservations":
+    def make(
+        cls, args: ModelArgs, weights: WeightBytes, s: PlanSettings, avail: int, include_mtp: bool = False
+    ) -> _Reservations:
         kv = kv_geometry(args, include_mtp)
         model_len = s.max_model_len.value
         geo = prefill_geometry(args, model_len, s.max_num_seqs.value)  # context upper bound: conservative
         if s.num_tokens.source.explicit:
             kv_floor = s.num_tokens.value
             if s.max_model_len.source.explicit and model_len > kv_floor:
-                raise ConfigError(f"{who('max_model_len', s.max_model_len)} {model_len} needs a KV cache of at least "
-                                  f"{model_len} tokens, but {who('num_tokens', s.num_tokens)} {kv_floor} holds "
-                                  "fewer: raise the KV capacity or lower the context limit")
+                raise ConfigError(
+                    f"{who('max_model_len', s.max_model_len)} {model_len} needs a KV cache of at least "
+                    f"{model_len} tokens, but {who('num_tokens', s.num_tokens)} {kv_floor} holds "
+                    "fewer: raise the KV capacity or lower the context limit"
+                )
         else:
             kv_floor = model_len if s.max_model_len.source.explicit else min(model_len, KV_FLOOR_TOKENS)
         cap = s.max_prefill_length.value if s.max_prefill_length.source.explicit else None
         explicit_slots = s.moe_cache_size.value if s.moe_cache_size.source.explicit else None
         min_slots = min(explicit_slots, weights.n_experts) if explicit_slots else args.n_activated_experts
-        r = cls(kv, s.max_num_seqs.value * kv.seq_state_bytes, kv_floor,
-                math.ceil(geo.activation_bytes_per_token * GEOMETRY_SAFETY_FACTOR), geo.fixed_bytes,
-                geo.alignment_tokens, None, min_slots, avail)
+        r = cls(
+            kv,
+            s.max_num_seqs.value * kv.seq_state_bytes,
+            kv_floor,
+            math.ceil(geo.activation_bytes_per_token * GEOMETRY_SAFETY_FACTOR),
+            geo.fixed_bytes,
+            geo.alignment_tokens,
+            None,
+            min_slots,
+            avail,
+        )
         r.check_floors(weights, s, r.unit)
         if cap is None:
             return r
         if r.act(cap) > avail:
             flag = who("max_prefill_length", s.max_prefill_length)
             largest = max(avail - r.fixed, 0) // r.per_token
-            raise ConfigError(f"{flag} {cap}: one {cap}-token prefill chunk needs about {_g(r.act(cap))} of "
-                              f"activations ({r.per_token:,} B/token, estimate x {GEOMETRY_SAFETY_FACTOR}), more "
-                              f"than the {_g(avail)} this GPU has beside the non-expert weights even with no expert "
-                              f"slots and no KV cache; use at most {largest}")
+            raise ConfigError(
+                f"{flag} {cap}: one {cap}-token prefill chunk needs about {_g(r.act(cap))} of "
+                f"activations ({r.per_token:,} B/token, estimate x {GEOMETRY_SAFETY_FACTOR}), more "
+                f"than the {_g(avail)} this GPU has beside the non-expert weights even with no expert "
+                f"slots and no KV cache; use at most {largest}"
+            )
         fits = r.floor_bytes(weights.expert_bytes, cap) <= avail
         return dataclasses.replace(r, cap=cap if fits else None)  # a cap that does not fit is not reserved
 
@@ -335,8 +435,7 @@ class _Reservations:
         return self.act(self.cap if self.cap is not None else self.unit)
 
     def floor_bytes(self, slot_bytes: int, chunk_tokens: int) -> int:
-        return (self.min_slots * slot_bytes + self.seq_bytes + kv_bytes(self.kv, self.kv_floor)
-                + self.act(chunk_tokens))
+        return self.min_slots * slot_bytes + self.seq_bytes + kv_bytes(self.kv, self.kv_floor) + self.act(chunk_tokens)
 
     def largest_reservable_chunk(self, slot_bytes: int) -> int:
         room = self.avail - self.floor_bytes(slot_bytes, 0)
@@ -346,21 +445,26 @@ class _Reservations:
         need = self.floor_bytes(weights.expert_bytes, chunk_tokens)
         if need <= self.avail:
             return
-        parts = [(f"{self.min_slots} expert slots", self.min_slots * weights.expert_bytes, "moe_cache_size"),
-                 (f"KV for {self.kv_floor:,} tokens", kv_bytes(self.kv, self.kv_floor),
-                  "num_tokens" if s.num_tokens.source.explicit else "max_model_len"),
-                 (f"{s.max_num_seqs.value} sequence states", self.seq_bytes, "max_num_seqs"),
-                 (f"one {chunk_tokens}-token prefill chunk", self.act(chunk_tokens), "memory_ratio")]
-        named = [f"{who(f, getattr(s, f))} {getattr(s, f).value}" for _, _, f in parts
-                 if getattr(s, f).source.explicit]
+        parts = [
+            (f"{self.min_slots} expert slots", self.min_slots * weights.expert_bytes, "moe_cache_size"),
+            (
+                f"KV for {self.kv_floor:,} tokens",
+                kv_bytes(self.kv, self.kv_floor),
+                "num_tokens" if s.num_tokens.source.explicit else "max_model_len",
+            ),
+            (f"{s.max_num_seqs.value} sequence states", self.seq_bytes, "max_num_seqs"),
+            (f"one {chunk_tokens}-token prefill chunk", self.act(chunk_tokens), "memory_ratio"),
+        ]
+        named = [f"{who(f, getattr(s, f))} {getattr(s, f).value}" for _, _, f in parts if getattr(s, f).source.explicit]
         raise ConfigError(
             f"{', '.join(named) or 'this GPU'}: after the weights, {_g(self.avail)} is left, but the plan needs "
-            f"{_g(need)}: " + "; ".join(f"{n} {_g(b)}" for n, b, _ in parts)
-            + ". Lower the named values (or use a larger GPU / --memory-ratio)")
+            f"{_g(need)}: "
+            + "; ".join(f"{n} {_g(b)}" for n, b, _ in parts)
+            + ". Lower the named values (or use a larger GPU / --memory-ratio)"
+        )
 
 
-def _experts(r: _Reservations, w: WeightBytes, s: PlanSettings,
-             decisions: list[str]) -> tuple[int, bool, int, int]:
+def _experts(r: _Reservations, w: WeightBytes, s: PlanSettings, decisions: list[str]) -> tuple[int, bool, int, int]:
     """(slots, all resident, KV target tokens, activation target bytes)."""
     model_len, seqs, slot = s.max_model_len.value, s.max_num_seqs.value, w.expert_bytes
     kv_target = r.kv_floor if s.num_tokens.source.explicit else max(r.kv_floor, min(model_len, OFFLOAD_KV_TOKENS))
@@ -369,8 +473,9 @@ def _experts(r: _Reservations, w: WeightBytes, s: PlanSettings,
     all_bytes = w.n_experts * slot
     if s.moe_cache_size.source.explicit:
         slots = min(s.moe_cache_size.value, w.n_experts)
-        decisions.append(f"expert slots: {slots} ({who('moe_cache_size', s.moe_cache_size)}, honoured), "
-                         f"{_g(slots * slot)}")
+        decisions.append(
+            f"expert slots: {slots} ({who('moe_cache_size', s.moe_cache_size)}, honoured), {_g(slots * slot)}"
+        )
         resident = slots == w.n_experts
         return slots, resident, (model_len * seqs if resident else kv_target), (res_target if resident else off_target)
     if all_bytes + r.seq_bytes + kv_bytes(r.kv, r.kv_floor) + off_target <= r.avail:
@@ -383,15 +488,20 @@ def _experts(r: _Reservations, w: WeightBytes, s: PlanSettings,
         return w.n_experts, True, model_len * seqs, act_target
     left = r.avail - r.seq_bytes - kv_bytes(r.kv, kv_target) - off_target
     slots = min(max(left, 0) // slot, w.n_experts - 1)
-    why = (f"after the KV target ({kv_target:,} tokens) and a {r.cap or min(OFFLOAD_CHUNK_TARGET, model_len)}-token "
-           "chunk")
+    why = (
+        f"after the KV target ({kv_target:,} tokens) and a {r.cap or min(OFFLOAD_CHUNK_TARGET, model_len)}-token chunk"
+    )
     if slots < r.min_slots:
         slots, kv_target, off_target = r.min_slots, r.kv_floor, r.act_floor
-        why = (f"the minimum ({r.min_slots}, one token's experts of one layer): the KV and chunk targets shrank to "
-               f"their floors ({r.kv_floor:,} tokens, {r.cap or r.unit}-token chunk)")
-    decisions.append(f"routed experts: {_g(all_bytes)} do not fit; GPU expert-slot cache of {slots} slots x "
-                     f"{slot / 2**20:.2f} MiB = {_g(slots * slot)} ({100 * slots / w.n_experts:.1f}% of "
-                     f"{w.n_experts}), {why}; the expert bank stays in host memory")
+        why = (
+            f"the minimum ({r.min_slots}, one token's experts of one layer): the KV and chunk targets shrank to "
+            f"their floors ({r.kv_floor:,} tokens, {r.cap or r.unit}-token chunk)"
+        )
+    decisions.append(
+        f"routed experts: {_g(all_bytes)} do not fit; GPU expert-slot cache of {slots} slots x "
+        f"{slot / 2**20:.2f} MiB = {_g(slots * slot)} ({100 * slots / w.n_experts:.1f}% of "
+        f"{w.n_experts}), {why}; the expert bank stays in host memory"
+    )
     return slots, False, kv_target, off_target
 
 
@@ -404,8 +514,9 @@ def _kv_tokens(r: _Reservations, s: PlanSettings, rest: int, kv_target: int, act
     return max(aligned, r.kv_floor)
 
 
-def final_chunk(args: ModelArgs, machine: Machine, settings: PlanSettings, free_bytes: int, kv_tokens: int,
-                max_model_len: int) -> tuple[PrefillGeometry, ChunkPlan]:
+def final_chunk(
+    args: ModelArgs, machine: Machine, settings: PlanSettings, free_bytes: int, kv_tokens: int, max_model_len: int
+) -> tuple[PrefillGeometry, ChunkPlan]:
     geometry = prefill_geometry(args, max_model_len, settings.max_num_seqs.value)
     snapshot = MemorySnapshot(free_bytes, machine.gpu_bytes, machine.platform, None, "planned")  # type: ignore
     limits = PlannerLimits(settings.max_prefill_length, kv_tokens, max_model_len)
@@ -414,5 +525,3 @@ def final_chunk(args: ModelArgs, machine: Machine, settings: PlanSettings, free_
 
 def margin_for(machine: Machine) -> int:
     return PLATFORM_MARGIN_BYTES[machine.platform]
-
-

@@ -18,8 +18,13 @@ from dsv4serve.tiny.spec import TINY_NAME
 
 ALIASES = {"DeepSeek-V4-Flash": "deepseek-ai/DeepSeek-V4-Flash"}
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-CONFIG_PATTERNS = ["config.json", "inference/config.json", "generation_config.json", "tokenizer.json",
-                   "tokenizer_config.json"]
+CONFIG_PATTERNS = [
+    "config.json",
+    "inference/config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+]
 WEIGHT_PATTERNS = CONFIG_PATTERNS + ["model.safetensors.index.json", "*.safetensors"]
 Origin = Literal["local", "builtin", "hub"]
 
@@ -45,8 +50,10 @@ def locate_model(spec: str, cache_dir: Path, config_only: bool = False) -> Model
         return ModelLocation(local.resolve().name, local.resolve(), "local")
     repo_id = ALIASES.get(spec, spec)
     if not REPO_ID.match(repo_id) or spec.startswith((".", "/", "~")):
-        raise ModelSourceError(f"--model {spec}: not a folder, not a Hugging Face repo id (owner/name), and not "
-                               f"one of {', '.join([TINY_NAME, *ALIASES])}")
+        raise ModelSourceError(
+            f"--model {spec}: not a folder, not a Hugging Face repo id (owner/name), and not "
+            f"one of {', '.join([TINY_NAME, *ALIASES])}"
+        )
     path = _download(repo_id, CONFIG_PATTERNS if config_only else WEIGHT_PATTERNS)
     return ModelLocation(spec.split("/")[-1], path, "hub", repo_id)
 
@@ -58,11 +65,14 @@ def _download(repo_id: str, patterns: list[str]) -> Path:
     try:
         return Path(huggingface_hub.snapshot_download(repo_id, allow_patterns=patterns))
     except (errors.RepositoryNotFoundError, errors.GatedRepoError) as exc:
-        raise ModelSourceError(f"--model {repo_id}: the Hugging Face Hub refused it ({type(exc).__name__}); "
-                               "check the repo id, and HF_TOKEN for a gated repo") from exc
+        raise ModelSourceError(
+            f"--model {repo_id}: the Hugging Face Hub refused it ({type(exc).__name__}); "
+            "check the repo id, and HF_TOKEN for a gated repo"
+        ) from exc
     except (errors.LocalEntryNotFoundError, errors.OfflineModeIsEnabled, errors.HfHubHTTPError, OSError) as exc:
         raise ModelSourceError(
             f"--model {repo_id}: could not download it from the Hugging Face Hub and it is not in the local HF "
             f"cache ({type(exc).__name__}: {exc}). Without network access here: download it on a machine with "
             f"access (`hf download {repo_id} --local-dir DIR`), copy DIR to this machine, and pass "
-            "--model DIR") from exc
+            "--model DIR"
+        ) from exc

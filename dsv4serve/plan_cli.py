@@ -19,8 +19,12 @@ def add_plan_options(parser: argparse.ArgumentParser) -> None:
     size = _size_type()
     parser.add_argument("--gpu-memory", type=size, metavar="SIZE", help="plan for a GPU of this size (e.g. 32GiB)")
     parser.add_argument("--host-memory", type=size, metavar="SIZE", help="plan for this much host RAM (e.g. 128GiB)")
-    parser.add_argument("--platform", choices=("native", "wsl2"), default="native",
-                        help="wsl2 keeps a larger memory margin and a lower pinned-memory budget")
+    parser.add_argument(
+        "--platform",
+        choices=("native", "wsl2"),
+        default="native",
+        help="wsl2 keeps a larger memory margin and a lower pinned-memory budget",
+    )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -30,6 +34,7 @@ def _size_type():
             return parse_bytes(text)
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from exc
+
     convert.__name__ = "size"
     return convert
 
@@ -57,10 +62,14 @@ def build_plan(ns: argparse.Namespace, env: Environment) -> dict[str, Any]:
         c = memory.chunk
         prefill.update(effective=c.effective_tokens, binding=c.binding, reason=c.reason, warning=c.warning)
     return {
-        "model": {"name": location.name, "path": str(location.path), "layers": args.n_layers,
-                  "mtp_layers": args.n_mtp_layers, "layer_kinds": list(args.layer_kinds)},
-        "machine": {"gpu_memory_bytes": ns.gpu_memory, "host_memory_bytes": ns.host_memory,
-                    "platform": ns.platform},
+        "model": {
+            "name": location.name,
+            "path": str(location.path),
+            "layers": args.n_layers,
+            "mtp_layers": args.n_mtp_layers,
+            "layer_kinds": list(args.layer_kinds),
+        },
+        "machine": {"gpu_memory_bytes": ns.gpu_memory, "host_memory_bytes": ns.host_memory, "platform": ns.platform},
         "weights": {"total_bytes": sum(weights.values()), "by_kind_bytes": weights},
         "prefill_chunk": prefill,
         "memory_plan": memory.to_json() if memory is not None else None,
@@ -89,8 +98,10 @@ def run_plan(ns: argparse.Namespace, env: Environment) -> int:
     else:
         c = plan["prefill_chunk"]
         print(f"\nprefill chunk: {c['requested'] if c['requested'] else 'auto'} ({c['source']}): {c['note']}")
-        print("memory plan: give --gpu-memory SIZE (and --platform) to plan for a GPU; `serve` measures the "
-              "free memory after start-up")
+        print(
+            "memory plan: give --gpu-memory SIZE (and --platform) to plan for a GPU; `serve` measures the "
+            "free memory after start-up"
+        )
     return 0
 
 
@@ -110,28 +121,42 @@ def _memory_plan(ns: argparse.Namespace, cfg: Any, args: ModelArgs, specs: list[
 def format_memory_plan(p) -> str:
     """The plan as a person reads it: what stays on the GPU, slots, KV, and the chunk with its binding."""
     e = p.expert_slots * p.expert_slot_bytes
-    rows = [("non-expert weights", p.resident_weight_bytes),
-            ("routed experts (all)" if p.experts_resident else f"expert slots ({p.expert_slots})", e),
-            (f"KV cache ({p.kv_tokens:,} tokens)", p.kv_cache_bytes),
-            (f"sequence states ({p.max_running})", p.seq_state_bytes),
-            ("free for prefill activations", p.activation_free_bytes)]
-    table = format_table([{"gpu": n, "size": gib(b)} for n, b in rows]
-                         + [{"gpu": f"budget ({p.machine.platform} margin {gib(p.margin_bytes)} inside free)",
-                             "size": gib(p.budget_bytes)}], ("gpu", "size"))
+    rows = [
+        ("non-expert weights", p.resident_weight_bytes),
+        ("routed experts (all)" if p.experts_resident else f"expert slots ({p.expert_slots})", e),
+        (f"KV cache ({p.kv_tokens:,} tokens)", p.kv_cache_bytes),
+        (f"sequence states ({p.max_running})", p.seq_state_bytes),
+        ("free for prefill activations", p.activation_free_bytes),
+    ]
+    table = format_table(
+        [{"gpu": n, "size": gib(b)} for n, b in rows]
+        + [
+            {
+                "gpu": f"budget ({p.machine.platform} margin {gib(p.margin_bytes)} inside free)",
+                "size": gib(p.budget_bytes),
+            }
+        ],
+        ("gpu", "size"),
+    )
     c, g = p.chunk, p.geometry
     lines = ["memory plan (" + gib(p.machine.gpu_bytes) + f" GPU, {p.machine.platform})", table, ""]
     lines += [f"- {d}" for d in p.decisions]
-    lines += ["", f"max running requests {p.max_running}, max_model_len {p.max_model_len:,}",
-              f"prefill chunk: requested {c.requested if c.requested is not None else 'auto'}, effective "
-              f"{c.effective_tokens:,} tokens, bound by {c.binding}: {c.reason}",
-              f"  activations: {g.activation_bytes_per_token:,} B/token estimated (peak layer), "
-              f"{c.activation_bytes_per_token:,} B/token planned, {gib(g.fixed_bytes)} fixed, "
-              f"aligned to {c.alignment_tokens} tokens; memory bound {c.safe_tokens:,} tokens"]
+    lines += [
+        "",
+        f"max running requests {p.max_running}, max_model_len {p.max_model_len:,}",
+        f"prefill chunk: requested {c.requested if c.requested is not None else 'auto'}, effective "
+        f"{c.effective_tokens:,} tokens, bound by {c.binding}: {c.reason}",
+        f"  activations: {g.activation_bytes_per_token:,} B/token estimated (peak layer), "
+        f"{c.activation_bytes_per_token:,} B/token planned, {gib(g.fixed_bytes)} fixed, "
+        f"aligned to {c.alignment_tokens} tokens; memory bound {c.safe_tokens:,} tokens",
+    ]
     h = p.host
     if h is not None and h.ram_bytes is not None:
-        lines.append(f"host memory: expert bank {gib(h.bank_bytes)} (host RAM {gib(p.machine.host_bytes)}, margin "
-                     f"{gib(h.margin_bytes)}): {gib(h.ram_bytes)} in RAM, {gib(h.disk_bytes)} on disk (mmap); "
-                     f"pin budget about {gib(h.pin_estimate_bytes)} (measured at startup)")
+        lines.append(
+            f"host memory: expert bank {gib(h.bank_bytes)} (host RAM {gib(p.machine.host_bytes)}, margin "
+            f"{gib(h.margin_bytes)}): {gib(h.ram_bytes)} in RAM, {gib(h.disk_bytes)} on disk (mmap); "
+            f"pin budget about {gib(h.pin_estimate_bytes)} (measured at startup)"
+        )
     elif h is not None:
         lines.append(f"host memory: expert bank {gib(h.bank_bytes)} (host RAM unknown: give --host-memory)")
     lines += [f"WARNING: {w}" for w in p.warnings]

@@ -12,8 +12,15 @@ def settings_rows(cfg: ServeConfig) -> list[dict[str, Any]]:
     rows = []
     for name, opt in options().items():
         setting = getattr(cfg, name)
-        rows.append({"setting": name, "flag": opt.flag(name), "value": display(name, setting),
-                     "source": setting.source.value, "note": setting.note})
+        rows.append(
+            {
+                "setting": name,
+                "flag": opt.flag(name),
+                "value": display(name, setting),
+                "source": setting.source.value,
+                "note": setting.note,
+            }
+        )
     return rows
 
 

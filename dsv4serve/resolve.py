@@ -8,8 +8,9 @@ limit and the reason. This is what makes the seed bug (a server silently overwri
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from dsv4serve.config import ConfigError, ServeConfig, Setting, Source, options
 from dsv4serve.env import Environment, option_env_name
@@ -60,8 +61,9 @@ def user_values(cli: Mapping[str, Any], env: Environment) -> dict[str, Setting[A
 def resolve(cli: Mapping[str, Any], env: Environment, model: ModelFacts, machine: MachineFacts) -> ServeConfig:
     values = user_values(cli, env)
     if not values["model"].value:
-        raise ConfigError("--model is required: a model folder, a Hugging Face repo id, DeepSeek-V4-Flash, "
-                          "or dsv4-tiny")
+        raise ConfigError(
+            "--model is required: a model folder, a Hugging Face repo id, DeepSeek-V4-Flash, or dsv4-tiny"
+        )
     for rule in (_served_model_name, _device, _max_model_len, _max_prefill_length):
         name, setting = rule(values, model, machine)
         values[name] = setting
@@ -81,8 +83,10 @@ def _served_model_name(v: dict[str, Setting[Any]], model: ModelFacts, _: Machine
 def _device(v: dict[str, Setting[Any]], _: ModelFacts, machine: MachineFacts) -> Rule:
     s = v["device"]
     if s.value == "cuda" and not machine.cuda_available:
-        raise ConfigError(f"{who('device', s)} cuda: no CUDA device is visible to torch "
-                          "(torch.cuda.is_available() is False); run `dsv4serve doctor`, or use --device cpu")
+        raise ConfigError(
+            f"{who('device', s)} cuda: no CUDA device is visible to torch "
+            "(torch.cuda.is_available() is False); run `dsv4serve doctor`, or use --device cpu"
+        )
     if s.value != "auto":
         return "device", s
     if machine.cuda_available:
@@ -95,12 +99,15 @@ def _max_model_len(v: dict[str, Setting[Any]], model: ModelFacts, _: MachineFact
     s, limit = v["max_model_len"], model.max_position_embeddings
     if s.source.explicit:
         if s.value > limit:
-            raise ConfigError(f"{who('max_model_len', s)} {s.value} exceeds the model's context limit of "
-                              f"{limit} tokens (max_position_embeddings in config.json): positions beyond it "
-                              "were never trained")
+            raise ConfigError(
+                f"{who('max_model_len', s)} {s.value} exceeds the model's context limit of "
+                f"{limit} tokens (max_position_embeddings in config.json): positions beyond it "
+                "were never trained"
+            )
         return "max_model_len", Setting(s.value, s.source, "honoured; the KV plan must hold it or startup stops")
-    return "max_model_len", Setting(limit, Source.MODEL_RULE,
-                                    "max_position_embeddings in config.json; capped by KV capacity once planned")
+    return "max_model_len", Setting(
+        limit, Source.MODEL_RULE, "max_position_embeddings in config.json; capped by KV capacity once planned"
+    )
 
 
 def _max_prefill_length(v: dict[str, Setting[Any]], _: ModelFacts, __: MachineFacts) -> Rule:

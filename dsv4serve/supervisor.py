@@ -9,18 +9,28 @@ worker is started after a backoff that grows while the worker keeps dying soon a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import multiprocessing as mp
 import threading
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import AsyncIterator
 
 import msgspec
 
 from dsv4serve.ipc.channel import ApiChannel, new_endpoints
-from dsv4serve.ipc.messages import (AbortRequest, AddRequest, Ready, RequestOutput, Rejected,
-                                    Shutdown, Stats, WorkerFailed, WorkerLaunch)
+from dsv4serve.ipc.messages import (
+    AbortRequest,
+    AddRequest,
+    Ready,
+    Rejected,
+    RequestOutput,
+    Shutdown,
+    Stats,
+    WorkerFailed,
+    WorkerLaunch,
+)
 from dsv4serve.worker.main import worker_main
 from dsv4serve.worker.sampling_params import SamplingParams
 
@@ -83,7 +93,7 @@ class EngineClient:
             await asyncio.wait_for(self._ready_event.wait(), self._ready_timeout_s)
         except asyncio.TimeoutError:
             await self.shutdown()
-            raise EngineUnavailable(f"the worker did not become ready within {self._ready_timeout_s:.0f} s")
+            raise EngineUnavailable(f"the worker did not become ready within {self._ready_timeout_s:.0f} s") from None
         if self._current is None or self._current.ready is None:
             failure = self.last_failure or "unknown"
             await self.shutdown()
@@ -101,10 +111,10 @@ class EngineClient:
     def _spawn(self) -> None:
         endpoints, folder = new_endpoints()
         channel = ApiChannel(endpoints, folder)
-        launch = msgspec.structs.replace(self._launch, to_worker=endpoints.to_worker,
-                                         from_worker=endpoints.from_worker)
-        proc = mp.get_context("spawn").Process(target=worker_main, args=(msgspec.msgpack.encode(launch),),
-                                               name="dsv4serve-worker", daemon=True)
+        launch = msgspec.structs.replace(self._launch, to_worker=endpoints.to_worker, from_worker=endpoints.from_worker)
+        proc = mp.get_context("spawn").Process(
+            target=worker_main, args=(msgspec.msgpack.encode(launch),), name="dsv4serve-worker", daemon=True
+        )
         proc.start()
         inc = _Incarnation(proc, channel, time.monotonic())
         self._current = inc
@@ -135,8 +145,13 @@ class EngineClient:
         if isinstance(msg, Ready):
             inc.ready = msg
             self._ever_ready = True
-            log.info("worker ready (pid %s): KV %d tokens, chunk %d tokens (%s)", inc.process.pid,
-                     msg.kv_capacity_tokens, msg.chunk.effective_tokens, msg.chunk.binding)
+            log.info(
+                "worker ready (pid %s): KV %d tokens, chunk %d tokens (%s)",
+                inc.process.pid,
+                msg.kv_capacity_tokens,
+                msg.chunk.effective_tokens,
+                msg.chunk.binding,
+            )
             if self._ready_event:
                 self._ready_event.set()
         elif isinstance(msg, Stats):
@@ -170,8 +185,12 @@ class EngineClient:
         self._failures_in_a_row = 0 if (was_ready and lived > STABLE_AFTER_S) else self._failures_in_a_row + 1
         delay = BACKOFF_S[min(self._failures_in_a_row, len(BACKOFF_S) - 1)]
         if self._failures_in_a_row >= 3:
-            log.error("the worker keeps dying (%d times in a row, last: %s); next start in %.1f s",
-                      self._failures_in_a_row, self.last_failure or f"exit code {code}", delay)
+            log.error(
+                "the worker keeps dying (%d times in a row, last: %s); next start in %.1f s",
+                self._failures_in_a_row,
+                self.last_failure or f"exit code {code}",
+                delay,
+            )
         else:
             log.error("the worker died (exit code %s); restarting in %.1f s", code, delay)
         assert self._loop is not None
@@ -189,10 +208,8 @@ class EngineClient:
         if inc is None:
             return
         if inc.process.is_alive():
-            try:
+            with contextlib.suppress(Exception):  # the channel may be gone with the worker
                 inc.channel.send(Shutdown())
-            except Exception:  # the channel may be gone with the worker
-                pass
             await asyncio.to_thread(inc.process.join, 5.0)
             if inc.process.is_alive():
                 inc.process.kill()
@@ -202,8 +219,9 @@ class EngineClient:
         inc.channel.close()
 
     # ------------------------------------------------------------------ requests
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       sampling: SamplingParams) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; closing the iterator early aborts the request."""
         inc = self._current
         if inc is None or inc.ready is None or self._closing:

@@ -33,6 +33,8 @@ def tiny_dir(tiny_cache: Path) -> Path:
 @pytest.fixture(scope="session")
 def real_model_dir() -> Path:
     if not (REAL_MODEL / "config.json").is_file():
-        pytest.fail(f"{REAL_MODEL} is missing: the real DeepSeek-V4-Flash config and tensor list live in "
-                    "../shared/data beside the repository")
+        pytest.fail(
+            f"{REAL_MODEL} is missing: the real DeepSeek-V4-Flash config and tensor list live in "
+            "../shared/data beside the repository"
+        )
     return REAL_MODEL

@@ -9,9 +9,9 @@ with the stated tolerance, times `run` (and `baseline` when there is one) with C
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 

@@ -27,7 +27,8 @@ def _case(name: str, n_windows: int, slots: int, d: int, device: torch.device, s
         name=name,
         run=lambda: compressor_pool(kv, score),
         reference=lambda: compressor_pool_ref(kv, score),
-        atol=1e-4, rtol=1e-4,
+        atol=1e-4,
+        rtol=1e-4,
         bytes_moved=(2 * slots + 1) * n_windows * d * 4,
         baseline=lambda: (kv * score.softmax(dim=1)).sum(dim=1),  # the model's expression in fp32
         baseline_name="torch softmax + sum",
@@ -36,15 +37,21 @@ def _case(name: str, n_windows: int, slots: int, d: int, device: torch.device, s
 
 def cases(device: torch.device) -> list[GpuCase]:
     out = []
-    for label, slots, d, prefill_windows in (("csa d=512", 8, 512, 2048), ("csa indexer d=128", 8, 128, 2048),
-                                             ("hca d=512", 128, 512, 64)):
+    for label, slots, d, prefill_windows in (
+        ("csa d=512", 8, 512, 2048),
+        ("csa indexer d=128", 8, 128, 2048),
+        ("hca d=512", 128, 512, 64),
+    ):
         out.append(_case(f"compressor_pool {label} decode b=32", 32, slots, d, device, seed=slots + d))
-        out.append(_case(f"compressor_pool {label} prefill 8192 tokens", prefill_windows, slots, d, device,
-                         seed=slots * d))
+        out.append(
+            _case(f"compressor_pool {label} prefill 8192 tokens", prefill_windows, slots, d, device, seed=slots * d)
+        )
     return out
 
 
 def smoke_cases(device: torch.device) -> list[GpuCase]:
     """Tiny shapes for the CPU interpreter: a few windows of each kind at small widths."""
-    return [_case("compressor_pool tiny csa", 3, 8, 64, device, seed=1),
-            _case("compressor_pool tiny hca", 2, 128, 32, device, seed=2)]
+    return [
+        _case("compressor_pool tiny csa", 3, 8, 64, device, seed=1),
+        _case("compressor_pool tiny hca", 2, 128, 32, device, seed=2),
+    ]

@@ -44,8 +44,13 @@ def decode_name(context_tokens: int) -> str:
 def bench_args(real):
     """The real ModelArgs cut to one CSA and one HCA layer (MTP entries kept as they are)."""
     extra = slice(real.n_layers, None)
-    return replace(real, n_layers=N_LAYERS, n_hash_layers=0, compress_ratios=(4, 128) + real.compress_ratios[extra],
-                   layer_kinds=("csa", "hca") + real.layer_kinds[extra])
+    return replace(
+        real,
+        n_layers=N_LAYERS,
+        n_hash_layers=0,
+        compress_ratios=(4, 128) + real.compress_ratios[extra],
+        layer_kinds=("csa", "hca") + real.layer_kinds[extra],
+    )
 
 
 def _active(real, size) -> int:
@@ -98,10 +103,25 @@ def build(device: torch.device, args, prompt_tokens: int) -> list[GpuCase]:
     active = decode_bytes_per_token(args)
     flops_per_token = 2 * active_params(args)  # one multiply-add per parameter used (attention scores aside)
     return [
-        GpuCase(f"{prefill_name(prompt_tokens)} [{label}]", lambda: prefill(prompt), lambda: prefill(prompt[:half], prompt[half:]),
-                atol=0.05, rtol=0.02, bytes_moved=active, flops=flops_per_token * prompt_tokens, bound="compute"),
-        GpuCase(f"{decode_name(prompt_tokens)} [{label}]", decode, lambda: prefill(ids), atol=0.05, rtol=0.02, bytes_moved=active,
-                bound="memory"),
+        GpuCase(
+            f"{prefill_name(prompt_tokens)} [{label}]",
+            lambda: prefill(prompt),
+            lambda: prefill(prompt[:half], prompt[half:]),
+            atol=0.05,
+            rtol=0.02,
+            bytes_moved=active,
+            flops=flops_per_token * prompt_tokens,
+            bound="compute",
+        ),
+        GpuCase(
+            f"{decode_name(prompt_tokens)} [{label}]",
+            decode,
+            lambda: prefill(ids),
+            atol=0.05,
+            rtol=0.02,
+            bytes_moved=active,
+            bound="memory",
+        ),
     ]
 
 
@@ -127,16 +147,22 @@ def notes(times_ms: dict[str, float], ceilings: dict[str, float]) -> list[str]:
 
     bound_bytes = decode_bytes_per_token(read_model_args(real_config_dir()))
     bound_tps = ceilings["copy_GBps"] * 1e9 / bound_bytes
-    lines = [f"end_to_end: bandwidth bound at batch 1 = {bound_bytes / 1e9:.1f} GB per token / "
-             f"{ceilings['copy_GBps']:.0f} GB/s = {bound_tps:.0f} tokens/s"]
+    lines = [
+        f"end_to_end: bandwidth bound at batch 1 = {bound_bytes / 1e9:.1f} GB per token / "
+        f"{ceilings['copy_GBps']:.0f} GB/s = {bound_tps:.0f} tokens/s"
+    ]
     for name, ms in times_ms.items():
         if name.startswith("e2e decode"):
             step_ms = ms * REAL_LAYERS / N_LAYERS
-            lines.append(f"end_to_end: decode {ms / N_LAYERS:.2f} ms per layer (head included: upper bound) -> "
-                         f"{REAL_LAYERS} layers {step_ms:.1f} ms = {1e3 / step_ms:.1f} tokens/s, "
-                         f"{100 * (1e3 / step_ms) / bound_tps:.1f}% of the bound")
+            lines.append(
+                f"end_to_end: decode {ms / N_LAYERS:.2f} ms per layer (head included: upper bound) -> "
+                f"{REAL_LAYERS} layers {step_ms:.1f} ms = {1e3 / step_ms:.1f} tokens/s, "
+                f"{100 * (1e3 / step_ms) / bound_tps:.1f}% of the bound"
+            )
         elif name.startswith("e2e prefill"):
             tokens = int(name.split()[2])  # prefill_name's token count
-            lines.append(f"end_to_end: prefill {tokens * 1e3 / ms:.0f} tokens/s with {N_LAYERS} layers -> "
-                         f"~{tokens * 1e3 / (ms / N_LAYERS * REAL_LAYERS):.0f} tokens/s projected to {REAL_LAYERS} layers")
+            lines.append(
+                f"end_to_end: prefill {tokens * 1e3 / ms:.0f} tokens/s with {N_LAYERS} layers -> "
+                f"~{tokens * 1e3 / (ms / N_LAYERS * REAL_LAYERS):.0f} tokens/s projected to {REAL_LAYERS} layers"
+            )
     return lines

@@ -42,16 +42,24 @@ def real_dims() -> MoeDims:
     return MoeDims(a.dim, a.moe_inter_dim, a.n_routed_experts, a.n_activated_experts, a.swiglu_limit)
 
 
-def random_fp4(e: int, n: int, k: int, scale_byte: int, device: torch.device,
-               gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def random_fp4(
+    e: int, n: int, k: int, scale_byte: int, device: torch.device, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed e2m1 uint8 [E, N, K/2], e8m0 [E, N, K/32]); every code equally likely, scale 2^(byte-127)."""
     packed = torch.randint(0, 256, (e, n, k // 2), device=device, generator=gen, dtype=torch.uint8)
     scale = torch.full((e, n, k // FP4_BLOCK), scale_byte, device=device, dtype=torch.uint8)
     return packed, scale.view(torch.float8_e8m0fnu)
 
 
-def torch_moe(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-              ids: torch.Tensor, limit: float) -> torch.Tensor:
+def torch_moe(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    limit: float,
+) -> torch.Tensor:
     """The baseline: x [T, D] bf16, dequantized bf16 W1/W3 [E, I, D], W2 [E, D, I] -> fp32 [T, D]."""
     t, k = ids.shape
     out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
@@ -62,7 +70,7 @@ def torch_moe(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Ten
     for e, n in enumerate(counts):
         if n == 0:
             continue
-        slots = order[start:start + n]
+        slots = order[start : start + n]
         start += n
         tok = slots // k
         xe = x[tok]
@@ -74,7 +82,7 @@ def torch_moe(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Ten
 
 
 def _dequant_all(packed: torch.Tensor, scale: torch.Tensor, device: torch.device) -> torch.Tensor:
-    from dsv4serve.model.quant import dequant_fp4
+    from dsv4_kernels.formats import dequant_fp4
 
     with torch.device(device):
         return torch.stack([dequant_fp4(packed[e], scale[e], dtype=torch.bfloat16) for e in range(packed.shape[0])])
@@ -99,16 +107,25 @@ def build(device: torch.device, d: MoeDims, tokens: tuple[int, ...]) -> list[Gpu
     out = []
     for t in tokens:
         x = (2 * torch.randn(t, d.dim, device=device, generator=gen)).to(torch.bfloat16)
-        ids = torch.rand(t, d.experts, device=device, generator=gen).argsort(dim=1)[:, :d.topk].contiguous()
+        ids = torch.rand(t, d.experts, device=device, generator=gen).argsort(dim=1)[:, : d.topk].contiguous()
         weights = 2.5 * torch.rand(t, d.topk, device=device, generator=gen)
         args = (x, w1, s1, w3, s3, w2, s2, weights, ids, d.limit)
         used = int(ids.unique().numel())
         nbytes = used * expert_bytes + 2 * t * d.dim + 4 * t * d.dim  # weights read, bf16 x in, fp32 out
-        out.append(GpuCase(
-            f"fp4_moe E={d.experts} top{d.topk} {d.dim}->{d.inter} T={t}", partial(fp4_moe, *args),
-            partial(_reference, device, *args), atol=0.1, rtol=2.0 ** -6, bytes_moved=nbytes,
-            flops=6 * t * d.topk * d.dim * d.inter, bound="memory" if t <= 16 else "compute",
-            baseline=partial(torch_moe, x, *dq, weights, ids, d.limit), baseline_name="torch bf16 loop"))
+        out.append(
+            GpuCase(
+                f"fp4_moe E={d.experts} top{d.topk} {d.dim}->{d.inter} T={t}",
+                partial(fp4_moe, *args),
+                partial(_reference, device, *args),
+                atol=0.1,
+                rtol=2.0**-6,
+                bytes_moved=nbytes,
+                flops=6 * t * d.topk * d.dim * d.inter,
+                bound="memory" if t <= 16 else "compute",
+                baseline=partial(torch_moe, x, *dq, weights, ids, d.limit),
+                baseline_name="torch bf16 loop",
+            )
+        )
     return out
 
 

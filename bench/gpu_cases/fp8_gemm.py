@@ -48,9 +48,9 @@ def flashinfer_linear():
 
 
 def build(device: torch.device, shapes: list[tuple[str, int, int]], ms: tuple[int, ...]) -> list[GpuCase]:
+    from dsv4_kernels.formats import dequant_fp8_block, e8m0_to_float
     from dsv4_kernels.fp8_gemm import fp8_linear
     from dsv4_kernels.fp8_gemm_ref import fp8_linear_ref
-    from dsv4serve.model.quant import dequant_fp8_block, e8m0_to_float
 
     gen = torch.Generator(device=device).manual_seed(0)
     fi = flashinfer_linear()
@@ -64,15 +64,29 @@ def build(device: torch.device, shapes: list[tuple[str, int, int]], ms: tuple[in
             x = torch.randn(m, k, device=device, generator=gen).to(torch.bfloat16)
             # bytes: weight + its scales, bf16 activations in, bf16 out
             nbytes = n * k + s.numel() + 2 * m * k + 2 * m * n
-            common = dict(reference=partial(_on_device, device, fp8_linear_ref, x, w, s), atol=1e-3, rtol=2.0 ** -7,
-                          bytes_moved=nbytes, flops=2 * m * n * k, bound="memory" if m <= 16 else "compute")
+            common = dict(
+                reference=partial(_on_device, device, fp8_linear_ref, x, w, s),
+                atol=1e-3,
+                rtol=2.0**-7,
+                bytes_moved=nbytes,
+                flops=2 * m * n * k,
+                bound="memory" if m <= 16 else "compute",
+            )
             run = partial(fp8_linear, x, w, s)
             name = f"fp8_gemm {label} {n}x{k} m={m}"
-            out.append(GpuCase(name, run, baseline=partial(torch.matmul, x, w_bf16.t()),
-                               baseline_name="torch bf16", **common))
+            out.append(
+                GpuCase(name, run, baseline=partial(torch.matmul, x, w_bf16.t()), baseline_name="torch bf16", **common)
+            )
             if fi is not None and device.type == "cuda":
-                out.append(GpuCase(name + " [vs flashinfer]", run, baseline=partial(fi, x, w, None, s_fp32),
-                                   baseline_name="flashinfer sm90", **common))
+                out.append(
+                    GpuCase(
+                        name + " [vs flashinfer]",
+                        run,
+                        baseline=partial(fi, x, w, None, s_fp32),
+                        baseline_name="flashinfer sm90",
+                        **common,
+                    )
+                )
     return out
 
 

@@ -28,14 +28,27 @@ def build(device: torch.device, vocab: int, dim: int, ms: tuple[int, ...]) -> li
     for m in ms:
         y = torch.randn(m, dim, device=device, generator=gen)
         y_bf16 = y.to(torch.bfloat16)
-        common = dict(reference=partial(lambda y: (y.double() @ w.double().t()).float(), y), atol=1e-4, rtol=1e-4,
-                      bytes_moved=vocab * dim * 2 + m * dim * 4 + m * vocab * 4, flops=2 * m * vocab * dim)
+        common = dict(
+            reference=partial(lambda y: (y.double() @ w.double().t()).float(), y),
+            atol=1e-4,
+            rtol=1e-4,
+            bytes_moved=vocab * dim * 2 + m * dim * 4 + m * vocab * 4,
+            flops=2 * m * vocab * dim,
+        )
         name = f"head_logits {vocab}x{dim} m={m}"
         run = partial(head_logits, y, w)
-        out.append(GpuCase(name, run, baseline=partial(F.linear, y, w_fp32), baseline_name="torch fp32 (fp32 head)",
-                           **common))
-        out.append(GpuCase(name + " [vs bf16]", run, baseline=partial(F.linear, y_bf16, w),
-                           baseline_name="torch bf16 (inexact)", **common))
+        out.append(
+            GpuCase(name, run, baseline=partial(F.linear, y, w_fp32), baseline_name="torch fp32 (fp32 head)", **common)
+        )
+        out.append(
+            GpuCase(
+                name + " [vs bf16]",
+                run,
+                baseline=partial(F.linear, y_bf16, w),
+                baseline_name="torch bf16 (inexact)",
+                **common,
+            )
+        )
     return out
 
 

@@ -23,7 +23,6 @@ import torch
 from bench.gpu_cases import GpuCase, real_config_dir
 
 
-
 @dataclass(frozen=True)
 class Dims:
     heads: int
@@ -42,15 +41,16 @@ def real_dims() -> Dims:
     return Dims(a.n_heads, a.head_dim, a.window_size, ratios[0], a.index_topk, ratios[-1])
 
 
-def _pages(rows: list[tuple[int, int]], ratio: int, per_page: int, dims: Dims, device: torch.device,
-           gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def _pages(
+    rows: list[tuple[int, int]], ratio: int, per_page: int, dims: Dims, device: torch.device, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A shuffled pool holding every entry the step's requests have: comp_kv [pages, E, D], block_table."""
     num_pages = [-(-((sp + n) // ratio) // per_page) for n, sp in rows]
     comp = torch.randn(sum(num_pages), per_page, dims.head_dim, device=device, generator=gen).to(torch.bfloat16)
     order = torch.randperm(sum(num_pages), device=device, generator=gen).int()
     table = torch.full((len(rows), max(num_pages)), -1, dtype=torch.int32, device=device)
     for b, (lo, n) in enumerate(zip([0, *torch.tensor(num_pages).cumsum(0).tolist()], num_pages)):
-        table[b, :n] = order[lo:lo + n]
+        table[b, :n] = order[lo : lo + n]
     return comp, table
 
 
@@ -64,8 +64,9 @@ def _topk(positions: torch.Tensor, ratio: int, k: int, gen: torch.Generator) -> 
     return torch.nn.functional.pad(idx, (0, k - idx.shape[1]), value=-1).int()
 
 
-def make_step(rows: list[tuple[int, int]], mode: str, dims: Dims, device: torch.device,
-              gen: torch.Generator) -> tuple[dict, int, int]:
+def make_step(
+    rows: list[tuple[int, int]], mode: str, dims: Dims, device: torch.device, gen: torch.Generator
+) -> tuple[dict, int, int]:
     """rows: (new tokens, start_pos) per request; mode 'csa' / 'hca' / 'swa'.
     -> (kwargs of both functions, bytes_moved, flops)."""
     num_rows, h, d, w = sum(n for n, _ in rows), dims.heads, dims.head_dim, dims.window
@@ -74,11 +75,16 @@ def make_step(rows: list[tuple[int, int]], mode: str, dims: Dims, device: torch.
     cu = torch.nn.functional.pad(counts.cumsum(0), (1, 0)).int()
     req = torch.repeat_interleave(torch.arange(len(rows), device=device), counts)
     positions = start[req].long() + torch.arange(num_rows, device=device) - cu[req].long()
-    kw = dict(q=torch.randn(num_rows, h, d, device=device, generator=gen).to(torch.bfloat16),
-              new_kv=torch.randn(num_rows, d, device=device, generator=gen).to(torch.bfloat16),
-              swa_kv=torch.randn(len(rows), w, d, device=device, generator=gen).to(torch.bfloat16),
-              cu_seqlens=cu, start_pos=start, seq_slot=torch.arange(len(rows), device=device).flip(0).int(),
-              sink=torch.randn(h, device=device, generator=gen), scale=d ** -0.5)
+    kw = dict(
+        q=torch.randn(num_rows, h, d, device=device, generator=gen).to(torch.bfloat16),
+        new_kv=torch.randn(num_rows, d, device=device, generator=gen).to(torch.bfloat16),
+        swa_kv=torch.randn(len(rows), w, d, device=device, generator=gen).to(torch.bfloat16),
+        cu_seqlens=cu,
+        start_pos=start,
+        seq_slot=torch.arange(len(rows), device=device).flip(0).int(),
+        sink=torch.randn(h, device=device, generator=gen),
+        scale=d**-0.5,
+    )
     keys_per_row = (positions + 1).clamp(max=w)
     distinct = sum(min(sp, w - 1) + n for n, sp in rows)  # ring slots + new keys
     if mode != "swa":
@@ -97,8 +103,7 @@ def make_step(rows: list[tuple[int, int]], mode: str, dims: Dims, device: torch.
     return kw, nbytes, 4 * h * d * int(keys_per_row.sum())
 
 
-def build(device: torch.device, dims: Dims,
-          steps: list[tuple[str, str, list[tuple[int, int]], dict]]) -> list[GpuCase]:
+def build(device: torch.device, dims: Dims, steps: list[tuple[str, str, list[tuple[int, int]], dict]]) -> list[GpuCase]:
     """steps: (label, mode, rows, launch overrides passed to the wrapper, e.g. {"block_n": 16})."""
     from dsv4_kernels.sparse_attention import paged_sparse_attention
     from dsv4_kernels.sparse_attention_ref import paged_sparse_attention_ref
@@ -108,9 +113,18 @@ def build(device: torch.device, dims: Dims,
     for label, mode, rows, launch in steps:
         kw, nbytes, flops = make_step(rows, mode, dims, device, gen)
         bound = "compute" if sum(n for n, _ in rows) > len(rows) else "memory"
-        out.append(GpuCase(f"sparse_attn {label}", run=partial(paged_sparse_attention, **kw, **launch),
-                           reference=partial(paged_sparse_attention_ref, **kw), atol=1e-2, rtol=2.0 ** -8,
-                           bytes_moved=nbytes, flops=flops, bound=bound))
+        out.append(
+            GpuCase(
+                f"sparse_attn {label}",
+                run=partial(paged_sparse_attention, **kw, **launch),
+                reference=partial(paged_sparse_attention_ref, **kw),
+                atol=1e-2,
+                rtol=2.0**-8,
+                bytes_moved=nbytes,
+                flops=flops,
+                bound=bound,
+            )
+        )
     return out
 
 
@@ -118,23 +132,33 @@ def cases(device: torch.device) -> list[GpuCase]:
     """The real shapes, plus the two tile choices the Hopper defaults are weighed against (ptxas: 255
     registers and ~0.6 KB of spills a thread at BLOCK_N = 32, fewer at 16)."""
     decode32 = [(1, c) for c in torch.linspace(8192, 65536, 32).long().tolist()]
-    return build(device, real_dims(), [
-        ("csa decode b=1 ctx=64K", "csa", [(1, 65536)], {}),
-        ("csa decode b=32 ctx=8K-64K", "csa", decode32, {}),
-        ("csa decode b=32 ctx=8K-64K [BLOCK_N=16]", "csa", decode32, {"block_n": 16}),
-        ("csa decode b=32 ctx=8K-64K [1 split]", "csa", decode32, {"num_splits": 1}),
-        ("hca decode b=1 ctx=64K", "hca", [(1, 65536)], {}),
-        ("hca decode b=32 ctx=8K-64K", "hca", decode32, {}),
-        ("swa decode b=32", "swa", decode32, {}),
-        ("csa prefill 2048 after 8K", "csa", [(2048, 8192)], {}),
-        ("csa prefill 2048 after 8K [BLOCK_N=16]", "csa", [(2048, 8192)], {"block_n": 16}),
-        ("hca prefill 2048 after 8K", "hca", [(2048, 8192)], {}),
-    ])
+    return build(
+        device,
+        real_dims(),
+        [
+            ("csa decode b=1 ctx=64K", "csa", [(1, 65536)], {}),
+            ("csa decode b=32 ctx=8K-64K", "csa", decode32, {}),
+            ("csa decode b=32 ctx=8K-64K [BLOCK_N=16]", "csa", decode32, {"block_n": 16}),
+            ("csa decode b=32 ctx=8K-64K [1 split]", "csa", decode32, {"num_splits": 1}),
+            ("hca decode b=1 ctx=64K", "hca", [(1, 65536)], {}),
+            ("hca decode b=32 ctx=8K-64K", "hca", decode32, {}),
+            ("swa decode b=32", "swa", decode32, {}),
+            ("csa prefill 2048 after 8K", "csa", [(2048, 8192)], {}),
+            ("csa prefill 2048 after 8K [BLOCK_N=16]", "csa", [(2048, 8192)], {"block_n": 16}),
+            ("hca prefill 2048 after 8K", "hca", [(2048, 8192)], {}),
+        ],
+    )
 
 
 def smoke_cases(device: torch.device) -> list[GpuCase]:
     """dsv4-tiny-like dims for the CPU interpreter: decode (split-K), a ragged chunk, each layer kind."""
     dims = Dims(heads=4, head_dim=64, window=16, csa_ratio=4, topk=8, hca_ratio=16)
-    return build(device, dims, [("tiny csa decode", "csa", [(1, 40), (1, 7)], {"num_splits": 2}),
-                                ("tiny hca chunk", "hca", [(5, 30), (2, 0)], {}),
-                                ("tiny swa chunk", "swa", [(3, 20), (1, 2)], {})])
+    return build(
+        device,
+        dims,
+        [
+            ("tiny csa decode", "csa", [(1, 40), (1, 7)], {"num_splits": 2}),
+            ("tiny hca chunk", "hca", [(5, 30), (2, 0)], {}),
+            ("tiny swa chunk", "swa", [(3, 20), (1, 2)], {}),
+        ],
+    )

@@ -36,8 +36,11 @@ class ApiKeyMiddleware:
         given = dict(scope.get("headers") or []).get(b"authorization", b"")
         if secrets.compare_digest(given, self._expected):
             return await self.app(scope, receive, send)
-        response = JSONResponse(error_body(401, "invalid or missing API key (Authorization: Bearer ...)"),
-                                status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        response = JSONResponse(
+            error_body(401, "invalid or missing API key (Authorization: Bearer ...)"),
+            status_code=401,
+            headers={"WWW-Authenticate": "Bearer"},
+        )
         await response(scope, receive, send)
 
 
@@ -47,9 +50,16 @@ def _protected(path: str) -> bool:
 
 def _model_card(state: AppState) -> dict:
     ready = state.engine.ready_info
-    return {"id": state.options.served_model_name, "object": "model", "created": state.created,
-            "owned_by": "dsv4serve", "root": state.options.served_model_name, "parent": None,
-            "max_model_len": ready.max_model_len if ready else None, "permission": []}
+    return {
+        "id": state.options.served_model_name,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "dsv4serve",
+        "root": state.options.served_model_name,
+        "parent": None,
+        "max_model_len": ready.max_model_len if ready else None,
+        "permission": [],
+    }
 
 
 def _add_info_routes(app: FastAPI) -> None:
@@ -91,15 +101,23 @@ def _add_token_routes(app: FastAPI) -> None:
         else:
             kwargs = req.chat_template_kwargs or {}
             try:
-                text = render_prompt(req.messages, req.tools, thinking=kwargs.get("thinking", state.options.default_thinking),
-                                     reasoning_effort=kwargs.get("reasoning_effort"),
-                                     add_generation_prompt=req.add_generation_prompt is not False)
+                text = render_prompt(
+                    req.messages,
+                    req.tools,
+                    thinking=kwargs.get("thinking", state.options.default_thinking),
+                    reasoning_effort=kwargs.get("reasoning_effort"),
+                    add_generation_prompt=req.add_generation_prompt is not False,
+                )
             except (ChatFormatError, TypeError, ValueError) as exc:
                 raise bad_request(str(exc), "messages") from exc
             tokens = state.tokenizer.encode(text)
         ready = state.engine.ready_info
-        return {"count": len(tokens), "max_model_len": ready.max_model_len if ready else None,
-                "tokens": tokens, "token_strs": None}
+        return {
+            "count": len(tokens),
+            "max_model_len": ready.max_model_len if ready else None,
+            "tokens": tokens,
+            "token_strs": None,
+        }
 
     @app.post("/detokenize")
     async def detokenize(request: Request):

@@ -44,14 +44,16 @@ def render_chat(state: AppState, req: ChatCompletionRequest) -> str:
     thinking, effort = thinking_controls(req, state.options.default_thinking)
     tools = req.tools if req.tool_choice != "none" else None
     try:
-        return render_prompt(req.messages, tools, thinking=thinking, reasoning_effort=effort,
-                             response_format=req.response_format)
+        return render_prompt(
+            req.messages, tools, thinking=thinking, reasoning_effort=effort, response_format=req.response_format
+        )
     except ChatFormatError as exc:
         raise bad_request(str(exc), "messages") from exc
 
 
-def force_tool_call(state: AppState, req: ChatCompletionRequest, sampling: SamplingParams,
-                    opens_reasoning: bool) -> SamplingParams:
+def force_tool_call(
+    state: AppState, req: ChatCompletionRequest, sampling: SamplingParams, opens_reasoning: bool
+) -> SamplingParams:
     """tool_choice "required" or a named function: the reply is forced to open a DSML call (after its
     reasoning, when the prompt opened one), so the model cannot answer without calling."""
     opening = forced_call_opening(req.tool_choice) if req.tools else None
@@ -82,6 +84,15 @@ async def chat_completions(request: Request):
     for i in range(req.n or 1):
         reply.choices.append(ChatChoice(i, state.tokenizer, opens, bool(req.logprobs)))
         reply.prompt_of.append(0)
-        specs.append(ChoiceSpec(i, f"{reply.id}-{i}", prompt_ids, with_seed(sampling, i), stop_strings(req.stop),
-                                bool(req.include_stop_str_in_output), req.skip_special_tokens is not False))
+        specs.append(
+            ChoiceSpec(
+                i,
+                f"{reply.id}-{i}",
+                prompt_ids,
+                with_seed(sampling, i),
+                stop_strings(req.stop),
+                bool(req.include_stop_str_in_output),
+                req.skip_special_tokens is not False,
+            )
+        )
     return await respond(state, request, reply, specs, req)

@@ -28,8 +28,12 @@ class ChatChoice:
         self.finish_reason: str | None = None
 
     def start(self) -> dict:
-        return {"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                "finish_reason": None}
+        return {
+            "index": self.index,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
 
     def _entry(self, token_id: int, logprob: float | None) -> dict:
         text = self._tok.token_text(token_id)
@@ -65,26 +69,41 @@ class ChatChoice:
         self.logprob_entries += entries
         if not delta and not entries and event.finish_reason is None:
             return None
-        return {"index": self.index, "delta": delta,
-                "logprobs": {"content": entries} if self._logprobs else None,
-                "finish_reason": self.finish_reason}
+        return {
+            "index": self.index,
+            "delta": delta,
+            "logprobs": {"content": entries} if self._logprobs else None,
+            "finish_reason": self.finish_reason,
+        }
 
     def result(self) -> dict:
-        message = {"role": "assistant",
-                   "content": self.content if (self.content or not self.tool_calls) else None,
-                   "reasoning_content": self.reasoning if self._thinking else None,
-                   "reasoning": self.reasoning if self._thinking else None,
-                   "tool_calls": [c.to_openai() for c in self.tool_calls]}
-        return {"index": self.index, "message": message,
-                "logprobs": {"content": self.logprob_entries} if self._logprobs else None,
-                "finish_reason": self.finish_reason, "stop_reason": None}
+        message = {
+            "role": "assistant",
+            "content": self.content if (self.content or not self.tool_calls) else None,
+            "reasoning_content": self.reasoning if self._thinking else None,
+            "reasoning": self.reasoning if self._thinking else None,
+            "tool_calls": [c.to_openai() for c in self.tool_calls],
+        }
+        return {
+            "index": self.index,
+            "message": message,
+            "logprobs": {"content": self.logprob_entries} if self._logprobs else None,
+            "finish_reason": self.finish_reason,
+            "stop_reason": None,
+        }
 
 
 class TextChoice:
     """One text-completion choice (legacy logprobs: tokens, token_logprobs, top_logprobs, text_offset)."""
 
-    def __init__(self, index: int, tokenizer: TextTokenizer, logprobs: int | None, echo_text: str = "",
-                 echo_ids: list[int] | None = None):
+    def __init__(
+        self,
+        index: int,
+        tokenizer: TextTokenizer,
+        logprobs: int | None,
+        echo_text: str = "",
+        echo_ids: list[int] | None = None,
+    ):
         self.index = index
         self._tok = tokenizer
         self._logprobs = logprobs
@@ -116,8 +135,9 @@ class TextChoice:
             text = self._tok.token_text(token_id)
             into["tokens"].append(text)
             into["token_logprobs"].append(None if entry is None else _lp(entry.logprob))
-            into["top_logprobs"].append(None if entry is None else
-                                        {self._tok.token_text(a.token_id): _lp(a.logprob) for a in (entry.top or [])})
+            into["top_logprobs"].append(
+                None if entry is None else {self._tok.token_text(a.token_id): _lp(a.logprob) for a in (entry.top or [])}
+            )
             into["text_offset"].append(self._offset)
             self._offset += len(text)
 
@@ -136,10 +156,19 @@ class TextChoice:
                 self._lp[key] += values
         if not text and not step["tokens"] and event.finish_reason is None:
             return None
-        return {"index": self.index, "text": text, "logprobs": step if self._logprobs is not None else None,
-                "finish_reason": self.finish_reason, "stop_reason": None}
+        return {
+            "index": self.index,
+            "text": text,
+            "logprobs": step if self._logprobs is not None else None,
+            "finish_reason": self.finish_reason,
+            "stop_reason": None,
+        }
 
     def result(self) -> dict:
-        return {"index": self.index, "text": self.text,
-                "logprobs": self._lp if self._logprobs is not None else None,
-                "finish_reason": self.finish_reason, "stop_reason": None}
+        return {
+            "index": self.index,
+            "text": self.text,
+            "logprobs": self._lp if self._logprobs is not None else None,
+            "finish_reason": self.finish_reason,
+            "stop_reason": None,
+        }

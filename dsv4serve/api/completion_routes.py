@@ -57,7 +57,15 @@ async def completions(request: Request):
             index = p * n + j
             reply.choices.append(TextChoice(index, state.tokenizer, req.logprobs, echo, ids if req.echo else None))
             reply.prompt_of.append(p)
-            specs.append(ChoiceSpec(index, f"{reply.id}-{index}", ids, with_seed(sampling, j),
-                                    stop_strings(req.stop), bool(req.include_stop_str_in_output),
-                                    req.skip_special_tokens is not False))
+            specs.append(
+                ChoiceSpec(
+                    index,
+                    f"{reply.id}-{index}",
+                    ids,
+                    with_seed(sampling, j),
+                    stop_strings(req.stop),
+                    bool(req.include_stop_str_in_output),
+                    req.skip_special_tokens is not False,
+                )
+            )
     return await respond(state, request, reply, specs, req)

@@ -17,8 +17,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("dsv4serve.api")
 
-_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-          405: "MethodNotAllowed", 503: "ServiceUnavailableError", 500: "InternalServerError"}
+_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    405: "MethodNotAllowed",
+    503: "ServiceUnavailableError",
+    500: "InternalServerError",
+}
 
 
 class APIError(Exception):
@@ -38,12 +44,12 @@ def bad_request(message: str, param: str | None = None) -> APIError:
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
     kind = _TYPES.get(status) or HTTPStatus(status).phrase.replace(" ", "") + "Error"
-    return {"error": {"message": message, "type": kind, "param": param,
-                      "code": code if code is not None else status}}
+    return {"error": {"message": message, "type": kind, "param": param, "code": code if code is not None else status}}
 
 
-def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
-                   headers: dict | None = None) -> JSONResponse:
+def error_response(
+    status: int, message: str, param: str | None = None, code: str | None = None, headers: dict | None = None
+) -> JSONResponse:
     return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
 

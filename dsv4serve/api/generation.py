@@ -13,8 +13,8 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import AsyncIterator
 
 from dsv4serve.api.detokenize import IncrementalDetokenizer
 from dsv4serve.api.errors import APIError
@@ -132,8 +132,16 @@ async def run_choice(app_state, spec: ChoiceSpec) -> AsyncIterator[ChoiceEvent]:
                     tail, matched = stops.push(detok.flush())
                     text += tail if matched else tail + stops.flush()
                     reason = "stop" if matched else reason
-                yield ChoiceEvent(spec.index, text, list(out.tokens), reason, num_prompt,
-                                  out.num_cached_tokens, num_out, out.prompt_logprobs)
+                yield ChoiceEvent(
+                    spec.index,
+                    text,
+                    list(out.tokens),
+                    reason,
+                    num_prompt,
+                    out.num_cached_tokens,
+                    num_out,
+                    out.prompt_logprobs,
+                )
                 if reason is not None:
                     break  # a stop string: closing the generator aborts the engine request
     except (EngineUnavailable, RequestRejected, RequestFailed) as exc:

@@ -14,12 +14,74 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 P = "dsv4serve:"
 # vLLM's buckets
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-               20.0, 40.0, 80.0)
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-               240.0, 480.0, 960.0, 1920.0, 7680.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+E2E_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 
 EXPERT_CACHE_COUNTERS = (
     ("expert_cache_queries", "Routed-expert lookups in the GPU expert-slot cache."),
@@ -55,13 +117,18 @@ class _EngineCollector:
         yield gauge("kv_cache_usage_perc", "KV-cache usage, a fraction from 0 to 1.", stats.kv_usage if stats else 0)
         chunk = stats.prefill_chunk_tokens if stats else (ready.chunk.effective_tokens if ready else 0)
         yield gauge("prefill_chunk_tokens", "The prefill chunk the planner allows now (tokens).", chunk)
-        yield counter("prefix_cache_queries", "Prefix-cache queries (tokens).",
-                      stats.prefix_cache_queries_total if stats else 0)
+        yield counter(
+            "prefix_cache_queries", "Prefix-cache queries (tokens).", stats.prefix_cache_queries_total if stats else 0
+        )
         yield counter("prefix_cache_hits", "Prefix-cache hits (tokens).", stats.prefix_cache_hits_total if stats else 0)
-        yield counter("oom_recoveries", "Out-of-memory errors recovered from by shrinking the chunk.",
-                      stats.oom_recoveries_total if stats else 0)
-        yield counter("worker_restarts", "Worker processes restarted after a death.",
-                      self._engine.worker_restarts_total)
+        yield counter(
+            "oom_recoveries",
+            "Out-of-memory errors recovered from by shrinking the chunk.",
+            stats.oom_recoveries_total if stats else 0,
+        )
+        yield counter(
+            "worker_restarts", "Worker processes restarted after a death.", self._engine.worker_restarts_total
+        )
         for name, doc in EXPERT_CACHE_COUNTERS:
             yield counter(name, doc, getattr(stats, f"{name}_total") if stats else 0)
 
@@ -70,16 +137,20 @@ class Metrics:
     def __init__(self, engine):
         self.registry = CollectorRegistry()
         r = self.registry
-        self.ttft = Histogram(P + "time_to_first_token_seconds", "Time to first token.", registry=r,
-                              buckets=TTFT_BUCKETS)
-        self.itl = Histogram(P + "inter_token_latency_seconds", "Time between output tokens.", registry=r,
-                             buckets=ITL_BUCKETS)
-        self.e2e = Histogram(P + "e2e_request_latency_seconds", "End-to-end request latency.", registry=r,
-                             buckets=E2E_BUCKETS)
+        self.ttft = Histogram(
+            P + "time_to_first_token_seconds", "Time to first token.", registry=r, buckets=TTFT_BUCKETS
+        )
+        self.itl = Histogram(
+            P + "inter_token_latency_seconds", "Time between output tokens.", registry=r, buckets=ITL_BUCKETS
+        )
+        self.e2e = Histogram(
+            P + "e2e_request_latency_seconds", "End-to-end request latency.", registry=r, buckets=E2E_BUCKETS
+        )
         self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens processed.", registry=r)
         self.generation_tokens = Counter(P + "generation_tokens", "Tokens generated.", registry=r)
-        self.request_success = Counter(P + "request_success", "Finished requests by finish reason.",
-                                       ["finished_reason"], registry=r)
+        self.request_success = Counter(
+            P + "request_success", "Finished requests by finish reason.", ["finished_reason"], registry=r
+        )
         for reason in ("stop", "length", "abort"):
             self.request_success.labels(finished_reason=reason)
         r.register(_EngineCollector(engine))

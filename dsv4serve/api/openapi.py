@@ -29,8 +29,10 @@ def build_openapi(app: FastAPI) -> dict:
     schema.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
     for (path, method), model in BODIES.items():
         operation = schema["paths"][path][method]
-        operation["requestBody"] = {"required": True, "content": {"application/json": {
-            "schema": {"$ref": REF.format(model=model.__name__)}}}}
+        operation["requestBody"] = {
+            "required": True,
+            "content": {"application/json": {"schema": {"$ref": REF.format(model=model.__name__)}}},
+        }
     return schema
 
 
@@ -39,4 +41,5 @@ def install_openapi(app: FastAPI) -> None:
         if app.openapi_schema is None:
             app.openapi_schema = build_openapi(app)
         return app.openapi_schema
+
     app.openapi = openapi  # type: ignore[method-assign]

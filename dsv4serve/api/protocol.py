@@ -74,7 +74,7 @@ class ChatCompletionRequest(_Sampling):
     reasoning_effort: StrictStr | None = None
 
 
-PromptInput = Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]]]
+PromptInput = Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]]]  # noqa: UP007 (pydantic alias)
 
 
 class CompletionRequest(_Sampling):
@@ -115,8 +115,7 @@ def check_chat(req: ChatCompletionRequest) -> None:
         if not req.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
         if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
-            raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
-                              "top_logprobs")
+            raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}", "top_logprobs")
     _check_tool_choice(req)
 
 
@@ -128,16 +127,19 @@ def _check_tool_choice(req: ChatCompletionRequest) -> None:
         raise bad_request("tool_choice needs tools", "tool_choice")
     if isinstance(choice, str):
         if choice not in ("none", "auto", "required"):
-            raise bad_request(f"tool_choice {choice!r} is not none, auto, required or a named function",
-                              "tool_choice")
+            raise bad_request(f"tool_choice {choice!r} is not none, auto, required or a named function", "tool_choice")
         return
     fn = choice.get("function")
     name = fn.get("name") if isinstance(fn, dict) else None
     if choice.get("type", "function") != "function" or not isinstance(name, str):
-        raise bad_request("tool_choice must name a function: {\"type\": \"function\", "
-                          "\"function\": {\"name\": ...}}", "tool_choice")
-    names = [t.get("function", {}).get("name") for t in req.tools if isinstance(t, dict)
-             and isinstance(t.get("function"), dict)]
+        raise bad_request(
+            'tool_choice must name a function: {"type": "function", "function": {"name": ...}}', "tool_choice"
+        )
+    names = [
+        t.get("function", {}).get("name")
+        for t in req.tools
+        if isinstance(t, dict) and isinstance(t.get("function"), dict)
+    ]
     if name not in names:
         raise bad_request(f"tool_choice names the function {name!r}, which is not in tools", "tool_choice")
 

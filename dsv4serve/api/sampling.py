@@ -8,8 +8,7 @@ from dsv4serve.api.errors import APIError, bad_request
 from dsv4serve.api.protocol import _Sampling
 from dsv4serve.worker.sampling_params import SamplingParams
 
-_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty")
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
 def check_model(model: str | None, served_name: str) -> None:
@@ -18,8 +17,7 @@ def check_model(model: str | None, served_name: str) -> None:
         raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
 
 
-def build_sampling(req: _Sampling, max_tokens: int | None, logprobs: int | None,
-                   vocab_size: int) -> SamplingParams:
+def build_sampling(req: _Sampling, max_tokens: int | None, logprobs: int | None, vocab_size: int) -> SamplingParams:
     """Raises a 400 naming the field for anything out of range."""
     values: dict = {}
     for name in _FLOAT_FIELDS:
@@ -32,8 +30,13 @@ def build_sampling(req: _Sampling, max_tokens: int | None, logprobs: int | None,
         values["seed"] = req.seed
     try:
         params = SamplingParams(
-            **values, stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=bool(req.ignore_eos),
-            min_tokens=req.min_tokens or 0, max_tokens=max_tokens, logprobs=logprobs)
+            **values,
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            ignore_eos=bool(req.ignore_eos),
+            min_tokens=req.min_tokens or 0,
+            max_tokens=max_tokens,
+            logprobs=logprobs,
+        )
         params.validate(vocab_size)
     except ValueError as exc:
         field = str(exc).split(" ", 1)[0]
@@ -53,14 +56,20 @@ def check_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len:
     if num_prompt_tokens == 0:
         raise bad_request("the prompt is empty", "prompt")
     if num_prompt_tokens >= max_model_len:
-        raise bad_request(f"This model's maximum context length is {max_model_len} tokens. However, your "
-                          f"request has {num_prompt_tokens} input tokens. Please reduce the length of the "
-                          "input messages.", "messages")
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"request has {num_prompt_tokens} input tokens. Please reduce the length of the "
+            "input messages.",
+            "messages",
+        )
     if max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len:
-        raise bad_request(f"This model's maximum context length is {max_model_len} tokens. However, you "
-                          f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
-                          f"input, {max_tokens} for the completion). Please reduce the length of the input "
-                          "or of max_tokens.", "max_tokens")
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
+            f"input, {max_tokens} for the completion). Please reduce the length of the input "
+            "or of max_tokens.",
+            "max_tokens",
+        )
 
 
 def stop_strings(stop) -> tuple[str, ...]:

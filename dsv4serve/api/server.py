@@ -14,30 +14,41 @@ log = logging.getLogger("dsv4serve")
 
 def worker_launch(cfg: ServeConfig, model_path) -> WorkerLaunch:
     return WorkerLaunch(
-        to_worker="", from_worker="", model_path=str(model_path), device=cfg.device.value,
-        max_num_seqs=cfg.max_num_seqs.value, max_queued_requests=cfg.max_queued_requests.value,
-        max_model_len=cfg.max_model_len.value, max_model_len_explicit=cfg.max_model_len.source.explicit,
+        to_worker="",
+        from_worker="",
+        model_path=str(model_path),
+        device=cfg.device.value,
+        max_num_seqs=cfg.max_num_seqs.value,
+        max_queued_requests=cfg.max_queued_requests.value,
+        max_model_len=cfg.max_model_len.value,
+        max_model_len_explicit=cfg.max_model_len.source.explicit,
         max_prefill_length=cfg.max_prefill_length.value,
-        max_prefill_length_source=cfg.max_prefill_length.source.value, num_tokens=cfg.num_tokens.value,
+        max_prefill_length_source=cfg.max_prefill_length.source.value,
+        num_tokens=cfg.num_tokens.value,
         moe_cache_size=cfg.moe_cache_size.value,
-        memory_ratio=cfg.memory_ratio.value, log_level=cfg.log_level.value, fault_oom_above_bytes=None,
-        kernels=cfg.kernels.value)
+        memory_ratio=cfg.memory_ratio.value,
+        log_level=cfg.log_level.value,
+        fault_oom_above_bytes=None,
+        kernels=cfg.kernels.value,
+    )
 
 
 def format_ready(ready: Ready) -> str:
     chunk = ready.chunk
     requested = "auto" if chunk.requested is None else str(chunk.requested)
     slots = "all resident" if ready.expert_slots is None else str(ready.expert_slots)
-    lines = ["worker ready (what was allocated)",
-             f"  device                 {ready.device}",
-             f"  KV capacity            {ready.kv_capacity_tokens} tokens ({ready.kv_pages} pages of "
-             f"{ready.page_tokens} tokens, {ready.sequence_slots} sequence slots)",
-             f"  max running requests   {ready.max_running_requests}",
-             f"  max model len          {ready.max_model_len} tokens",
-             f"  expert slots           {slots}",
-             *([f"  expert bank            {ready.expert_bank}"] if ready.expert_bank else []),
-             f"  prefill chunk          requested {requested}, effective {chunk.effective_tokens} tokens, "
-             f"bound by {chunk.binding}: {chunk.reason}"]
+    lines = [
+        "worker ready (what was allocated)",
+        f"  device                 {ready.device}",
+        f"  KV capacity            {ready.kv_capacity_tokens} tokens ({ready.kv_pages} pages of "
+        f"{ready.page_tokens} tokens, {ready.sequence_slots} sequence slots)",
+        f"  max running requests   {ready.max_running_requests}",
+        f"  max model len          {ready.max_model_len} tokens",
+        f"  expert slots           {slots}",
+        *([f"  expert bank            {ready.expert_bank}"] if ready.expert_bank else []),
+        f"  prefill chunk          requested {requested}, effective {chunk.effective_tokens} tokens, "
+        f"bound by {chunk.binding}: {chunk.reason}",
+    ]
     if chunk.warning:
         lines.append(f"  warning                {chunk.warning}")
     return "\n".join(lines)
@@ -80,8 +91,9 @@ async def _serve_async(cfg: ServeConfig, model_path) -> int:
         print(format_ready(ready), file=sys.stderr, flush=True)
         options = ServeOptions(cfg.served_model_name.value, cfg.default_thinking.value, cfg.api_key.value)
         app = create_app(engine, tokenizer, options)
-        config = uvicorn.Config(app, host=cfg.host.value, port=cfg.port.value, log_level=cfg.log_level.value,
-                                timeout_graceful_shutdown=5)
+        config = uvicorn.Config(
+            app, host=cfg.host.value, port=cfg.port.value, log_level=cfg.log_level.value, timeout_graceful_shutdown=5
+        )
         log.info("serving %s on http://%s:%s", options.served_model_name, cfg.host.value, cfg.port.value)
         await _server_class()(config, app.state.dsv4.abort_all).serve()
         return 0

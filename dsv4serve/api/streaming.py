@@ -12,8 +12,9 @@ import contextlib
 import json
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Protocol
+from typing import Any, Protocol
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -54,8 +55,12 @@ class Usage:
             done = sum(self.completion_tokens.values())
         else:
             done = self.completion_tokens.get(index, 0)
-        return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done,
-                "prompt_tokens_details": {"cached_tokens": cached}}
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": done,
+            "total_tokens": prompt + done,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
 
 
 @dataclass
@@ -85,8 +90,7 @@ async def complete(state, request, reply: Reply, specs: list[ChoiceSpec]) -> JSO
     return JSONResponse(body)
 
 
-async def stream(state, request, reply: Reply, specs: list[ChoiceSpec], include_usage: bool,
-                 continuous_usage: bool):
+async def stream(state, request, reply: Reply, specs: list[ChoiceSpec], include_usage: bool, continuous_usage: bool):
     """A StreamingResponse; an engine error before the first output is answered as plain JSON."""
     events = fan_in(state, specs, request)
     try:
@@ -97,8 +101,9 @@ async def stream(state, request, reply: Reply, specs: list[ChoiceSpec], include_
         await events.aclose()
         return error_response(first.status, first.message, first.param, first.code)
     body = _stream_body(reply, first, events, include_usage, continuous_usage)
-    return StreamingResponse(body, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return StreamingResponse(
+        body, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    )
 
 
 async def respond(state, request, reply: Reply, specs: list[ChoiceSpec], req: Any):
@@ -106,12 +111,14 @@ async def respond(state, request, reply: Reply, specs: list[ChoiceSpec], req: An
     if not req.stream:
         return await complete(state, request, reply, specs)
     opts = req.stream_options
-    return await stream(state, request, reply, specs, bool(opts and opts.include_usage),
-                        bool(opts and opts.continuous_usage_stats))
+    return await stream(
+        state, request, reply, specs, bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats)
+    )
 
 
-async def _stream_body(reply: Reply, first: ChoiceEvent, events: AsyncIterator, include_usage: bool,
-                       continuous_usage: bool) -> AsyncIterator[str]:
+async def _stream_body(
+    reply: Reply, first: ChoiceEvent, events: AsyncIterator, include_usage: bool, continuous_usage: bool
+) -> AsyncIterator[str]:
     chunk_obj = reply.object + ".chunk" if reply.object == "chat.completion" else reply.object
     usage = Usage()
     try:

@@ -25,7 +25,7 @@ class TextTokenizer:
         self.vocab_size = tokenizer.get_vocab_size()
 
     @classmethod
-    def for_model(cls, model_path: Path) -> "TextTokenizer":
+    def for_model(cls, model_path: Path) -> TextTokenizer:
         return cls(Tokenizer.from_file(str(tokenizer_file(model_path))))
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:

@@ -5,6 +5,13 @@ from dsv4serve.chat.parser import ParsedCompletion, ParserDelta, StreamParser, T
 from dsv4serve.chat.render import prompt_opens_reasoning, render_prompt, resolve_thinking
 
 __all__ = [
-    "ChatFormatError", "ParsedCompletion", "ParserDelta", "StreamParser", "ToolCall",
-    "parse_completion", "prompt_opens_reasoning", "render_prompt", "resolve_thinking",
+    "ChatFormatError",
+    "ParsedCompletion",
+    "ParserDelta",
+    "StreamParser",
+    "ToolCall",
+    "parse_completion",
+    "prompt_opens_reasoning",
+    "render_prompt",
+    "resolve_thinking",
 ]

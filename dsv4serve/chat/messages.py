@@ -67,8 +67,9 @@ def _text_of(content: Any, where: str, joiner: str = "\n") -> str:
             texts.append(part["text"])
         else:
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise ChatFormatError(f"{where}: content part {j} of type {kind!r} is not supported "
-                                  "(this model reads text only)")
+            raise ChatFormatError(
+                f"{where}: content part {j} of type {kind!r} is not supported (this model reads text only)"
+            )
     return joiner.join(texts)
 
 
@@ -131,8 +132,7 @@ def _reasoning_of(msg: dict[str, Any], where: str) -> str | None:
     return value
 
 
-def _check_tool_result(msg: dict[str, Any], index: int, messages: list[Any],
-                       answered: set[str]) -> str:
+def _check_tool_result(msg: dict[str, Any], index: int, messages: list[Any], answered: set[str]) -> str:
     """The tool_call_id of tool message `index`, which must answer a call of the assistant
     message just before this run of tool messages."""
     where = f"messages[{index}]"
@@ -145,8 +145,9 @@ def _check_tool_result(msg: dict[str, Any], index: int, messages: list[Any],
     prev = messages[j] if j >= 0 else None
     ids = [c.get("id") for c in (prev or {}).get("tool_calls") or [] if isinstance(c, dict)]
     if not isinstance(prev, dict) or prev.get("role") != "assistant" or call_id not in ids:
-        raise ChatFormatError(f"{where}: tool_call_id {call_id!r} does not match a tool call of "
-                              "the assistant message before it")
+        raise ChatFormatError(
+            f"{where}: tool_call_id {call_id!r} does not match a tool call of the assistant message before it"
+        )
     if call_id in answered:
         raise ChatFormatError(f"{where}: tool call {call_id!r} already has a result")
     answered.add(call_id)
@@ -161,8 +162,7 @@ def _one_turn(msg: Any, index: int, internal: bool) -> Turn:
     if role in INTERNAL_ROLES and not internal:
         raise ChatFormatError(f"{where}: role {role!r} is not accepted by this API")
     if role not in PUBLIC_ROLES + INTERNAL_ROLES:
-        raise ChatFormatError(f"{where}: unknown role {role!r} "
-                              f"(expected one of {', '.join(PUBLIC_ROLES)})")
+        raise ChatFormatError(f"{where}: unknown role {role!r} (expected one of {', '.join(PUBLIC_ROLES)})")
     turn = Turn(role=role, text=_text_of(msg.get("content"), where))
     if role == "assistant":
         turn.reasoning = _reasoning_of(msg, where)

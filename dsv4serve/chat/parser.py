@@ -17,8 +17,8 @@ depends on where the pieces were cut, and no markup reaches reasoning or content
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from dsv4serve.chat import tokens as T
 from dsv4serve.chat.tools import parse_invoke
@@ -28,10 +28,20 @@ _REASONING, _CONTENT, _TOOLS, _DONE = "reasoning", "content", "tools", "done"
 # Markers looked for in each text state, and the state each leads to. A marker that keeps the
 # state is dropped from the text. At one position the longest marker wins ("\n\n" + block start).
 _TEXT_MARKERS = {
-    _REASONING: {T.THINK_END: _CONTENT, "\n\n" + T.TOOL_CALLS_START: _TOOLS,
-                 T.TOOL_CALLS_START: _TOOLS, T.EOS: _DONE, T.THINK_START: _REASONING},
-    _CONTENT: {"\n\n" + T.TOOL_CALLS_START: _TOOLS, T.TOOL_CALLS_START: _TOOLS, T.EOS: _DONE,
-               T.THINK_START: _CONTENT, T.THINK_END: _CONTENT},
+    _REASONING: {
+        T.THINK_END: _CONTENT,
+        "\n\n" + T.TOOL_CALLS_START: _TOOLS,
+        T.TOOL_CALLS_START: _TOOLS,
+        T.EOS: _DONE,
+        T.THINK_START: _REASONING,
+    },
+    _CONTENT: {
+        "\n\n" + T.TOOL_CALLS_START: _TOOLS,
+        T.TOOL_CALLS_START: _TOOLS,
+        T.EOS: _DONE,
+        T.THINK_START: _CONTENT,
+        T.THINK_END: _CONTENT,
+    },
 }
 # In a tool-call block: the end of one invoke (a call is complete), of the block, or EOS.
 _TOOL_MARKERS = (T.INVOKE_END, T.TOOL_CALLS_END, T.EOS)
@@ -50,8 +60,7 @@ class ToolCall:
     arguments: str  # a JSON object, as text
 
     def to_openai(self) -> dict:
-        return {"id": self.id, "type": "function",
-                "function": {"name": self.name, "arguments": self.arguments}}
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
 @dataclass
@@ -135,11 +144,11 @@ class StreamParser:
         pos, marker = _first_marker(self._pending, markers)
         if marker is None:
             keep = _held_tail(self._pending, markers)
-            self._emit_text(delta, self._pending[:len(self._pending) - keep])
-            self._pending = self._pending[len(self._pending) - keep:]
+            self._emit_text(delta, self._pending[: len(self._pending) - keep])
+            self._pending = self._pending[len(self._pending) - keep :]
             return False
         self._emit_text(delta, self._pending[:pos])
-        self._pending = self._pending[pos + len(marker):]
+        self._pending = self._pending[pos + len(marker) :]
         self._state = markers[marker]
         return True
 
@@ -154,7 +163,7 @@ class StreamParser:
         pos += start
         if marker != T.EOS:  # at EOS an unfinished invoke is dropped, not guessed at
             self._add_call(delta, self._pending[:pos])
-        self._pending = self._pending[pos + len(marker):]
+        self._pending = self._pending[pos + len(marker) :]
         self._scanned = 0
         if marker != T.INVOKE_END:
             self._state = _DONE
@@ -176,10 +185,8 @@ class ParsedCompletion:
     tool_calls: list[ToolCall]
 
 
-def parse_completion(text: str, thinking: bool,
-                     id_factory: Callable[[], str] | None = None) -> ParsedCompletion:
+def parse_completion(text: str, thinking: bool, id_factory: Callable[[], str] | None = None) -> ParsedCompletion:
     """The whole output of one assistant turn, split (the same rules as streaming)."""
     parser = StreamParser(thinking, id_factory)
     first, last = parser.feed(text), parser.finish()
-    return ParsedCompletion(first.reasoning + last.reasoning, first.content + last.content,
-                            parser.tool_calls)
+    return ParsedCompletion(first.reasoning + last.reasoning, first.content + last.content, parser.tool_calls)

@@ -37,8 +37,7 @@ def resolve_thinking(thinking: bool, reasoning_effort: str | None) -> tuple[bool
         return thinking, thinking
     if reasoning_effort in EFFORTS_ADDING_NOTHING:
         return thinking, False
-    raise ChatFormatError(f"reasoning_effort: {reasoning_effort!r} is not one of none, low, medium, "
-                          "high, max")
+    raise ChatFormatError(f"reasoning_effort: {reasoning_effort!r} is not one of none, low, medium, high, max")
 
 
 def _attach_request_fields(turns: list[Turn], tools: Any, response_format: Any) -> None:
@@ -88,8 +87,7 @@ def _sections(turn: Turn) -> str:
 
 
 def _user_text(turn: Turn) -> str:
-    parts = [f"<tool_result>{b.text}</tool_result>" if b.is_tool_result else b.text
-             for b in turn.blocks]
+    parts = [f"<tool_result>{b.text}</tool_result>" if b.is_tool_result else b.text for b in turn.blocks]
     return T.USER + "\n\n".join(parts)
 
 
@@ -161,8 +159,9 @@ def render_prompt(
     if add_generation_prompt:
         last = messages[-1].get("role")
         if last not in ("user", "tool"):
-            raise ChatFormatError(f"messages[{len(messages) - 1}]: the last message must be from "
-                                  f"the user or a tool, not {last!r}")
+            raise ChatFormatError(
+                f"messages[{len(messages) - 1}]: the last message must be from the user or a tool, not {last!r}"
+            )
     _attach_request_fields(turns, tools, response_format)
     keep_reasoning = not drop_thinking or any(t.functions for t in turns)
     if thinking and not keep_reasoning:

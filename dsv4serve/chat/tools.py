@@ -60,8 +60,9 @@ def render_tools_section(functions: list[dict[str, Any]]) -> str:
 
 
 def render_response_format_section(response_format: Any) -> str:
-    return ("## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n"
-            + to_json(response_format))
+    return "## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n" + to_json(
+        response_format
+    )
 
 
 def _render_parameter(name: str, value: Any) -> str:
@@ -97,7 +98,8 @@ def forced_call_opening(tool_choice: Any) -> str | None:
 
 _INVOKE_RE = re.compile(re.escape(T.INVOKE_START) + r'\s+name="([^"]*)"\s*>')
 _PARAM_RE = re.compile(
-    re.escape(T.PARAMETER_START) + r'\s+name="([^"]*)"(?:\s+string="(true|false)")?\s*>(.*?)'
+    re.escape(T.PARAMETER_START)
+    + r'\s+name="([^"]*)"(?:\s+string="(true|false)")?\s*>(.*?)'
     + re.escape(T.PARAMETER_END),
     re.DOTALL,
 )
@@ -136,6 +138,6 @@ def parse_invoke(segment: str) -> tuple[str, str] | None:
     head = _INVOKE_RE.search(segment)
     if head is None:
         return None
-    body = segment[head.end():]
+    body = segment[head.end() :]
     params = [(m.group(1), m.group(3), m.group(2) != "false") for m in _PARAM_RE.finditer(body)]
     return head.group(1), build_arguments(params)

@@ -96,7 +96,7 @@ def hf_to_official(name: str) -> str | None:
     if name == "head.weight":
         return name
     if name.startswith("model.") and not (m and m.group(2) in (GATE_UP, DOWN)):
-        rest = name[len("model."):]
+        rest = name[len("model.") :]
         return _SAVED_ATTN_NORM.sub(r"\1.kv_norm.weight", _SAVED_FIXES.get(rest, rest))
     return None
 
@@ -139,8 +139,11 @@ def split_stacked_shapes(layer: int, kind: str, shape: tuple[int, ...]) -> dict[
     """The official names and shapes that `split_stacked` yields, from the stacked shape alone."""
     n_experts, rows, cols = shape
     if kind == "gate_up":
-        return {f"layers.{layer}.ffn.experts.{e}.{w}.weight": (rows // 2, cols)
-                for e in range(n_experts) for w in ("w1", "w3")}
+        return {
+            f"layers.{layer}.ffn.experts.{e}.{w}.weight": (rows // 2, cols)
+            for e in range(n_experts)
+            for w in ("w1", "w3")
+        }
     return {f"layers.{layer}.ffn.experts.{e}.w2.weight": (rows, cols) for e in range(n_experts)}
 
 

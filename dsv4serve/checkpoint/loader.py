@@ -7,18 +7,18 @@ every tensor that does not fit the config. `iter_dense` then reads the tensors o
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from tqdm import tqdm
 
+from dsv4_kernels.formats import dequant_fp4, dequant_fp8_block
 from dsv4serve.checkpoint import hf_names
 from dsv4serve.checkpoint.source import CheckpointError, SafetensorsFolder
 from dsv4serve.checkpoint.validate import Layout, check_tensors, detect_layout
 from dsv4serve.model.args import ExpertDtype, ModelArgs, ModelConfigError, read_model_args
-from dsv4serve.model.quant import dequant_fp4, dequant_fp8_block
 from dsv4serve.model.schema import DTYPE_BYTES, TensorSpec, checkpoint_schema
 
 PROBE_EXPERT = "layers.0.ffn.experts.0.w1.weight"
@@ -59,23 +59,32 @@ def open_checkpoint(folder: str | Path) -> Checkpoint:
     except ModelConfigError as exc:
         raise CheckpointError(f"{folder}/config.json: {exc}") from exc
     if layout == "hf" and args.dtype == "fp8":
-        raise CheckpointError(f"{folder}: transformers-named tensors with an FP8 quantization_config are not "
-                              "supported; pass the official checkpoint folder instead")
+        raise CheckpointError(
+            f"{folder}: transformers-named tensors with an FP8 quantization_config are not "
+            "supported; pass the official checkpoint folder instead"
+        )
     specs = tuple(checkpoint_schema(args, include_mtp=layout == "official"))
     check_tensors(source.infos, layout, list(specs), str(folder))
     return Checkpoint(folder, layout, args, specs, source)
 
 
-def iter_dense(ckpt: Checkpoint, dtype: torch.dtype = torch.float32,
-               progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_dense(
+    ckpt: Checkpoint, dtype: torch.dtype = torch.float32, progress: bool = True
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(official parameter name, dense tensor) for every weight; `.scale` tensors are consumed.
 
     FP8 and FP4 weights are dequantized exactly and cast to `dtype`; bf16/f16 tensors are cast to
     `dtype`; tensors the checkpoint keeps in fp32 (HC, sinks, ape, gate bias) stay fp32 so the
     reference's fp32 parts keep their precision; integer tensors (tid2eid) are returned as stored.
     """
-    bar = tqdm(total=ckpt.total_bytes, unit="B", unit_scale=True, unit_divisor=1024,
-               desc=f"loading {ckpt.folder.name}", disable=not progress)
+    bar = tqdm(
+        total=ckpt.total_bytes,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        desc=f"loading {ckpt.folder.name}",
+        disable=not progress,
+    )
     try:
         if ckpt.layout == "official":
             yield from _iter_official(ckpt, dtype, bar)
@@ -128,8 +137,9 @@ def _iter_hf(ckpt: Checkpoint, dtype: torch.dtype, bar: tqdm) -> Iterator[tuple[
             yield part, tensor.to(dtype).clone()
 
 
-def load_dense_state_dict(folder: str | Path, dtype: torch.dtype = torch.float32,
-                          progress: bool = False) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
+def load_dense_state_dict(
+    folder: str | Path, dtype: torch.dtype = torch.float32, progress: bool = False
+) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
     """Open, validate and read a whole checkpoint into memory (for small models and tests)."""
     ckpt = open_checkpoint(folder)
     try:

@@ -39,8 +39,11 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
             header = json.loads(f.read(n))
     except (OSError, struct.error, json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from exc
-    return {name: TensorInfo(meta["dtype"], tuple(meta["shape"]), path.name)
-            for name, meta in header.items() if name != "__metadata__"}
+    return {
+        name: TensorInfo(meta["dtype"], tuple(meta["shape"]), path.name)
+        for name, meta in header.items()
+        if name != "__metadata__"
+    }
 
 
 class SafetensorsFolder:
@@ -53,8 +56,9 @@ class SafetensorsFolder:
         for file in self.files:
             for name, info in read_header(self.folder / file).items():
                 if name in self.infos:
-                    raise CheckpointError(f"{self.folder}: tensor {name} appears in both "
-                                          f"{self.infos[name].file} and {file}")
+                    raise CheckpointError(
+                        f"{self.folder}: tensor {name} appears in both {self.infos[name].file} and {file}"
+                    )
                 self.infos[name] = info
         self._check_index()
         self._handles: dict[str, object] = {}
@@ -69,9 +73,11 @@ class SafetensorsFolder:
             files = sorted(set(weight_map.values()))
             missing = [f for f in files if not (self.folder / f).is_file()]
             if missing:
-                raise CheckpointError(f"{self.folder}: the index names shard files that are not there: "
-                                      f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''} "
-                                      f"(an interrupted download? run it again)")
+                raise CheckpointError(
+                    f"{self.folder}: the index names shard files that are not there: "
+                    f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''} "
+                    f"(an interrupted download? run it again)"
+                )
             return files
         files = sorted(p.name for p in self.folder.glob("*.safetensors"))
         if not files:

@@ -19,8 +19,10 @@ def detect_layout(names: set[str]) -> Layout:
     if any(hf_names.is_hf_name(n) for n in names):
         return "hf"
     sample = ", ".join(sorted(names)[:3])
-    raise CheckpointError(f"tensor names fit neither the official DeepSeek layout (embed.weight, layers.N.*) "
-                          f"nor the transformers layout (model.*): {sample}")
+    raise CheckpointError(
+        f"tensor names fit neither the official DeepSeek layout (embed.weight, layers.N.*) "
+        f"nor the transformers layout (model.*): {sample}"
+    )
 
 
 def official_view(infos: dict[str, TensorInfo], layout: Layout) -> tuple[dict[str, TensorInfo], list[str]]:
@@ -78,8 +80,11 @@ def check_tensors(infos: dict[str, TensorInfo], layout: Layout, specs: list[Tens
         elif not _dtype_ok(info.dtype, spec, layout):
             wrong.append(f"{name} has dtype {info.dtype}, the config implies {spec.dtype}")
     if wrong:
-        problems.append(f"{len(wrong)} tensor(s) do not fit the config: " + "; ".join(wrong[:MAX_LISTED])
-                        + (f" ... and {len(wrong) - MAX_LISTED} more" if len(wrong) > MAX_LISTED else ""))
+        problems.append(
+            f"{len(wrong)} tensor(s) do not fit the config: "
+            + "; ".join(wrong[:MAX_LISTED])
+            + (f" ... and {len(wrong) - MAX_LISTED} more" if len(wrong) > MAX_LISTED else "")
+        )
     if problems:
         raise CheckpointError(f"{where} does not match its config.json: " + " | ".join(problems))
 

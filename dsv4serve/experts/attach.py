@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from tqdm import tqdm
@@ -36,9 +36,15 @@ def moe_layers(model: Transformer) -> list[MoE]:
     return [block.ffn for block in [*model.layers, *model.mtp]]
 
 
-def attach_expert_cache(model: Transformer, ckpt: Checkpoint, slots: int | None, device: torch.device,
-                        pin: PinBudget | None = None, ram_bytes: int | None = None,
-                        progress: bool = True) -> ExpertSlotCache | None:
+def attach_expert_cache(
+    model: Transformer,
+    ckpt: Checkpoint,
+    slots: int | None,
+    device: torch.device,
+    pin: PinBudget | None = None,
+    ram_bytes: int | None = None,
+    progress: bool = True,
+) -> ExpertSlotCache | None:
     """Offload the routed experts to a host bank behind `slots` device slots, or None when `slots`
     is None or covers every routed expert. `pin`: a budget measured already (else measured here);
     `ram_bytes`: host RAM the bank may fill (else MemAvailable minus HOST_MARGIN_BYTES)."""
@@ -56,23 +62,35 @@ def attach_expert_cache(model: Transformer, ckpt: Checkpoint, slots: int | None,
         pin = measure_pin_budget(min(bank_bytes(expert_specs(ckpt, layers)), ram_bytes))
     bank = load_expert_bank(ckpt, layers, pin, ram_bytes, progress)
     main = [m.layer_id for m in moes[: len(model.layers)]]
-    cache = ExpertSlotCache(bank, slots, device, next_layer=dict(zip(main, main[1:])),
-                            hash_routers={m.layer_id: m.gate for m in moes if m.gate.hash})
+    cache = ExpertSlotCache(
+        bank,
+        slots,
+        device,
+        next_layer=dict(zip(main, main[1:])),
+        hash_routers={m.layer_id: m.gate for m in moes if m.gate.hash},
+    )
     for m in moes:
         m.use_expert_cache(cache)
-    log.info("expert-slot cache: %d slots x %.2f MiB on %s for %d routed experts", slots,
-             bank.expert_bytes / 2**20, device, total)
+    log.info(
+        "expert-slot cache: %d slots x %.2f MiB on %s for %d routed experts",
+        slots,
+        bank.expert_bytes / 2**20,
+        device,
+        total,
+    )
     return cache
 
 
-def iter_resident_dense(ckpt: Checkpoint, dtype: torch.dtype = torch.float32,
-                        progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_resident_dense(
+    ckpt: Checkpoint, dtype: torch.dtype = torch.float32, progress: bool = True
+) -> Iterator[tuple[str, torch.Tensor]]:
     """`iter_dense` without the routed experts (they live in the bank, packed)."""
     check_bankable(ckpt)
     resident = tuple(s for s in ckpt.specs if s.group != "routed_experts")
     n_out = sum(1 for s in resident if s.role not in ("fp8_scale", "fp4_scale"))  # scales are consumed
-    with tqdm(total=n_out, unit="tensor", desc=f"loading {ckpt.folder.name} (no routed experts)",
-              disable=not progress) as bar:
+    with tqdm(
+        total=n_out, unit="tensor", desc=f"loading {ckpt.folder.name} (no routed experts)", disable=not progress
+    ) as bar:
         for item in iter_dense(dataclasses.replace(ckpt, specs=resident), dtype, progress=False):
             bar.update(1)
             yield item

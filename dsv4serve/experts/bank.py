@@ -52,13 +52,19 @@ class BankReport:
             return f"pinned {_gib(self.pinned_bytes)}"
         if self.pinned_bytes == 0 and self.mapped_bytes == 0:
             return "pageable (no CUDA)" if self.pin.reason == "pageable (no CUDA)" else "pageable"
-        tiers = [(self.pinned_bytes, "pinned"), (self.pageable_bytes, "pageable"), (self.mapped_bytes, "on disk (mmap)")]
+        tiers = [
+            (self.pinned_bytes, "pinned"),
+            (self.pageable_bytes, "pageable"),
+            (self.mapped_bytes, "on disk (mmap)"),
+        ]
         return ", ".join(f"{_gib(n)} {what}" for n, what in tiers if n)
 
     def describe(self) -> str:
         """One line for the log and the startup report."""
-        return (f"expert bank {_gib(self.bank_bytes)}: {self.mode}; pin budget {_gib(self.pin.budget_bytes)} on "
-                f"{self.pin.platform}: {self.pin.reason}")
+        return (
+            f"expert bank {_gib(self.bank_bytes)}: {self.mode}; pin budget {_gib(self.pin.budget_bytes)} on "
+            f"{self.pin.platform}: {self.pin.reason}"
+        )
 
 
 @dataclass(frozen=True)
@@ -77,8 +83,9 @@ class ExpertBank:
             return {part: t[expert] for part, t in self.layers[layer].items()}
         assert self.source is not None  # a bank with mapped layers keeps its source
         names = self.mapped[layer]
-        return {part: self.source.read(names[(expert, part)]).view(dtype)
-                for part, (_, dtype) in self.part_shapes.items()}
+        return {
+            part: self.source.read(names[(expert, part)]).view(dtype) for part, (_, dtype) in self.part_shapes.items()
+        }
 
 
 def _part(spec: TensorSpec) -> str:
@@ -90,9 +97,11 @@ def _part(spec: TensorSpec) -> str:
 def check_bankable(ckpt: Checkpoint) -> None:
     """The bank holds MXFP4 experts under official names; refuse anything else by name."""
     if ckpt.layout != "official" or ckpt.args.expert_dtype != "fp4":
-        raise CheckpointError(f"{ckpt.folder}: the expert bank holds MXFP4 experts as the official DeepSeek "
-                              f"checkpoint stores them; this one has {ckpt.layout} names with "
-                              f"{ckpt.args.expert_dtype} experts: keep every expert resident instead")
+        raise CheckpointError(
+            f"{ckpt.folder}: the expert bank holds MXFP4 experts as the official DeepSeek "
+            f"checkpoint stores them; this one has {ckpt.layout} names with "
+            f"{ckpt.args.expert_dtype} experts: keep every expert resident instead"
+        )
 
 
 def expert_specs(ckpt: Checkpoint, layers: list[int]) -> dict[int, list[TensorSpec]]:
@@ -114,13 +123,15 @@ def _dtype(spec: TensorSpec) -> torch.dtype:
     return torch.int8 if spec.role == "fp4_weight" else torch.uint8
 
 
-def load_expert_bank(ckpt: Checkpoint, layers: list[int], pin: PinBudget, ram_bytes: int | None = None,
-                     progress: bool = False) -> ExpertBank:
+def load_expert_bank(
+    ckpt: Checkpoint, layers: list[int], pin: PinBudget, ram_bytes: int | None = None, progress: bool = False
+) -> ExpertBank:
     """Read the routed experts of `layers` packed into at most `ram_bytes` of RAM (None: no limit),
     pinned within `pin`, the rest left mapped in the shards (whose handles must then stay open)."""
     specs = expert_specs(ckpt, layers)
-    bar = tqdm(total=bank_bytes(specs), unit="B", unit_scale=True, unit_divisor=1024, desc="expert bank",
-               disable=not progress)
+    bar = tqdm(
+        total=bank_bytes(specs), unit="B", unit_scale=True, unit_divisor=1024, desc="expert bank", disable=not progress
+    )
     n_experts = ckpt.args.n_routed_experts
     shapes: PartShapes = {_part(s): (s.shape, _dtype(s)) for s in specs[layers[0]]}
     ram: dict[int, dict[str, torch.Tensor]] = {}
@@ -138,8 +149,9 @@ def load_expert_bank(ckpt: Checkpoint, layers: list[int], pin: PinBudget, ram_by
             mapped[layer] = {(s.expert, _part(s)): s.name for s in layer_specs}
             bar.update(size)
             continue
-        parts = {p: torch.empty((n_experts, *shape), dtype=dtype, pin_memory=pin_it)
-                 for p, (shape, dtype) in shapes.items()}
+        parts = {
+            p: torch.empty((n_experts, *shape), dtype=dtype, pin_memory=pin_it) for p, (shape, dtype) in shapes.items()
+        }
         for s in layer_specs:
             parts[_part(s)][s.expert].copy_(ckpt.source.read(s.name).view(_dtype(s)))
             bar.update(s.nbytes)

@@ -14,8 +14,8 @@ CPU-only torch build cannot pin: the budget is zero, "pageable (no CUDA)".
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -39,8 +39,7 @@ def _pin(n_bytes: int) -> torch.Tensor:
     return torch.empty(n_bytes, dtype=torch.uint8, pin_memory=True)
 
 
-def measure_pin_budget(cap_bytes: int, platform: str | None = None,
-                       allocate: Allocate | None = None) -> PinBudget:
+def measure_pin_budget(cap_bytes: int, platform: str | None = None, allocate: Allocate | None = None) -> PinBudget:
     """Pin growing blocks until failure or `cap_bytes`; everything pinned here is released again.
 
     `allocate` replaces the real pinned allocation (tests simulate a platform cap with it); without
@@ -73,5 +72,9 @@ def measure_pin_budget(cap_bytes: int, platform: str | None = None,
     if not refusal:
         return PinBudget(pinned, platform, f"pinned the whole {cap_bytes / GIB:.2f} GiB asked for")
     reserve = min(pinned, max(MIN_BLOCK_BYTES, pinned // 16))
-    return PinBudget(pinned - reserve, platform, f"the platform refused to pin more than {pinned / GIB:.2f} GiB "
-                     f"({refusal}); {reserve / GIB:.2f} GiB of it kept as reserve")
+    return PinBudget(
+        pinned - reserve,
+        platform,
+        f"the platform refused to pin more than {pinned / GIB:.2f} GiB "
+        f"({refusal}); {reserve / GIB:.2f} GiB of it kept as reserve",
+    )

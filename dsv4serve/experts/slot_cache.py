@@ -25,8 +25,9 @@ evictions.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator, Protocol
+from typing import Protocol
 
 import torch
 
@@ -50,19 +51,31 @@ class ExpertCacheStats:
 
     def stats_fields(self) -> dict[str, int]:
         """The fields of ipc.messages.Stats these counters fill."""
-        return {"expert_cache_queries_total": self.queries, "expert_cache_hits_total": self.hits,
-                "expert_cache_h2d_bytes_total": self.h2d_bytes, "expert_cache_stalls_total": self.stalls,
-                "expert_cache_prefetches_total": self.prefetches}
+        return {
+            "expert_cache_queries_total": self.queries,
+            "expert_cache_hits_total": self.hits,
+            "expert_cache_h2d_bytes_total": self.h2d_bytes,
+            "expert_cache_stalls_total": self.stalls,
+            "expert_cache_prefetches_total": self.prefetches,
+        }
 
 
 class ExpertSlotCache:
-    def __init__(self, bank: ExpertBank, n_slots: int, device: torch.device,
-                 next_layer: dict[int, int] | None = None, hash_routers: dict[int, HashRouter] | None = None):
+    def __init__(
+        self,
+        bank: ExpertBank,
+        n_slots: int,
+        device: torch.device,
+        next_layer: dict[int, int] | None = None,
+        hash_routers: dict[int, HashRouter] | None = None,
+    ):
         if n_slots < 1:
             raise ValueError(f"an expert-slot cache needs at least one slot, got {n_slots}")
         self.bank, self.n_slots, self.device = bank, n_slots, device
-        self.slots = {part: torch.empty((n_slots, *shape), dtype=dtype, device=device)
-                      for part, (shape, dtype) in bank.part_shapes.items()}  # part -> [S, ...]
+        self.slots = {
+            part: torch.empty((n_slots, *shape), dtype=dtype, device=device)
+            for part, (shape, dtype) in bank.part_shapes.items()
+        }  # part -> [S, ...]
         self.stats = ExpertCacheStats()
         self._lru: OrderedDict[Key, int] = OrderedDict()  # oldest first
         self._free = list(range(n_slots - 1, -1, -1))
@@ -80,8 +93,9 @@ class ExpertSlotCache:
 
     # ------------------------------------------------------------------ what the MoE layer calls
 
-    def layer_experts(self, layer: int, experts: list[int],
-                      token_ids: torch.Tensor) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+    def layer_experts(
+        self, layer: int, experts: list[int], token_ids: torch.Tensor
+    ) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
         """(expert, its slot's packed parts) for each of `experts`, resident ones first, then misses.
 
         Each yielded slot stays valid until the next item is requested. With more than one token the
@@ -126,7 +140,7 @@ class ExpertSlotCache:
         """Copy `experts` of `layer` ahead into the slots the current layer's `current` set leaves."""
         spare = self.n_slots - len(current)
         keep = set(current)
-        for key in [(layer, e) for e in experts if (layer, e) not in self._lru][:max(spare, 0)]:
+        for key in [(layer, e) for e in experts if (layer, e) not in self._lru][: max(spare, 0)]:
             slot = self._take_slot(keep)
             if slot is None:
                 return

@@ -30,8 +30,9 @@ def new_endpoints() -> tuple[Endpoints, Path]:
 
 
 class _Side:
-    def __init__(self, ctx: zmq.Context, send_addr: str, recv_addr: str, bind: bool,
-                 send_codec: Codec, recv_codec: Codec):
+    def __init__(
+        self, ctx: zmq.Context, send_addr: str, recv_addr: str, bind: bool, send_codec: Codec, recv_codec: Codec
+    ):
         self._ctx = ctx
         self._send = ctx.socket(zmq.PUSH)
         self._recv = ctx.socket(zmq.PULL)
@@ -64,8 +65,9 @@ class ApiChannel(_Side):
 
     def __init__(self, endpoints: Endpoints, folder: Path):
         self._folder = folder
-        super().__init__(zmq.Context.instance(), endpoints.to_worker, endpoints.from_worker, True,
-                         Codec(ToWorker), Codec(FromWorker))
+        super().__init__(
+            zmq.Context.instance(), endpoints.to_worker, endpoints.from_worker, True, Codec(ToWorker), Codec(FromWorker)
+        )
 
     def close(self) -> None:
         super().close()
@@ -76,5 +78,11 @@ class WorkerChannel(_Side):
     """The worker's end: sends FromWorker, receives ToWorker."""
 
     def __init__(self, endpoints: Endpoints):
-        super().__init__(zmq.Context.instance(), endpoints.from_worker, endpoints.to_worker, False,
-                         Codec(FromWorker), Codec(ToWorker))
+        super().__init__(
+            zmq.Context.instance(),
+            endpoints.from_worker,
+            endpoints.to_worker,
+            False,
+            Codec(FromWorker),
+            Codec(ToWorker),
+        )

@@ -6,15 +6,13 @@ an error, not a guess. Only plain data crosses: token ids, numbers, strings.
 
 from __future__ import annotations
 
-from typing import Union
-
 import msgspec
 
 from dsv4serve.worker.chunk_planner import ChunkPlan  # frozen dataclasses: msgspec carries them
 from dsv4serve.worker.sampling_params import SamplingParams
 
-
 # ------------------------------------------------------------------------------ API -> worker
+
 
 class AddRequest(msgspec.Struct, frozen=True, tag="add", forbid_unknown_fields=True):
     request_id: str
@@ -30,10 +28,11 @@ class Shutdown(msgspec.Struct, frozen=True, tag="shutdown", forbid_unknown_field
     pass
 
 
-ToWorker = Union[AddRequest, AbortRequest, Shutdown]
+ToWorker = AddRequest | AbortRequest | Shutdown
 
 
 # ------------------------------------------------------------------------------ worker -> API
+
 
 class Ready(msgspec.Struct, frozen=True, tag="ready", forbid_unknown_fields=True):
     """What the worker actually allocated, not what was asked for."""
@@ -102,7 +101,7 @@ class WorkerFailed(msgspec.Struct, frozen=True, tag="failed", forbid_unknown_fie
     message: str
 
 
-FromWorker = Union[Ready, RequestOutput, Rejected, Stats, WorkerFailed]
+FromWorker = Ready | RequestOutput | Rejected | Stats | WorkerFailed
 
 
 class Codec:

@@ -15,8 +15,8 @@ Three config dialects are understood:
 from __future__ import annotations
 
 import dataclasses
-import math
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -111,16 +111,21 @@ def _validate(a: ModelArgs) -> None:
         if not cond:
             raise ModelConfigError(msg)
 
-    need(len(a.compress_ratios) == a.n_all_layers,
-         f"compress_ratios has {len(a.compress_ratios)} entries; expected n_layers + MTP layers "
-         f"= {a.n_layers} + {a.n_mtp_layers}")
+    need(
+        len(a.compress_ratios) == a.n_all_layers,
+        f"compress_ratios has {len(a.compress_ratios)} entries; expected n_layers + MTP layers "
+        f"= {a.n_layers} + {a.n_mtp_layers}",
+    )
     need(len(a.layer_kinds) == a.n_all_layers, "layer_kinds must have one entry per layer")
     for i, (r, k) in enumerate(zip(a.compress_ratios, a.layer_kinds)):
         need((r == 0) == (k == "swa"), f"layer {i}: ratio {r} does not fit kind {k}")
-        need(k != "csa" or r == CSA_RATIO,
-             f"layer {i}: CSA layers use overlapping windows of ratio {CSA_RATIO}, got {r}")
-    need(0 < a.rope_head_dim <= a.head_dim and a.rope_head_dim % 2 == 0,
-         f"rope_head_dim {a.rope_head_dim} must be even and at most head_dim {a.head_dim}")
+        need(
+            k != "csa" or r == CSA_RATIO, f"layer {i}: CSA layers use overlapping windows of ratio {CSA_RATIO}, got {r}"
+        )
+    need(
+        0 < a.rope_head_dim <= a.head_dim and a.rope_head_dim % 2 == 0,
+        f"rope_head_dim {a.rope_head_dim} must be even and at most head_dim {a.head_dim}",
+    )
     need(a.rope_head_dim <= a.index_head_dim, "index_head_dim must hold the rope dims")
     need(a.n_heads % a.o_groups == 0, f"n_heads {a.n_heads} must divide into o_groups {a.o_groups}")
     need(0 < a.n_activated_experts <= a.n_routed_experts, "n_activated_experts out of range")
@@ -129,11 +134,14 @@ def _validate(a: ModelArgs) -> None:
     need(a.hc_mult >= 1 and a.hc_sinkhorn_iters >= 1, "hc_mult and hc_sinkhorn_iters must be >= 1")
     need(a.score_func in ("sqrtsoftplus", "softmax", "sigmoid"), f"unknown score_func {a.score_func}")
     if a.expert_dtype == "fp4":
-        need(a.dim % 32 == 0 and a.moe_inter_dim % 32 == 0,
-             "FP4 experts need dim and moe_inter_dim divisible by 32 (one e8m0 scale per 32 K)")
+        need(
+            a.dim % 32 == 0 and a.moe_inter_dim % 32 == 0,
+            "FP4 experts need dim and moe_inter_dim divisible by 32 (one e8m0 scale per 32 K)",
+        )
 
 
 # ---------------------------------------------------------------------------------------- reading
+
 
 def read_model_args(folder: str | Path, expert_dtype_hint: ExpertDtype | None = None) -> ModelArgs:
     """Read `config.json` (and `inference/config.json` where present) from a checkpoint folder.
@@ -160,8 +168,9 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def args_from_dicts(root: dict[str, Any], ref: dict[str, Any] | None = None,
-                    expert_dtype_hint: ExpertDtype | None = None) -> ModelArgs:
+def args_from_dicts(
+    root: dict[str, Any], ref: dict[str, Any] | None = None, expert_dtype_hint: ExpertDtype | None = None
+) -> ModelArgs:
     """Build ModelArgs from an HF-style `config.json` dict and/or a reference `inference/config.json`."""
     ref = ref or {}
     mt = root.get("model_type")
@@ -219,8 +228,9 @@ def args_from_dicts(root: dict[str, Any], ref: dict[str, Any] | None = None,
         compress_ratios=ratios,
         layer_kinds=layer_kinds,
         n_mtp_layers=n_mtp,
-        max_position_embeddings=int(root.get("max_position_embeddings")
-                                    or rope["original_seq_len"] * rope["rope_factor"]),
+        max_position_embeddings=int(
+            root.get("max_position_embeddings") or rope["original_seq_len"] * rope["rope_factor"]
+        ),
         bos_token_id=int(root.get("bos_token_id", 0)),
         eos_token_id=int(eos[0] if isinstance(eos, list) else eos),
         norm_topk_prob=bool(root.get("norm_topk_prob", True)),
@@ -261,8 +271,9 @@ class _Getter:
         return float(value)
 
 
-def _layer_schedule(root: dict[str, Any], ref: dict[str, Any],
-                    n_layers: int) -> tuple[tuple[LayerKind, ...], tuple[int, ...], int]:
+def _layer_schedule(
+    root: dict[str, Any], ref: dict[str, Any], n_layers: int
+) -> tuple[tuple[LayerKind, ...], tuple[int, ...], int]:
     ratios = root.get("compress_ratios", ref.get("compress_ratios"))
     if ratios is not None:
         ratios = [int(r) for r in ratios]
@@ -273,8 +284,11 @@ def _layer_schedule(root: dict[str, Any], ref: dict[str, Any],
     layer_types = root.get("layer_types")
     if layer_types is None:
         raise ModelConfigError("config has neither compress_ratios nor layer_types")
-    rates = {"compressed_sparse_attention": CSA_RATIO, "heavily_compressed_attention": 128,
-             **(root.get("compress_rates") or {})}
+    rates = {
+        "compressed_sparse_attention": CSA_RATIO,
+        "heavily_compressed_attention": 128,
+        **(root.get("compress_rates") or {}),
+    }
     if len(layer_types) != n_layers:
         raise ModelConfigError(f"layer_types has {len(layer_types)} entries for {n_layers} layers")
     kinds, out = [], []
@@ -327,20 +341,23 @@ def _rope(root: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _storage(root: dict[str, Any], ref: dict[str, Any],
-             expert_dtype_hint: ExpertDtype | None) -> tuple[WeightDtype, ExpertDtype, str | None,
-                                                             tuple[int, int]]:
+def _storage(
+    root: dict[str, Any], ref: dict[str, Any], expert_dtype_hint: ExpertDtype | None
+) -> tuple[WeightDtype, ExpertDtype, str | None, tuple[int, int]]:
     quant = root.get("quantization_config") or {}
     if quant:
         if quant.get("quant_method") != "fp8" or quant.get("fmt", "e4m3") != "e4m3":
-            raise ModelConfigError(f"unsupported quantization_config {quant}; dsv4serve reads the "
-                                   "official FP8 e4m3 / FP4 checkpoint or an unquantized one")
+            raise ModelConfigError(
+                f"unsupported quantization_config {quant}; dsv4serve reads the "
+                "official FP8 e4m3 / FP4 checkpoint or an unquantized one"
+            )
         block = tuple(int(b) for b in quant.get("weight_block_size", (128, 128)))
-        expert = (ref.get("expert_dtype") or root.get("expert_dtype") or quant.get("expert_dtype")
-                  or expert_dtype_hint)
+        expert = ref.get("expert_dtype") or root.get("expert_dtype") or quant.get("expert_dtype") or expert_dtype_hint
         if expert is None:
-            raise ModelConfigError("the config does not say how the experts are stored (expert_dtype) "
-                                   "and the checkpoint could not be probed")
+            raise ModelConfigError(
+                "the config does not say how the experts are stored (expert_dtype) "
+                "and the checkpoint could not be probed"
+            )
         if expert not in ("fp4", "fp8"):
             raise ModelConfigError(f"unsupported expert_dtype {expert!r}")
         return "fp8", expert, quant.get("scale_fmt", ref.get("scale_fmt")), (block[0], block[1])

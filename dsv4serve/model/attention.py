@@ -21,10 +21,10 @@ from torch import nn
 from dsv4serve.model.args import ModelArgs
 from dsv4serve.model.compressor import Compressor
 from dsv4serve.model.indexer import Indexer
+from dsv4serve.model.kv_pool import LayerCache
 from dsv4serve.model.layers import Linear, RMSNorm
 from dsv4serve.model.numerics import KV_BLOCK, Numerics, act_quant, fp8_quant_dequant
 from dsv4serve.model.rope import apply_rope, inv_freq, rope_cos_sin
-from dsv4serve.model.kv_pool import LayerCache
 
 
 @dataclass(frozen=True)
@@ -48,19 +48,25 @@ class BatchLayout:
     max_end: int  # the most tokens a row holds after this step
 
     @classmethod
-    def of(cls, spans: list[RowSpan], device: torch.device) -> "BatchLayout":
+    def of(cls, spans: list[RowSpan], device: torch.device) -> BatchLayout:
         i32 = dict(dtype=torch.int32, device=device)
         cu = [0] + [s.end for s in spans]
         table = torch.full((len(spans), max(int(s.pages.numel()) for s in spans)), -1, **i32)
         for b, s in enumerate(spans):
-            table[b, :s.pages.numel()] = s.pages
-        return cls(torch.tensor(cu, **i32), torch.tensor([s.start_pos for s in spans], **i32),
-                   torch.tensor([s.slot for s in spans], **i32), table,
-                   max(s.end - s.begin for s in spans), max(s.start_pos + s.end - s.begin for s in spans))
+            table[b, : s.pages.numel()] = s.pages
+        return cls(
+            torch.tensor(cu, **i32),
+            torch.tensor([s.start_pos for s in spans], **i32),
+            torch.tensor([s.slot for s in spans], **i32),
+            table,
+            max(s.end - s.begin for s in spans),
+            max(s.start_pos + s.end - s.begin for s in spans),
+        )
 
 
-def sparse_attention(q: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor, sink: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+def sparse_attention(
+    q: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor, sink: torch.Tensor, scale: float
+) -> torch.Tensor:
     """q [T, H, d], keys (= values) [L, d], allowed [T, L] bool, sink [H] -> [T, H, d] fp32.
 
     The sink logit joins only the denominator: o = sum_j e^(s_j - M) v_j / (sum_j e^(s_j - M) + e^(sink - M)).
@@ -83,7 +89,7 @@ class Attention(nn.Module):
         self.window_size, self.eps = args.window_size, args.norm_eps
         self.n_groups, self.o_lora_rank = args.o_groups, args.o_lora_rank
         self.compress_ratio = args.compress_ratios[layer_id]
-        self.softmax_scale = self.head_dim ** -0.5
+        self.softmax_scale = self.head_dim**-0.5
         self.attn_sink = nn.Parameter(torch.empty(self.n_heads))
         self.wq_a = Linear(args.dim, args.q_lora_rank, fp8_act=True)
         self.q_norm = RMSNorm(args.q_lora_rank, args.norm_eps)
@@ -97,8 +103,15 @@ class Attention(nn.Module):
         self.indexer = Indexer(args, self.compress_ratio) if args.kind(layer_id) == "csa" else None
         self.register_buffer("freqs", inv_freq(args, bool(self.compress_ratio)), persistent=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, spans: list[RowSpan], layout: BatchLayout,
-                cache: LayerCache, num: Numerics) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        spans: list[RowSpan],
+        layout: BatchLayout,
+        cache: LayerCache,
+        num: Numerics,
+    ) -> torch.Tensor:
         """x [N, D] compute dtype (attn_norm output), positions [N] -> [N, D] compute dtype."""
         cos, sin = rope_cos_sin(self.freqs, positions)
         xq = act_quant(x, num)  # shared by wq_a and wkv
@@ -123,8 +136,9 @@ class Attention(nn.Module):
         o = apply_rope(o, cos, sin, inverse=True)
         return self._project_out(o, num)
 
-    def _compressed_inputs(self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                           num: Numerics) -> dict[str, torch.Tensor]:
+    def _compressed_inputs(
+        self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num: Numerics
+    ) -> dict[str, torch.Tensor]:
         """Per-token inputs of the compressors and indexer, computed on all packed tokens at once."""
         out: dict[str, torch.Tensor] = {}
         if self.compressor is not None:
@@ -134,21 +148,45 @@ class Attention(nn.Module):
             out["ikv"], out["igate"] = self.indexer.compressor.project(x, num)
         return out
 
-    def _update_compressors(self, spans: list[RowSpan], cache: LayerCache, extras: dict[str, torch.Tensor],
-                            num: Numerics) -> None:
+    def _update_compressors(
+        self, spans: list[RowSpan], cache: LayerCache, extras: dict[str, torch.Tensor], num: Numerics
+    ) -> None:
         """Feed each row's tokens to the compressors: closed windows become entries in the row's pages
         (rows are separate sequences, so all are written before any row attends)."""
         for span in spans:
             rows = slice(span.begin, span.end)
             if self.compressor is not None:
-                self.compressor.update(extras["kv"][rows], extras["gate"][rows], span.start_pos, cache.comp,
-                                       span.slot, span.pages, self.freqs, num)
+                self.compressor.update(
+                    extras["kv"][rows],
+                    extras["gate"][rows],
+                    span.start_pos,
+                    cache.comp,
+                    span.slot,
+                    span.pages,
+                    self.freqs,
+                    num,
+                )
             if self.indexer is not None:
-                self.indexer.compressor.update(extras["ikv"][rows], extras["igate"][rows], span.start_pos,
-                                               cache.idx, span.slot, span.pages, self.freqs, num)
+                self.indexer.compressor.update(
+                    extras["ikv"][rows],
+                    extras["igate"][rows],
+                    span.start_pos,
+                    cache.idx,
+                    span.slot,
+                    span.pages,
+                    self.freqs,
+                    num,
+                )
 
-    def _attend_row(self, q: torch.Tensor, kv: torch.Tensor, span: RowSpan, cache: LayerCache,
-                    topk: torch.Tensor | None, num: Numerics) -> torch.Tensor:
+    def _attend_row(
+        self,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        span: RowSpan,
+        cache: LayerCache,
+        topk: torch.Tensor | None,
+        num: Numerics,
+    ) -> torch.Tensor:
         """One row's T tokens: q [T, H, d], kv [T, d], the indexer's choice topk [T, index_topk] (CSA)
         -> [T, H, d]; writes the row's keys into its window ring."""
         start_pos, slot, dev = span.start_pos, span.slot, kv.device
@@ -176,40 +214,73 @@ class Attention(nn.Module):
         for t in range(n_new):  # each query over exactly its own keys, in position / entry order
             mine = keys[allowed[t].nonzero().squeeze(1)]
             every = torch.ones(1, mine.shape[0], dtype=torch.bool, device=q.device)
-            out[t] = sparse_attention(q[t:t + 1], mine, every, self.attn_sink, self.softmax_scale)[0]
+            out[t] = sparse_attention(q[t : t + 1], mine, every, self.attn_sink, self.softmax_scale)[0]
         return out
 
     def _store_window(self, ring: torch.Tensor, kv: torch.Tensor, start_pos: int) -> None:
         """Keep a row's last `window` keys kv [T, d] (positions start_pos..) in its ring [W, d]."""
         kept = start_pos + torch.arange(max(0, kv.shape[0] - self.window_size), kv.shape[0], device=kv.device)
-        ring[kept % self.window_size] = kv[-self.window_size:].to(ring.dtype)
+        ring[kept % self.window_size] = kv[-self.window_size :].to(ring.dtype)
 
-    def _attend_kernel(self, q: torch.Tensor, kv: torch.Tensor, spans: list[RowSpan], layout: BatchLayout,
-                       cache: LayerCache, topk: torch.Tensor | None, num: Numerics) -> torch.Tensor:
+    def _attend_kernel(
+        self,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        spans: list[RowSpan],
+        layout: BatchLayout,
+        cache: LayerCache,
+        topk: torch.Tensor | None,
+        num: Numerics,
+    ) -> torch.Tensor:
         """Every row at once: q [N, H, d], kv [N, d], topk [N, index_topk] int32 (CSA) -> [N, H, d] compute
         dtype; then writes the rows' keys into their window rings."""
         from dsv4_kernels.sparse_attention import paged_sparse_attention  # lazy: kernels build on import
 
         comp = cache.comp.entries if cache.comp is not None else None
-        o = paged_sparse_attention(q, kv, cache.swa, layout.cu_seqlens, layout.start_pos, layout.seq_slot,
-                                   self.attn_sink, self.softmax_scale, comp_kv=comp,
-                                   block_table=layout.block_table if comp is not None else None, topk_idx=topk,
-                                   ratio=self.compress_ratio)
+        o = paged_sparse_attention(
+            q,
+            kv,
+            cache.swa,
+            layout.cu_seqlens,
+            layout.start_pos,
+            layout.seq_slot,
+            self.attn_sink,
+            self.softmax_scale,
+            comp_kv=comp,
+            block_table=layout.block_table if comp is not None else None,
+            topk_idx=topk,
+            ratio=self.compress_ratio,
+        )
         for span in spans:  # after the kernel: it reads the ring as it was before this step
-            self._store_window(cache.swa[span.slot], kv[span.begin:span.end], span.start_pos)
+            self._store_window(cache.swa[span.slot], kv[span.begin : span.end], span.start_pos)
         return o.to(num.compute_dtype)
 
-    def _select(self, spans: list[RowSpan], layout: BatchLayout, cache: LayerCache,
-                extras: dict[str, torch.Tensor], num: Numerics) -> torch.Tensor:
+    def _select(
+        self,
+        spans: list[RowSpan],
+        layout: BatchLayout,
+        cache: LayerCache,
+        extras: dict[str, torch.Tensor],
+        num: Numerics,
+    ) -> torch.Tensor:
         """The indexer's choice for every packed row: [N, index_topk] int32 entry indices, -1 padded."""
         assert self.indexer is not None and cache.idx is not None
         ratio, topk = self.compress_ratio, self.indexer.index_topk
         if num.backends.indexer == "triton":
             from dsv4_kernels.indexer_topk import indexer_topk  # lazy: kernels build on import
 
-            return indexer_topk(extras["iq"], extras["iw"], cache.idx.entries, layout.block_table,
-                                layout.cu_seqlens, layout.start_pos, ratio, topk, layout.max_rows,
-                                layout.max_end // ratio)
+            return indexer_topk(
+                extras["iq"],
+                extras["iw"],
+                cache.idx.entries,
+                layout.block_table,
+                layout.cu_seqlens,
+                layout.start_pos,
+                ratio,
+                topk,
+                layout.max_rows,
+                layout.max_end // ratio,
+            )
         chosen = []
         for span in spans:
             rows, dev = slice(span.begin, span.end), layout.cu_seqlens.device
@@ -217,8 +288,9 @@ class Attention(nn.Module):
             n_entries = (span.start_pos + span.end - span.begin) // ratio
             visible = torch.arange(n_entries, device=dev)[None, :] < ((q_pos + 1) // ratio)[:, None]
             keys = cache.idx.read(span.pages, n_entries)
-            chosen.append(self.indexer.as_indices(self.indexer.select(extras["iq"][rows], extras["iw"][rows], keys,
-                                                                      visible)))
+            chosen.append(
+                self.indexer.as_indices(self.indexer.select(extras["iq"][rows], extras["iw"][rows], keys, visible))
+            )
         return torch.cat(chosen)
 
     def _project_out(self, o: torch.Tensor, num: Numerics) -> torch.Tensor:

@@ -37,7 +37,7 @@ class KernelBackends:
                 raise ValueError(f"kernel backend {f.name}={getattr(self, f.name)!r}: expected one of {BACKENDS}")
 
     @classmethod
-    def every(cls, backend: Backend) -> "KernelBackends":
+    def every(cls, backend: Backend) -> KernelBackends:
         return cls(**{name: backend for name in kernel_names()})
 
     def uses_triton(self) -> bool:
@@ -57,7 +57,7 @@ def default_backends(device: torch.device | str) -> KernelBackends:
 
 
 def parse_backends(spec: str, base: KernelBackends = TORCH) -> KernelBackends:
-    """"attention=triton,fp4_moe=torch" or "all=triton" (applied left to right over `base`).
+    """ "attention=triton,fp4_moe=torch" or "all=triton" (applied left to right over `base`).
 
     Raises ValueError naming the part that is malformed, the unknown kernel or the unknown backend.
     """
@@ -72,15 +72,17 @@ def parse_backends(spec: str, base: KernelBackends = TORCH) -> KernelBackends:
         if not sep or not kernel or not backend:
             raise ValueError(f"kernel backends {spec!r}: part {part!r} is not KERNEL=BACKEND")
         if backend not in BACKENDS:
-            raise ValueError(f"kernel backends {spec!r}: part {part!r} names backend {backend!r}; "
-                             f"expected one of {BACKENDS}")
+            raise ValueError(
+                f"kernel backends {spec!r}: part {part!r} names backend {backend!r}; expected one of {BACKENDS}"
+            )
         if kernel == "all":
             result = KernelBackends.every(backend)  # type: ignore[arg-type]
         elif kernel in names:
             result = replace(result, **{kernel: backend})
         else:
-            raise ValueError(f"kernel backends {spec!r}: part {part!r} names kernel {kernel!r}; "
-                             f"expected 'all' or one of {names}")
+            raise ValueError(
+                f"kernel backends {spec!r}: part {part!r} names kernel {kernel!r}; expected 'all' or one of {names}"
+            )
     return result
 
 

@@ -13,11 +13,19 @@ import torch
 from torch import nn
 
 from dsv4serve.model.args import ModelArgs
-from dsv4serve.model.layers import Linear, RMSNorm
-from dsv4serve.model.numerics import (FP4_BLOCK, KV_BLOCK, Numerics, fp4_quant_dequant, fp8_quant_dequant, hadamard,
-                                      in_fp64, matmul)
-from dsv4serve.model.rope import apply_rope, rope_cos_sin
 from dsv4serve.model.kv_pool import CompressedCache
+from dsv4serve.model.layers import Linear, RMSNorm
+from dsv4serve.model.numerics import (
+    FP4_BLOCK,
+    KV_BLOCK,
+    Numerics,
+    fp4_quant_dequant,
+    fp8_quant_dequant,
+    hadamard,
+    in_fp64,
+    matmul,
+)
+from dsv4serve.model.rope import apply_rope, rope_cos_sin
 
 
 class Compressor(nn.Module):
@@ -37,8 +45,17 @@ class Compressor(nn.Module):
         xf = x.float()
         return matmul(xf, self.wkv.weight.float(), num), matmul(xf, self.wgate.weight.float(), num)
 
-    def update(self, kv: torch.Tensor, gate: torch.Tensor, start_pos: int, cache: CompressedCache, slot: int,
-               pages: torch.Tensor, freqs: torch.Tensor, num: Numerics) -> None:
+    def update(
+        self,
+        kv: torch.Tensor,
+        gate: torch.Tensor,
+        start_pos: int,
+        cache: CompressedCache,
+        slot: int,
+        pages: torch.Tensor,
+        freqs: torch.Tensor,
+        num: Numerics,
+    ) -> None:
         """Feed one row's tokens [T, coff * d] at positions start_pos.. of the sequence in `slot`: closed
         windows become entries in the row's pages, the rest stays in the slot's carry."""
         ratio = self.ratio
@@ -49,8 +66,8 @@ class Compressor(nn.Module):
         score = torch.cat((cache.pending_score[slot, :n_pending], gate + self.ape.float()[slots]))
         n_windows = kv.shape[0] // ratio
         cut = n_windows * ratio
-        cache.pending_kv[slot, :kv.shape[0] - cut] = kv[cut:]
-        cache.pending_score[slot, :kv.shape[0] - cut] = score[cut:]
+        cache.pending_kv[slot, : kv.shape[0] - cut] = kv[cut:]
+        cache.pending_score[slot, : kv.shape[0] - cut] = score[cut:]
         if n_windows == 0:
             return
         first = start_pos // ratio  # entries closed before this row
@@ -73,8 +90,9 @@ class Compressor(nn.Module):
             return compressor_pool(kv, score)
         return (kv * in_fp64(lambda z: z.softmax(dim=1), score)).sum(dim=1)
 
-    def _overlap(self, kv: torch.Tensor, score: torch.Tensor, cache: CompressedCache, slot: int,
-                 has_prev: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def _overlap(
+        self, kv: torch.Tensor, score: torch.Tensor, cache: CompressedCache, slot: int, has_prev: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """[W, ratio, 2d] -> [W, 2*ratio, d]: window w-1's A halves, then window w's B halves."""
         d = self.head_dim
         prev_kv = kv.new_zeros(kv.shape[0], self.ratio, d)

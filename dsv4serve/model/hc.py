@@ -29,15 +29,23 @@ def sinkhorn(logits: torch.Tensor, n_iters: int, eps: float) -> torch.Tensor:
     return comb
 
 
-def hc_pre(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, n_iters: int,
-           hc_eps: float, norm_eps: float, num: Numerics) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def hc_pre(
+    h: torch.Tensor,
+    fn: torch.Tensor,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    n_iters: int,
+    hc_eps: float,
+    norm_eps: float,
+    num: Numerics,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """h [N, hc, D] -> (x [N, D] in h's dtype, post [N, hc] fp32, comb [N, hc, hc] fp32)."""
     hc = h.shape[1]
     m = _mixes(h, fn, norm_eps, num)
     scale, base = scale.float(), base.float()
     pre = in_fp64(torch.sigmoid, m[:, :hc] * scale[0] + base[:hc]) + hc_eps
-    post = 2 * in_fp64(torch.sigmoid, m[:, hc:2 * hc] * scale[1] + base[hc:2 * hc])
-    comb_logits = m[:, 2 * hc:].unflatten(-1, (hc, hc)) * scale[2] + base[2 * hc:].view(hc, hc)
+    post = 2 * in_fp64(torch.sigmoid, m[:, hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
+    comb_logits = m[:, 2 * hc :].unflatten(-1, (hc, hc)) * scale[2] + base[2 * hc :].view(hc, hc)
     comb = sinkhorn(comb_logits, n_iters, hc_eps)
     x = (pre.unsqueeze(-1) * h.float()).sum(dim=1)
     return x.to(h.dtype), post, comb
@@ -49,8 +57,15 @@ def hc_post(out: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.
     return (post.unsqueeze(-1) * out.float().unsqueeze(1) + mixed).to(h.dtype)
 
 
-def hc_head(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
-            hc_eps: float, norm_eps: float, num: Numerics) -> torch.Tensor:
+def hc_head(
+    h: torch.Tensor,
+    fn: torch.Tensor,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    hc_eps: float,
+    norm_eps: float,
+    num: Numerics,
+) -> torch.Tensor:
     """Final collapse of the streams: h [N, hc, D] -> [N, D] in h's dtype (no Sinkhorn, no post)."""
     m = _mixes(h, fn, norm_eps, num)
     pre = in_fp64(torch.sigmoid, m * scale.float() + base.float()) + hc_eps

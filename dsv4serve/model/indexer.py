@@ -24,10 +24,11 @@ class Indexer(nn.Module):
         self.wq_b = Linear(args.q_lora_rank, self.n_heads * self.head_dim, fp8_act=True)
         self.weights_proj = Linear(args.dim, self.n_heads, fp8_act=False)
         self.compressor = Compressor(args, ratio, self.head_dim, rotate=True)
-        self.weight_scale = self.head_dim ** -0.5 * self.n_heads ** -0.5
+        self.weight_scale = self.head_dim**-0.5 * self.n_heads**-0.5
 
-    def queries(self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                num: Numerics) -> tuple[torch.Tensor, torch.Tensor]:
+    def queries(
+        self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num: Numerics
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, D], qr [N, q_lora] -> (q [N, H_I, d_I] compute dtype, head weights [N, H_I] fp32)."""
         q = self.wq_b(qr, num).unflatten(-1, (self.n_heads, self.head_dim))
         q = apply_rope(q, cos, sin)
@@ -36,8 +37,7 @@ class Indexer(nn.Module):
         weights = self.weights_proj(x, num).float() * self.weight_scale
         return q, weights
 
-    def select(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
-               visible: torch.Tensor) -> torch.Tensor:
+    def select(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
         """q [T, H_I, d_I], weights [T, H_I], keys [S, d_I], visible [T, S] -> chosen [T, S] bool.
 
         Scores are accumulated in fp32. Each query keeps its top `index_topk` visible entries; equal
@@ -51,7 +51,7 @@ class Indexer(nn.Module):
         scores = (q.float().unsqueeze(2) * keys.float()).sum(dim=-1).relu_()  # [T, H_I, S]
         scores = (scores * weights.unsqueeze(-1)).sum(dim=1)  # [T, S]
         scores = scores.masked_fill(~visible, float("-inf"))
-        top = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :self.index_topk]
+        top = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, : self.index_topk]
         chosen = torch.zeros_like(visible).scatter_(1, top, True)
         return chosen & visible
 
@@ -60,7 +60,7 @@ class Indexer(nn.Module):
         indices in ascending order, -1 padded: the indexer_topk kernel's output layout."""
         n_entries = chosen.shape[1]
         cols = torch.arange(n_entries, device=chosen.device).expand_as(chosen)
-        order = torch.where(chosen, cols, cols + n_entries).sort(dim=1).values[:, :self.index_topk]
+        order = torch.where(chosen, cols, cols + n_entries).sort(dim=1).values[:, : self.index_topk]
         order = torch.where(order < n_entries, order, -1)
         return F.pad(order, (0, self.index_topk - order.shape[1]), value=-1).to(torch.int32)
 

@@ -50,16 +50,28 @@ class CompressedCache:
     prev_score: torch.Tensor | None
 
     @classmethod
-    def empty(cls, ratio: int, page_tokens: int, d: int, num_pages: int, num_slots: int, dtype: torch.dtype,
-              device: torch.device) -> "CompressedCache":
+    def empty(
+        cls,
+        ratio: int,
+        page_tokens: int,
+        d: int,
+        num_pages: int,
+        num_slots: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> CompressedCache:
         overlap = ratio == 4
         width = (2 if overlap else 1) * d
         f32 = dict(dtype=torch.float32, device=device)
-        return cls(ratio, page_tokens // ratio,
-                   torch.zeros(num_pages, page_tokens // ratio, d, dtype=dtype, device=device),
-                   torch.zeros(num_slots, ratio, width, **f32), torch.zeros(num_slots, ratio, width, **f32),
-                   torch.zeros(num_slots, ratio, d, **f32) if overlap else None,
-                   torch.zeros(num_slots, ratio, d, **f32) if overlap else None)
+        return cls(
+            ratio,
+            page_tokens // ratio,
+            torch.zeros(num_pages, page_tokens // ratio, d, dtype=dtype, device=device),
+            torch.zeros(num_slots, ratio, width, **f32),
+            torch.zeros(num_slots, ratio, width, **f32),
+            torch.zeros(num_slots, ratio, d, **f32) if overlap else None,
+            torch.zeros(num_slots, ratio, d, **f32) if overlap else None,
+        )
 
     def _where(self, pages: torch.Tensor, first: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         e = torch.arange(first, first + n, device=pages.device)
@@ -85,8 +97,11 @@ class CompressedCache:
             self.prev_kv, self.prev_score = _grow(self.prev_kv, num_slots), _grow(self.prev_score, num_slots)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.entries, self.pending_kv, self.pending_score, self.prev_kv, self.prev_score)
-                if t is not None]
+        return [
+            t
+            for t in (self.entries, self.pending_kv, self.pending_score, self.prev_kv, self.prev_score)
+            if t is not None
+        ]
 
 
 @dataclass
@@ -104,8 +119,16 @@ class KvPool:
     sequence slots. Engine pools are fixed and their ids come from the scheduler; a standalone pool
     (`standalone=True`, for direct use of the model) hands out ids itself and grows on demand."""
 
-    def __init__(self, args: ModelArgs, dtype: torch.dtype, num_pages: int, num_slots: int,
-                 include_mtp: bool = False, device: torch.device | str = "cpu", standalone: bool = False):
+    def __init__(
+        self,
+        args: ModelArgs,
+        dtype: torch.dtype,
+        num_pages: int,
+        num_slots: int,
+        include_mtp: bool = False,
+        device: torch.device | str = "cpu",
+        standalone: bool = False,
+    ):
         self.args, self.dtype, self.device = args, dtype, torch.device(device)
         self.page_tokens = args.page_tokens
         self.num_pages, self.num_slots = num_pages, num_slots
@@ -119,10 +142,18 @@ class KvPool:
         a, dev = self.args, self.device
         ratio = a.compress_ratios[layer_id]
         swa = torch.zeros(self.num_slots, a.window_size, a.head_dim, dtype=self.dtype, device=dev)
-        comp = (CompressedCache.empty(ratio, self.page_tokens, a.head_dim, self.num_pages, self.num_slots,
-                                      self.dtype, dev) if ratio else None)
-        idx = (CompressedCache.empty(ratio, self.page_tokens, a.index_head_dim, self.num_pages, self.num_slots,
-                                     self.dtype, dev) if a.kind(layer_id) == "csa" else None)
+        comp = (
+            CompressedCache.empty(ratio, self.page_tokens, a.head_dim, self.num_pages, self.num_slots, self.dtype, dev)
+            if ratio
+            else None
+        )
+        idx = (
+            CompressedCache.empty(
+                ratio, self.page_tokens, a.index_head_dim, self.num_pages, self.num_slots, self.dtype, dev
+            )
+            if a.kind(layer_id) == "csa"
+            else None
+        )
         return LayerCache(swa, comp, idx)
 
     # ------------------------------------------------------------------ sizes
@@ -133,8 +164,12 @@ class KvPool:
     @property
     def page_bytes(self) -> int:
         """Bytes one page takes across all layers."""
-        return sum(c.entries[0].numel() * c.entries.element_size()
-                   for layer in self.layers for c in (layer.comp, layer.idx) if c is not None)
+        return sum(
+            c.entries[0].numel() * c.entries.element_size()
+            for layer in self.layers
+            for c in (layer.comp, layer.idx)
+            if c is not None
+        )
 
     # ------------------------------------------------------------------ slots
     def copy_slot(self, src: int, dst: int) -> None:
@@ -160,8 +195,10 @@ class KvPool:
         if need <= 0:
             return
         if self._pages is None:
-            raise RuntimeError(f"sequence in slot {seq.slot} has {len(seq.pages)} pages, {n_tokens} tokens "
-                               "need more: the scheduler did not assign them")
+            raise RuntimeError(
+                f"sequence in slot {seq.slot} has {len(seq.pages)} pages, {n_tokens} tokens "
+                "need more: the scheduler did not assign them"
+            )
         if need > self._pages.num_free:
             self._resize(max(2 * self.num_pages, self.num_pages + need), self.num_slots)
         seq.pages.extend(self._pages.take(need))

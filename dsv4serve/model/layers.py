@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dsv4_kernels.formats import dequant_fp8_block, quant_fp8_block
 from dsv4serve.model.numerics import Numerics, linear
-from dsv4serve.model.quant import dequant_fp8_block, quant_fp8_block
 
 
 class Linear(nn.Module):
@@ -50,8 +50,10 @@ class Linear(nn.Module):
         if self.fp8_stored and num.backends.fp8_gemm == "triton":
             return self._fp8_kernel(x)
         if self.weight is None:
-            raise RuntimeError("this projection was loaded packed for fp8_gemm=triton and holds no dense weight: "
-                               "fp8_gemm=torch needs the model loaded dense (iter_dense)")
+            raise RuntimeError(
+                "this projection was loaded packed for fp8_gemm=triton and holds no dense weight: "
+                "fp8_gemm=torch needs the model loaded dense (iter_dense)"
+            )
         return linear(x, self.weight, num, self.fp8_act, x_quantized)
 
     def _fp8_kernel(self, x: torch.Tensor) -> torch.Tensor:

@@ -14,16 +14,17 @@ experts and only the kernel runs); the expert-slot-cache path stays on torch.
 
 from __future__ import annotations
 
-from typing import Iterator, Protocol
+from collections.abc import Iterator
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dsv4_kernels.formats import dequant_fp4, quant_fp4
 from dsv4serve.model.args import ModelArgs
 from dsv4serve.model.layers import Linear
 from dsv4serve.model.numerics import Numerics, act_quant, in_fp64, linear, matmul
-from dsv4serve.model.quant import dequant_fp4, quant_fp4
 
 FP4_PARTS = ("w1", "w3", "w2")
 
@@ -32,8 +33,9 @@ class ExpertSource(Protocol):
     """Lends each routed expert's packed MXFP4 parts (`w1`, `w1_scale`, ... as the checkpoint stores
     them), in an order of its choosing; a lent slot stays valid until the next one is asked for."""
 
-    def layer_experts(self, layer: int, experts: list[int],
-                      token_ids: torch.Tensor) -> Iterator[tuple[int, dict[str, torch.Tensor]]]: ...
+    def layer_experts(
+        self, layer: int, experts: list[int], token_ids: torch.Tensor
+    ) -> Iterator[tuple[int, dict[str, torch.Tensor]]]: ...
 
 
 class Gate(nn.Module):
@@ -51,8 +53,7 @@ class Gate(nn.Module):
         else:
             self.bias = nn.Parameter(torch.zeros(args.n_routed_experts))
 
-    def forward(self, x: torch.Tensor, token_ids: torch.Tensor,
-                num: Numerics) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor, num: Numerics) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, D] -> (weights [N, k] fp32, expert ids [N, k] int64)."""
         logits = matmul(x.float(), self.weight.float(), num)
         if self.score_func == "softmax":
@@ -98,8 +99,15 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, swiglu_limit: float, weights: t
     return weights * act if weights is not None else act
 
 
-def swiglu_expert(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, swiglu_limit: float,
-                  num: Numerics, weights: torch.Tensor | None = None) -> torch.Tensor:
+def swiglu_expert(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    w2: torch.Tensor,
+    swiglu_limit: float,
+    num: Numerics,
+    weights: torch.Tensor | None = None,
+) -> torch.Tensor:
     """x [n, D] already through `act_quant` -> [n, D] compute dtype; the routing weight [n, 1]
     scales before w2, in fp32. w1, w3 [I, D], w2 [D, I] dense."""
     gate = linear(x, w1, num, True, x_quantized=True)
@@ -115,8 +123,9 @@ class MoE(nn.Module):
         self.n_routed_experts = args.n_routed_experts
         self.swiglu_limit = args.swiglu_limit
         self.gate = Gate(layer_id, args)
-        self.experts = nn.ModuleList(Expert(args.dim, args.moe_inter_dim, args.swiglu_limit, routed=True)
-                                     for _ in range(args.n_routed_experts))
+        self.experts = nn.ModuleList(
+            Expert(args.dim, args.moe_inter_dim, args.swiglu_limit, routed=True) for _ in range(args.n_routed_experts)
+        )
         shared_dim = args.n_shared_experts * args.moe_inter_dim
         self.shared_experts = Expert(args.dim, shared_dim, args.swiglu_limit)
         self.expert_source: ExpertSource | None = None
@@ -165,8 +174,10 @@ class MoE(nn.Module):
         if num.backends.fp4_moe == "triton" and self.expert_source is None:
             y = self._routed_kernel(x, weights, ids)
         elif self.expert_source is None and not len(self.experts):
-            raise RuntimeError(f"layer {self.layer_id}: the routed experts were loaded packed for fp4_moe=triton; "
-                               "fp4_moe=torch needs them loaded dense (iter_dense)")
+            raise RuntimeError(
+                f"layer {self.layer_id}: the routed experts were loaded packed for fp4_moe=triton; "
+                "fp4_moe=torch needs them loaded dense (iter_dense)"
+            )
         else:
             y = self._routed_torch(x, token_ids, weights, ids, num)
         y += self.shared_experts(x, num).float()
@@ -178,11 +189,22 @@ class MoE(nn.Module):
             raise RuntimeError("fp4_moe=triton needs packed MXFP4 experts: call Transformer.use_kernels first")
         from dsv4_kernels.fp4_moe import fp4_moe  # lazy: kernel modules build their kernels on import
 
-        return fp4_moe(x, self.w1_fp4, self.w1_fp4_scale, self.w3_fp4, self.w3_fp4_scale, self.w2_fp4,
-                       self.w2_fp4_scale, weights, ids, self.swiglu_limit)
+        return fp4_moe(
+            x,
+            self.w1_fp4,
+            self.w1_fp4_scale,
+            self.w3_fp4,
+            self.w3_fp4_scale,
+            self.w2_fp4,
+            self.w2_fp4_scale,
+            weights,
+            ids,
+            self.swiglu_limit,
+        )
 
-    def _routed_torch(self, x: torch.Tensor, token_ids: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                      num: Numerics) -> torch.Tensor:
+    def _routed_torch(
+        self, x: torch.Tensor, token_ids: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, num: Numerics
+    ) -> torch.Tensor:
         """The routed experts' sum [N, D] fp32, expert by expert in ascending order (resident or cached)."""
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         counts = torch.bincount(ids.flatten(), minlength=self.n_routed_experts).tolist()
@@ -194,8 +216,15 @@ class MoE(nn.Module):
             y.index_add_(0, rows, out.float())
         return y
 
-    def _cached(self, x: torch.Tensor, token_ids: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                used: list[int], num: Numerics) -> dict[int, torch.Tensor]:
+    def _cached(
+        self,
+        x: torch.Tensor,
+        token_ids: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        used: list[int],
+        num: Numerics,
+    ) -> dict[int, torch.Tensor]:
         """Each used expert's output [n_e, D], computed in the order the cache lends the slots."""
         assert self.expert_source is not None
         dtype = self.gate.weight.dtype  # the dtype the resident experts would be loaded in (the shared

@@ -34,15 +34,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from dsv4_kernels.formats import FP4_MAX, FP8_MAX, pow2_ceil, round_e2m1
 from dsv4serve.model.backends import TORCH, KernelBackends
-from dsv4serve.model.quant import FP4_MAX, FP8_MAX, pow2_ceil, round_e2m1
 
 FP8_AMAX_FLOOR = 1e-4
-FP4_AMAX_FLOOR = 6.0 * 2.0 ** -126
+FP4_AMAX_FLOOR = 6.0 * 2.0**-126
 ACT_BLOCK = 128  # FP8 activation block along K (kernel.py act_quant)
 KV_BLOCK = 64  # FP8 QAT block on the KV nope dims
 FP4_BLOCK = 32  # FP4 QAT block on the indexer q / k
-
 
 
 @dataclass(frozen=True)
@@ -57,8 +56,10 @@ class Numerics:
     def __post_init__(self) -> None:
         fixed = [k for k in ("fp8_gemm", "fp4_moe") if getattr(self.backends, k) == "triton"]
         if fixed and not (self.fp8_act and self.compute_dtype == torch.bfloat16):
-            raise ValueError(f"the Triton {', '.join(fixed)} kernel(s) quantize activations to FP8 and round to "
-                             "bf16: they need fp8_act=True and compute_dtype=bfloat16")
+            raise ValueError(
+                f"the Triton {', '.join(fixed)} kernel(s) quantize activations to FP8 and round to "
+                "bf16: they need fp8_act=True and compute_dtype=bfloat16"
+            )
 
 
 NUMERICS_OFF = Numerics(fp8_act=False, kv_fp8=False, indexer_fp4=False, compute_dtype=torch.float32)
@@ -104,7 +105,7 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
         a, b = y[..., 0, :], y[..., 1, :]
         y = torch.stack((a + b, a - b), dim=-2).flatten(-3)
         h *= 2
-    return (y * n ** -0.5).to(x.dtype)
+    return (y * n**-0.5).to(x.dtype)
 
 
 def in_fp64(fn, x: torch.Tensor) -> torch.Tensor:
@@ -125,7 +126,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, num: Numerics) -> torch.Tensor
     if rows.shape[0] == 1:  # decode: the very same call as one row of a prefill
         out = F.linear(rows.clone(), weight)
     else:
-        out = torch.cat([F.linear(rows[i:i + 1].clone(), weight) for i in range(rows.shape[0])])
+        out = torch.cat([F.linear(rows[i : i + 1].clone(), weight) for i in range(rows.shape[0])])
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -134,8 +135,9 @@ def act_quant(x: torch.Tensor, num: Numerics) -> torch.Tensor:
     return fp8_quant_dequant(x, ACT_BLOCK) if num.fp8_act else x
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, num: Numerics, fp8_act: bool,
-           x_quantized: bool = False) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, num: Numerics, fp8_act: bool, x_quantized: bool = False
+) -> torch.Tensor:
     """y = x W^T, output in the compute dtype.
 
     `fp8_act` marks a projection the checkpoint stores in FP8/FP4: with the simulation on, its

@@ -23,8 +23,9 @@ for the engine's fits-check.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable, Literal
+from typing import Literal
 
 import torch
 from torch import nn
@@ -80,18 +81,19 @@ def spec_kind(spec: TensorSpec, backends: KernelBackends, experts_resident: bool
     if spec.group == "routed_experts":
         if not experts_resident:
             return "bank"
-        return "fp4_stacked" if backends.fp4_moe == "triton" and spec.role in ("fp4_weight", "fp4_scale") \
-            else "dense"
-    if backends.fp8_gemm == "triton" and spec.role in ("fp8_weight", "fp8_scale") \
-            and not spec.name.endswith(FP8_RUN_DENSE):
+        return "fp4_stacked" if backends.fp4_moe == "triton" and spec.role in ("fp4_weight", "fp4_scale") else "dense"
+    if (
+        backends.fp8_gemm == "triton"
+        and spec.role in ("fp8_weight", "fp8_scale")
+        and not spec.name.endswith(FP8_RUN_DENSE)
+    ):
         return "fp8_packed"
     return "dense"
 
 
 def held_bf16(name: str, backends: KernelBackends) -> bool:
     """True for a dense tensor the packed path holds in bf16 (HELD_BF16; HEAD_BF16 with head=triton)."""
-    return name == HELD_BF16[0] or name.endswith(HELD_BF16[1:]) or \
-        (name == HEAD_BF16 and backends.head == "triton")
+    return name == HELD_BF16[0] or name.endswith(HELD_BF16[1:]) or (name == HEAD_BF16 and backends.head == "triton")
 
 
 def model_specs(ckpt_specs: Iterable[TensorSpec], args: ModelArgs, include_mtp: bool) -> list[TensorSpec]:
@@ -112,35 +114,55 @@ def _dense_bytes(spec: TensorSpec, backends: KernelBackends) -> int:
     return numel * torch.empty((), dtype=dtype).element_size()
 
 
-def device_bytes(specs: Iterable[TensorSpec], args: ModelArgs, backends: KernelBackends, include_mtp: bool,
-                 experts_resident: bool = True) -> PackedBytes:
+def device_bytes(
+    specs: Iterable[TensorSpec],
+    args: ModelArgs,
+    backends: KernelBackends,
+    include_mtp: bool,
+    experts_resident: bool = True,
+) -> PackedBytes:
     """The bytes `load_packed` allocates on the device for these checkpoint specs (headers or schema,
     no data read); the expert-slot cache's own slots (experts_resident=False) are not included."""
     split = {"non_expert": 0, "routed": 0, "mtp": 0}
     for spec in model_specs(specs, args, include_mtp):
         kind = spec_kind(spec, backends, experts_resident)
         n = {"bank": 0, "dense": _dense_bytes(spec, backends)}.get(kind, spec.nbytes)
-        part = "mtp" if spec.layer is not None and spec.layer >= args.n_layers else \
-            "routed" if spec.group == "routed_experts" else "non_expert"
+        part = (
+            "mtp"
+            if spec.layer is not None and spec.layer >= args.n_layers
+            else "routed"
+            if spec.group == "routed_experts"
+            else "non_expert"
+        )
         split[part] += n
     freqs_bytes = (args.rope_head_dim // 2) * DTYPE_BYTES["F32"]  # Attention.freqs, one per block
     n_mtp = args.n_mtp_layers if include_mtp else 0
-    return PackedBytes(split["non_expert"] + args.n_layers * freqs_bytes, split["routed"],
-                       split["mtp"] + n_mtp * freqs_bytes)
+    return PackedBytes(
+        split["non_expert"] + args.n_layers * freqs_bytes, split["routed"], split["mtp"] + n_mtp * freqs_bytes
+    )
 
 
 def _check_packable(ckpt: Checkpoint, backends: KernelBackends) -> None:
     if ckpt.layout != "official" or ckpt.args.dtype != "fp8":
-        raise CheckpointError(f"{ckpt.folder}: the packed loader reads official FP8 checkpoints "
-                              f"(this one: {ckpt.layout} layout, dtype {ckpt.args.dtype}); load it dense")
+        raise CheckpointError(
+            f"{ckpt.folder}: the packed loader reads official FP8 checkpoints "
+            f"(this one: {ckpt.layout} layout, dtype {ckpt.args.dtype}); load it dense"
+        )
     if backends.fp4_moe == "triton" and ckpt.args.expert_dtype != "fp4":
-        raise CheckpointError(f"{ckpt.folder}: fp4_moe=triton needs MXFP4 routed experts, this checkpoint "
-                              f"stores them as {ckpt.args.expert_dtype}")
+        raise CheckpointError(
+            f"{ckpt.folder}: fp4_moe=triton needs MXFP4 routed experts, this checkpoint "
+            f"stores them as {ckpt.args.expert_dtype}"
+        )
 
 
-def load_packed(ckpt: Checkpoint, backends: KernelBackends, device: torch.device, include_mtp: bool,
-                expert_cache_slots: int | None = None,
-                progress: bool = True) -> tuple[Transformer, ExpertSlotCache | None]:
+def load_packed(
+    ckpt: Checkpoint,
+    backends: KernelBackends,
+    device: torch.device,
+    include_mtp: bool,
+    expert_cache_slots: int | None = None,
+    progress: bool = True,
+) -> tuple[Transformer, ExpertSlotCache | None]:
     """The model for `backends` on `device`, loaded packed (see the module doc), and its expert-slot
     cache (None: the routed experts are resident). `expert_cache_slots` as for attach_expert_cache."""
     _check_packable(ckpt, backends)
@@ -149,8 +171,14 @@ def load_packed(ckpt: Checkpoint, backends: KernelBackends, device: torch.device
     cache = attach_expert_cache(model, ckpt, expert_cache_slots, device, progress=progress)
     specs = model_specs(ckpt.specs, ckpt.args, include_mtp)
     kinds = {s.name: spec_kind(s, backends, cache is None) for s in specs}
-    with tqdm(total=sum(s.nbytes for s in specs if kinds[s.name] != "bank"), unit="B", unit_scale=True,
-              unit_divisor=1024, desc=f"loading {ckpt.folder.name} packed", disable=not progress) as bar:
+    with tqdm(
+        total=sum(s.nbytes for s in specs if kinds[s.name] != "bank"),
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        desc=f"loading {ckpt.folder.name} packed",
+        disable=not progress,
+    ) as bar:
         _load_fp8(model, ckpt, [s for s in specs if kinds[s.name] == "fp8_packed"], device, bar)
         _load_fp4(model, ckpt, [s for s in specs if kinds[s.name] == "fp4_stacked"], device, bar)
         _load_dense(model, ckpt, [s for s in specs if kinds[s.name] == "dense"], backends, device, bar)
@@ -170,8 +198,7 @@ def _placed(t: torch.Tensor, device: torch.device, dtype: torch.dtype | None = N
     return torch.empty(t.shape, dtype=dtype or t.dtype, device=device).copy_(t)
 
 
-def _load_fp8(model: Transformer, ckpt: Checkpoint, specs: list[TensorSpec], device: torch.device,
-              bar: tqdm) -> None:
+def _load_fp8(model: Transformer, ckpt: Checkpoint, specs: list[TensorSpec], device: torch.device, bar: tqdm) -> None:
     """Each FP8-stored projection's e4m3 weight and e8m0 scale, as read, on `device`."""
     weights: dict[str, torch.Tensor] = {}
     for spec in specs:
@@ -183,13 +210,13 @@ def _load_fp8(model: Transformer, ckpt: Checkpoint, specs: list[TensorSpec], dev
             continue
         linear = model.get_submodule(path)
         if not isinstance(linear, Linear) or not linear.fp8_stored:
-            raise RuntimeError(f"{spec.name}: the packed loader took {path} for an FP8-stored projection "
-                               "(update FP8_RUN_DENSE)")
+            raise RuntimeError(
+                f"{spec.name}: the packed loader took {path} for an FP8-stored projection (update FP8_RUN_DENSE)"
+            )
         linear.load_fp8(weights.pop(path), t)
 
 
-def _load_fp4(model: Transformer, ckpt: Checkpoint, specs: list[TensorSpec], device: torch.device,
-              bar: tqdm) -> None:
+def _load_fp4(model: Transformer, ckpt: Checkpoint, specs: list[TensorSpec], device: torch.device, bar: tqdm) -> None:
     """Each layer's routed experts, copied one by one into stacked [E, out, in/2] int8 codes and
     [E, out, in/32] e8m0 scales on `device`."""
     stacks: dict[str, dict[str, torch.Tensor]] = {}  # MoE path -> {"w1_fp4": ..., "w1_fp4_scale": ...}
@@ -201,8 +228,7 @@ def _load_fp4(model: Transformer, ckpt: Checkpoint, specs: list[TensorSpec], dev
         assert isinstance(moe, MoE) and spec.expert is not None
         layer = stacks.setdefault(moe_path, {})
         if key not in layer:
-            layer[key] = torch.empty((moe.n_routed_experts, *spec.shape), dtype=TORCH_DTYPES[spec.dtype],
-                                     device=device)
+            layer[key] = torch.empty((moe.n_routed_experts, *spec.shape), dtype=TORCH_DTYPES[spec.dtype], device=device)
         layer[key][spec.expert].copy_(ckpt.source.read(spec.name))
         bar.update(spec.nbytes)
     for moe_path, layer in stacks.items():
@@ -211,8 +237,14 @@ def _load_fp4(model: Transformer, ckpt: Checkpoint, specs: list[TensorSpec], dev
         moe.use_packed_experts(layer)
 
 
-def _load_dense(model: Transformer, ckpt: Checkpoint, specs: list[TensorSpec], backends: KernelBackends,
-                device: torch.device, bar: tqdm) -> None:
+def _load_dense(
+    model: Transformer,
+    ckpt: Checkpoint,
+    specs: list[TensorSpec],
+    backends: KernelBackends,
+    device: torch.device,
+    bar: tqdm,
+) -> None:
     """The dense loader's tensors (FP8 / FP4 dequantized exactly), each cast to the dtype of the meta
     tensor it replaces (bf16 if `held_bf16`, checked exact) and placed on `device`."""
     read_bytes = {s.name: s.nbytes for s in specs}
@@ -222,8 +254,9 @@ def _load_dense(model: Transformer, ckpt: Checkpoint, specs: list[TensorSpec], b
         module = model.get_submodule(path)
         meta = getattr(module, leaf)
         if meta is None or tuple(meta.shape) != tuple(t.shape):
-            raise CheckpointError(f"{name}: shape {tuple(t.shape)} does not fit the model's "
-                                  f"{None if meta is None else tuple(meta.shape)}")
+            raise CheckpointError(
+                f"{name}: shape {tuple(t.shape)} does not fit the model's {None if meta is None else tuple(meta.shape)}"
+            )
         dtype = torch.bfloat16 if held_bf16(name, backends) else meta.dtype
         if dtype != t.dtype and not torch.equal(t.to(dtype).to(t.dtype), t):
             raise CheckpointError(f"{name}: values not exact in {dtype}; load this checkpoint dense")
@@ -234,11 +267,14 @@ def _load_dense(model: Transformer, ckpt: Checkpoint, specs: list[TensorSpec], b
             setattr(module, leaf, value)
 
 
-def loaded_weight_bytes(specs: list[TensorSpec], args: ModelArgs,
-                        backends: KernelBackends = KernelBackends.every("triton")) -> WeightBytes:
+ALL_TRITON = KernelBackends.every("triton")
+
+
+def loaded_weight_bytes(specs: list[TensorSpec], args: ModelArgs, backends: KernelBackends = ALL_TRITON) -> WeightBytes:
     """The memory plan's weight split (memory_plan.weight_bytes) with the resident non-expert and MTP
     bytes as the CUDA worker loads them with `backends` (on CUDA by default every kernel on Triton):
     packed for the Triton kernels, the rest in fp32 or bf16 (held_bf16)."""
     loaded = device_bytes(specs, args, backends, include_mtp=True, experts_resident=False)
-    return dataclasses.replace(weight_bytes(specs, args), non_expert_bytes=loaded.non_expert_bytes,
-                               mtp_bytes=loaded.mtp_bytes)
+    return dataclasses.replace(
+        weight_bytes(specs, args), non_expert_bytes=loaded.non_expert_bytes, mtp_bytes=loaded.mtp_bytes
+    )

@@ -26,7 +26,7 @@ def _sample(spec: TensorSpec, shape: tuple[int, ...], args: ModelArgs, g: torch.
     normal = torch.randn(shape, generator=g)
     if name.endswith("tid2eid"):
         ranks = torch.rand(args.vocab_size, args.n_routed_experts, generator=g).argsort(dim=-1)
-        return ranks[:, :args.n_activated_experts].contiguous()
+        return ranks[:, : args.n_activated_experts].contiguous()
     if name == "embed.weight":
         return normal
     if name.endswith("norm.weight"):
@@ -60,7 +60,7 @@ def random_model(args: ModelArgs, device: torch.device | str, seed: int, include
     CPU state dict at real dimensions would take minutes and ~100 GB), each rounded to what its storage
     holds, as a real checkpoint's are: FP8 / FP4 weights (the Triton kernels' packing checks that they
     are exact) and bf16 ones (the head kernel reads the head so)."""
-    from dsv4serve.model.quant import dequant_fp4, dequant_fp8_block, quant_fp4, quant_fp8_block
+    from dsv4_kernels.formats import dequant_fp4, dequant_fp8_block, quant_fp4, quant_fp8_block
     from dsv4serve.model.transformer import Transformer  # lazy: the model imports none of this module
 
     with torch.device(device):

@@ -8,23 +8,42 @@ are [out, in/2] int8). Source: dsv4-model.md §3.2, checked against the real 69,
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator, Literal
+from typing import Literal
 
 import torch
 
 from dsv4serve.model.args import ModelArgs
 
 # safetensors dtype name -> torch dtype
-TORCH_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "F8_E8M0": torch.float8_e8m0fnu, "I8": torch.int8,
-                "U8": torch.uint8, "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
-                "I32": torch.int32, "I64": torch.int64}
+TORCH_DTYPES = {
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E8M0": torch.float8_e8m0fnu,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "I32": torch.int32,
+    "I64": torch.int64,
+}
 SAFETENSORS_DTYPES = {v: k for k, v in TORCH_DTYPES.items()}
 DTYPE_BYTES = {name: torch.empty((), dtype=dt).element_size() for name, dt in TORCH_DTYPES.items()}
 
 Role = Literal["dense", "fp8_weight", "fp8_scale", "fp4_weight", "fp4_scale", "index"]
-Group = Literal["embed", "head", "attention", "compressor", "indexer", "hc_norm", "router",
-                "routed_experts", "shared_experts", "mtp_proj"]
+Group = Literal[
+    "embed",
+    "head",
+    "attention",
+    "compressor",
+    "indexer",
+    "hc_norm",
+    "router",
+    "routed_experts",
+    "shared_experts",
+    "mtp_proj",
+]
 
 
 @dataclass(frozen=True)
@@ -60,8 +79,9 @@ class _Builder:
         self.a, self.layer, self.prefix = args, layer, prefix
         self.dense_dtype = "BF16" if args.dtype in ("fp8", "bf16") else "F32"
 
-    def spec(self, name: str, dtype: str, shape: tuple[int, ...], role: Role, group: Group,
-             expert: int | None = None) -> TensorSpec:
+    def spec(
+        self, name: str, dtype: str, shape: tuple[int, ...], role: Role, group: Group, expert: int | None = None
+    ) -> TensorSpec:
         return TensorSpec(self.prefix + name, dtype, shape, role, group, self.layer, expert)
 
     def dense(self, name: str, shape: tuple[int, ...], group: Group) -> Iterator[TensorSpec]:
@@ -87,8 +107,14 @@ class _Builder:
         elif kind == "fp8":
             bo, bi = self.a.weight_block_size
             yield self.spec(f"{name}.weight", "F8_E4M3", (out_dim, in_dim), "fp8_weight", "routed_experts", expert)
-            yield self.spec(f"{name}.scale", "F8_E8M0", (_cdiv(out_dim, bo), _cdiv(in_dim, bi)), "fp8_scale",
-                            "routed_experts", expert)
+            yield self.spec(
+                f"{name}.scale",
+                "F8_E8M0",
+                (_cdiv(out_dim, bo), _cdiv(in_dim, bi)),
+                "fp8_scale",
+                "routed_experts",
+                expert,
+            )
         else:
             yield self.spec(f"{name}.weight", self.dense_dtype, (out_dim, in_dim), "dense", "routed_experts", expert)
 

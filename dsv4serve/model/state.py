@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 class SequenceState:
     """`num_tokens` is the position of the next token to run (MTP layers: `mtp_num_tokens`)."""
 
-    pool: "KvPool"
+    pool: KvPool
     slot: int  # the window ring and compressor carry of this sequence
     pages: list[int] = field(default_factory=list)  # physical page of each page_tokens-long token range
     num_tokens: int = 0

@@ -17,10 +17,10 @@ from dsv4serve.model.args import ModelArgs
 from dsv4serve.model.attention import Attention, BatchLayout, RowSpan
 from dsv4serve.model.backends import KernelBackends
 from dsv4serve.model.hc import hc_head, hc_post, hc_pre
+from dsv4serve.model.kv_pool import KvPool, LayerCache
 from dsv4serve.model.layers import Linear, RMSNorm
 from dsv4serve.model.moe import MoE
 from dsv4serve.model.numerics import Numerics, matmul
-from dsv4serve.model.kv_pool import KvPool, LayerCache
 from dsv4serve.model.state import SequenceState
 
 log = logging.getLogger(__name__)
@@ -58,15 +58,25 @@ class Block(nn.Module):
         _hc_params(self, "hc_attn", n_mix, args.hc_mult * args.dim, 3)
         _hc_params(self, "hc_ffn", n_mix, args.hc_mult * args.dim, 3)
 
-    def forward(self, h: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor,
-                spans: list[RowSpan], layout: BatchLayout, cache: LayerCache, num: Numerics) -> torch.Tensor:
+    def forward(
+        self,
+        h: torch.Tensor,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        spans: list[RowSpan],
+        layout: BatchLayout,
+        cache: LayerCache,
+        num: Numerics,
+    ) -> torch.Tensor:
         """h [N, hc, D] compute dtype -> [N, hc, D]."""
-        x, post, comb = hc_pre(h, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base,
-                               self.hc_iters, self.hc_eps, self.norm_eps, num)
+        x, post, comb = hc_pre(
+            h, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, self.hc_iters, self.hc_eps, self.norm_eps, num
+        )
         x = self.attn(self.attn_norm(x), positions, spans, layout, cache, num)
         h = hc_post(x, h, post, comb)
-        x, post, comb = hc_pre(h, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base,
-                               self.hc_iters, self.hc_eps, self.norm_eps, num)
+        x, post, comb = hc_pre(
+            h, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, self.hc_iters, self.hc_eps, self.norm_eps, num
+        )
         x = self.ffn(self.ffn_norm(x), token_ids, num)
         return hc_post(x, h, post, comb)
 
@@ -134,8 +144,15 @@ class Transformer(nn.Module):
         the engine runs sequences of its fixed pool instead."""
         pool = self._standalone_pools.get(num.compute_dtype)
         if pool is None:
-            pool = KvPool(self.args, num.compute_dtype, num_pages=16, num_slots=4, include_mtp=len(self.mtp) > 0,
-                          device=self.embed.weight.device, standalone=True)
+            pool = KvPool(
+                self.args,
+                num.compute_dtype,
+                num_pages=16,
+                num_slots=4,
+                include_mtp=len(self.mtp) > 0,
+                device=self.embed.weight.device,
+                standalone=True,
+            )
             self._standalone_pools[num.compute_dtype] = pool
         return pool.new_sequence()
 
@@ -152,19 +169,31 @@ class Transformer(nn.Module):
             if torch.equal(head.to(torch.bfloat16).to(head.dtype), head):
                 self.head.weight = nn.Parameter(head.to(torch.bfloat16), requires_grad=False)
             else:
-                log.warning("head=triton: the head weight is not exact in bf16 (not a checkpoint's?); "
-                            "its logits stay on torch in %s", head.dtype)
+                log.warning(
+                    "head=triton: the head weight is not exact in bf16 (not a checkpoint's?); "
+                    "its logits stay on torch in %s",
+                    head.dtype,
+                )
         for module in self.modules():
-            if backends.fp8_gemm == "triton" and isinstance(module, Linear) and module.fp8_stored \
-                    and module.weight_fp8 is None:
+            if (
+                backends.fp8_gemm == "triton"
+                and isinstance(module, Linear)
+                and module.fp8_stored
+                and module.weight_fp8 is None
+            ):
                 module.pack_fp8()
-            if backends.fp4_moe == "triton" and isinstance(module, MoE) and module.expert_source is None \
-                    and module.w1_fp4 is None:
+            if (
+                backends.fp4_moe == "triton"
+                and isinstance(module, MoE)
+                and module.expert_source is None
+                and module.w1_fp4 is None
+            ):
                 module.pack_fp4()
 
     @torch.inference_mode()
-    def forward(self, rows: list[BatchRow], num: Numerics, all_logits: bool = False,
-                return_hidden: bool = False) -> ForwardOutput:
+    def forward(
+        self, rows: list[BatchRow], num: Numerics, all_logits: bool = False, return_hidden: bool = False
+    ) -> ForwardOutput:
         """Run each row's tokens after its state; advances every row's state by its token count."""
         pool = _pool_of(rows, num)
         ids = torch.cat([r.token_ids for r in rows]).long()  # [N]
@@ -177,12 +206,13 @@ class Transformer(nn.Module):
             row.state.num_tokens += span.end - span.begin
         picked = self._pick(h, spans, all_logits)
         logits = self.logits(picked, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, self.norm, num)
-        hidden = [h[s.begin:s.end] for s in spans] if return_hidden else None
+        hidden = [h[s.begin : s.end] for s in spans] if return_hidden else None
         return ForwardOutput(self._split(logits, spans, all_logits), hidden, None if all_logits else logits)
 
     @torch.inference_mode()
-    def forward_mtp(self, rows: list[BatchRow], hidden: list[torch.Tensor], num: Numerics,
-                    depth: int = 0, all_logits: bool = False) -> ForwardOutput:
+    def forward_mtp(
+        self, rows: list[BatchRow], hidden: list[torch.Tensor], num: Numerics, depth: int = 0, all_logits: bool = False
+    ) -> ForwardOutput:
         """Draft logits from MTP block `depth`: row i pairs main streams hidden[i] [T, hc, D] at
         positions p.. with the tokens that follow them (`token_ids`, positions p+1..)."""
         block = self.mtp[depth]
@@ -197,10 +227,11 @@ class Transformer(nn.Module):
             row.state.mtp_num_tokens += span.end - span.begin
         picked = self._pick(h, spans, all_logits)
         logits = self.logits(picked, block.hc_head_fn, block.hc_head_scale, block.hc_head_base, block.norm, num)
-        return ForwardOutput(self._split(logits, spans, all_logits), [h[s.begin:s.end] for s in spans])
+        return ForwardOutput(self._split(logits, spans, all_logits), [h[s.begin : s.end] for s in spans])
 
-    def logits(self, h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
-               norm: RMSNorm, num: Numerics) -> torch.Tensor:
+    def logits(
+        self, h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm: RMSNorm, num: Numerics
+    ) -> torch.Tensor:
         """Streams [M, hc, D] -> HC head -> final norm -> fp32 head: [M, vocab] fp32. With the head kernel
         on Triton and the weight held in bf16 (`use_kernels`), the kernel reads it as stored and gives the
         fp32 product (dsv4_kernels.head_logits); otherwise torch multiplies in fp32."""
@@ -219,5 +250,5 @@ class Transformer(nn.Module):
     @staticmethod
     def _split(logits: torch.Tensor, spans: list[RowSpan], all_logits: bool) -> list[torch.Tensor]:
         if all_logits:
-            return [logits[s.begin:s.end] for s in spans]
+            return [logits[s.begin : s.end] for s in spans]
         return list(logits.unbind(0))

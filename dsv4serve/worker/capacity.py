@@ -11,14 +11,13 @@ bytes per token, and the plan is made from that measurement.
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
 from dsv4serve.memory_plan import kv_geometry
 from dsv4serve.model.args import ModelArgs
-from dsv4serve.worker.chunk_planner import (PLATFORM_MARGIN_BYTES, MemorySnapshot, PrefillGeometry,
-                                            activation_bytes)
+from dsv4serve.worker.chunk_planner import PLATFORM_MARGIN_BYTES, MemorySnapshot, PrefillGeometry, activation_bytes
 from dsv4serve.worker.memory_probe import host_snapshot, measure_activation_bytes, take_snapshot
 
 log = logging.getLogger("dsv4serve.worker")
@@ -30,8 +29,17 @@ class CapacityError(RuntimeError):
     """The device cannot hold the KV the settings ask for; the message names the flag and the limit."""
 
 
-def kv_capacity(args: ModelArgs, device: torch.device, entry_bytes: int, num_slots: int, max_tokens: int,
-                num_tokens: int | None, memory_ratio: float, reserve_tokens: int, geometry: PrefillGeometry) -> int:
+def kv_capacity(
+    args: ModelArgs,
+    device: torch.device,
+    entry_bytes: int,
+    num_slots: int,
+    max_tokens: int,
+    num_tokens: int | None,
+    memory_ratio: float,
+    reserve_tokens: int,
+    geometry: PrefillGeometry,
+) -> int:
     """KV tokens for the pool, aligned down to whole pages. `max_tokens`: what could ever be used
     (max_model_len x max_num_seqs); `reserve_tokens`: a chunk whose activations stay free (CUDA)."""
     page = args.page_tokens
@@ -39,24 +47,32 @@ def kv_capacity(args: ModelArgs, device: torch.device, entry_bytes: int, num_slo
         return ((num_tokens or min(CPU_KV_CAPACITY_TOKENS, max_tokens)) // page) * page or page
     kv = kv_geometry(args, entry_bytes=entry_bytes)
     snap = take_snapshot("cuda", memory_ratio)
-    keep = (PLATFORM_MARGIN_BYTES[snap.platform] + kv.seq_state_bytes * num_slots
-            + activation_bytes(geometry.activation_bytes_per_token, geometry.fixed_bytes, reserve_tokens, 0))
+    keep = (
+        PLATFORM_MARGIN_BYTES[snap.platform]
+        + kv.seq_state_bytes * num_slots
+        + activation_bytes(geometry.activation_bytes_per_token, geometry.fixed_bytes, reserve_tokens, 0)
+    )
     fits = max(0, int((snap.free_bytes - keep) / kv.bytes_per_token)) if kv.bytes_per_token else max_tokens
     fits = (fits // page) * page
     if num_tokens is not None:
         if num_tokens > fits:
-            raise CapacityError(f"--num-tokens {num_tokens} does not fit: {snap.free_bytes / 2**30:.2f} GiB free "
-                                f"after the weights holds {fits} KV tokens beside the {snap.platform} margin, "
-                                f"the sequence slots and a {reserve_tokens}-token prefill; lower --num-tokens")
+            raise CapacityError(
+                f"--num-tokens {num_tokens} does not fit: {snap.free_bytes / 2**30:.2f} GiB free "
+                f"after the weights holds {fits} KV tokens beside the {snap.platform} margin, "
+                f"the sequence slots and a {reserve_tokens}-token prefill; lower --num-tokens"
+            )
         return (num_tokens // page) * page or page
     if fits < page:
-        raise CapacityError(f"no room for one {page}-token KV page after the weights "
-                            f"({snap.free_bytes / 2**30:.2f} GiB free, --memory-ratio {memory_ratio})")
+        raise CapacityError(
+            f"no room for one {page}-token KV page after the weights "
+            f"({snap.free_bytes / 2**30:.2f} GiB free, --memory-ratio {memory_ratio})"
+        )
     return min(fits, -(-max_tokens // page) * page)
 
 
-def planner_snapshot(device: torch.device, memory_ratio: float, probe: Callable[[int], object] | None,
-                     probe_tokens: int) -> MemorySnapshot:
+def planner_snapshot(
+    device: torch.device, memory_ratio: float, probe: Callable[[int], object] | None, probe_tokens: int
+) -> MemorySnapshot:
     """The snapshot the chunk planner plans from: host RAM on CPU; on CUDA free memory measured after
     every allocation, with the activation bytes per token of a `probe_tokens` probe prefill."""
     if device.type != "cuda":
@@ -66,8 +82,11 @@ def planner_snapshot(device: torch.device, memory_ratio: float, probe: Callable[
         try:
             measured = measure_activation_bytes(probe, probe_tokens, "cuda")
         except torch.OutOfMemoryError as exc:  # the estimate (with its safety factor) stands in
-            log.warning("the %d-token calibration prefill ran out of memory (%s); planning from the geometry "
-                        "estimate", probe_tokens, exc)
+            log.warning(
+                "the %d-token calibration prefill ran out of memory (%s); planning from the geometry estimate",
+                probe_tokens,
+                exc,
+            )
             torch.cuda.empty_cache()
         if measured is not None:
             log.info("calibration prefill of %d tokens: %d activation bytes per token", probe_tokens, measured)

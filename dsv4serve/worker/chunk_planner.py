@@ -91,6 +91,7 @@ class ChunkPlan:
 
 # ----------------------------------------------------------------------------------- geometry
 
+
 def alignment_tokens(args: ModelArgs) -> int:
     """One window page: lcm of window_size and every compress ratio no larger than it (for the real
     model 4 and 128 divide 128, so the page is 128 tokens). A chunk ending on a page closes whole
@@ -99,8 +100,9 @@ def alignment_tokens(args: ModelArgs) -> int:
     return math.lcm(args.window_size, *ratios)
 
 
-def prefill_geometry(args: ModelArgs, context_tokens: int, max_rows: int = 1,
-                     dense_attention: bool = False) -> PrefillGeometry:
+def prefill_geometry(
+    args: ModelArgs, context_tokens: int, max_rows: int = 1, dense_attention: bool = False
+) -> PrefillGeometry:
     """Peak activation bytes of one layer's prefill, per token, from the config alone.
 
     Layers run one after another, so the peak is: the residual streams (live across the layer) plus
@@ -159,17 +161,22 @@ def prefill_geometry(args: ModelArgs, context_tokens: int, max_rows: int = 1,
         ("moe accumulator [D] fp32", dim * 4),
     ]
     half, half_name = max((sum(b for _, b in attention), "attention"), (sum(b for _, b in moe), "moe"))
-    terms = tuple(residual) + tuple((f"{half_name}: {n}", b) for n, b in (attention if half_name == "attention"
-                                                                        else moe))
+    terms = tuple(residual) + tuple(
+        (f"{half_name}: {n}", b) for n, b in (attention if half_name == "attention" else moe)
+    )
     unit = alignment_tokens(args)
     indexer_tile = unit * math.ceil(context_tokens / csa_ratio) * 4 if has_csa else 0
     logits = 2 * max_rows * args.vocab_size * 4
     pairwise = 0
     if dense_attention:
         pairwise = 3 * heads * 4 + 1 + (math.ceil(args.index_n_heads * 4 / csa_ratio) if has_csa else 0)
-    return PrefillGeometry(activation_bytes_per_token=sum(b for _, b in residual) + half,
-                           fixed_bytes=indexer_tile + logits, alignment_tokens=unit, terms=terms,
-                           pairwise_bytes=pairwise)
+    return PrefillGeometry(
+        activation_bytes_per_token=sum(b for _, b in residual) + half,
+        fixed_bytes=indexer_tile + logits,
+        alignment_tokens=unit,
+        terms=terms,
+        pairwise_bytes=pairwise,
+    )
 
 
 def activation_bytes(per_token: int, fixed: int, tokens: int, pairwise: int = 0) -> int:
@@ -184,6 +191,7 @@ def bytes_per_token(snapshot: MemorySnapshot, geometry: PrefillGeometry) -> tupl
 
 
 # ------------------------------------------------------------------------------------ planning
+
 
 def _mib(n: int) -> str:
     return f"{n / MIB:,.0f} MiB"
@@ -219,8 +227,10 @@ def safe_tokens(snapshot: MemorySnapshot, geometry: PrefillGeometry) -> tuple[in
 def plan_chunk(snapshot: MemorySnapshot, geometry: PrefillGeometry, limits: PlannerLimits) -> ChunkPlan:
     safe, per_token, how = safe_tokens(snapshot, geometry)
     unit, margin = geometry.alignment_tokens, PLATFORM_MARGIN_BYTES[snapshot.platform]
-    memory_why = (f"{_mib(snapshot.free_bytes)} free ({snapshot.origin}) - {_mib(margin)} {snapshot.platform} "
-                  f"margin - {_mib(geometry.fixed_bytes)} fixed, at {per_token:,} B/token ({how})")
+    memory_why = (
+        f"{_mib(snapshot.free_bytes)} free ({snapshot.origin}) - {_mib(margin)} {snapshot.platform} "
+        f"margin - {_mib(geometry.fixed_bytes)} fixed, at {per_token:,} B/token ({how})"
+    )
     if geometry.pairwise_bytes:
         memory_why += f" + {pairwise_bytes(snapshot, geometry)} B x tokens^2 (dense reference attention)"
     common = dict(safe_tokens=safe, activation_bytes_per_token=per_token, alignment_tokens=unit)
@@ -231,24 +241,40 @@ def plan_chunk(snapshot: MemorySnapshot, geometry: PrefillGeometry, limits: Plan
     if safe >= unit:
         candidates.append((safe, "memory", f"largest {unit}-token-aligned chunk that fits: {memory_why}"))
     else:
-        candidates.append((unit, "alignment", f"one {unit}-token window page, the smallest chunk the planner "
-                                               f"uses; memory alone would allow less: {memory_why}"))
+        candidates.append(
+            (
+                unit,
+                "alignment",
+                f"one {unit}-token window page, the smallest chunk the planner "
+                f"uses; memory alone would allow less: {memory_why}",
+            )
+        )
     candidates.append((limits.kv_pool_tokens, "kv-pool", f"the KV pool holds {limits.kv_pool_tokens:,} tokens"))
-    candidates.append((limits.max_model_len, "model-len", f"no prompt is longer than max_model_len "
-                                                           f"{limits.max_model_len:,}"))
+    candidates.append(
+        (limits.max_model_len, "model-len", f"no prompt is longer than max_model_len {limits.max_model_len:,}")
+    )
     tokens, binding, reason = min(candidates, key=lambda c: c[0])  # ties: memory first (listed first)
     warning = None
     pairwise = pairwise_bytes(snapshot, geometry)
     if activation_bytes(per_token, geometry.fixed_bytes, tokens, pairwise) + margin > snapshot.free_bytes:
-        warning = (f"only {_mib(snapshot.free_bytes)} free: even a {tokens}-token chunk "
-                   f"({_mib(tokens * per_token)} of activations) may run out of memory; out-of-memory "
-                   "recovery will shrink it further")
+        warning = (
+            f"only {_mib(snapshot.free_bytes)} free: even a {tokens}-token chunk "
+            f"({_mib(tokens * per_token)} of activations) may run out of memory; out-of-memory "
+            "recovery will shrink it further"
+        )
     return ChunkPlan(None, tokens, binding, reason, warning, **common)
 
 
-def _honour_user_cap(cap: Setting[int | None], snapshot: MemorySnapshot, geometry: PrefillGeometry,
-                     limits: PlannerLimits, safe: int, per_token: int, memory_why: str,
-                     common: dict) -> ChunkPlan:
+def _honour_user_cap(
+    cap: Setting[int | None],
+    snapshot: MemorySnapshot,
+    geometry: PrefillGeometry,
+    limits: PlannerLimits,
+    safe: int,
+    per_token: int,
+    memory_why: str,
+    common: dict,
+) -> ChunkPlan:
     n = int(cap.value)
     margin = PLATFORM_MARGIN_BYTES[snapshot.platform]
     flag = who("max_prefill_length", cap)  # the flag, or DSV4SERVE_MAX_PREFILL_LENGTH
@@ -260,7 +286,8 @@ def _honour_user_cap(cap: Setting[int | None], snapshot: MemorySnapshot, geometr
             f"{flag} {n}: one prefill chunk of {n} tokens needs about {_mib(need)} of activations "
             f"({per_token:,} B/token), more than this GPU's {_mib(snapshot.total_bytes)} minus the "
             f"{_mib(margin)} {snapshot.platform} margin, so it can never run here; use at most {largest} "
-            f"(the safe size now is {safe})")
+            f"(the safe size now is {safe})"
+        )
     never = []
     if n > limits.max_model_len:
         never.append(f"max_model_len {limits.max_model_len:,}")
@@ -268,14 +295,23 @@ def _honour_user_cap(cap: Setting[int | None], snapshot: MemorySnapshot, geometr
         never.append(f"the KV pool ({limits.kv_pool_tokens:,} tokens)")
     note = f"; it never binds: no chunk is longer than {' or '.join(never)}" if never else ""
     if n <= safe:
-        return ChunkPlan(n, n, "user-cap", f"{flag} {n} ({cap.source.value}), within the safe {safe} "
-                                           f"({memory_why}){note}", None, **common)
-    warning = (f"{flag} {n} is honoured, but it is above the safe chunk of {safe} tokens: a {n}-token chunk "
-               f"needs about {_mib(need)} + {_mib(margin)} margin and only {_mib(snapshot.free_bytes)} is free "
-               f"({memory_why}). Long prompts may hit out-of-memory; recovery then runs smaller chunks. "
-               f"Use {FLAG} {max(safe, geometry.alignment_tokens)} or less to avoid that.")
-    return ChunkPlan(n, n, "user-cap", f"{flag} {n} ({cap.source.value}), honoured above the safe {safe}{note}",
-                     warning, **common)
+        return ChunkPlan(
+            n,
+            n,
+            "user-cap",
+            f"{flag} {n} ({cap.source.value}), within the safe {safe} ({memory_why}){note}",
+            None,
+            **common,
+        )
+    warning = (
+        f"{flag} {n} is honoured, but it is above the safe chunk of {safe} tokens: a {n}-token chunk "
+        f"needs about {_mib(need)} + {_mib(margin)} margin and only {_mib(snapshot.free_bytes)} is free "
+        f"({memory_why}). Long prompts may hit out-of-memory; recovery then runs smaller chunks. "
+        f"Use {FLAG} {max(safe, geometry.alignment_tokens)} or less to avoid that."
+    )
+    return ChunkPlan(
+        n, n, "user-cap", f"{flag} {n} ({cap.source.value}), honoured above the safe {safe}{note}", warning, **common
+    )
 
 
 def shrink_after_oom(plan: ChunkPlan, failed_tokens: int) -> ChunkPlan:
@@ -290,7 +326,10 @@ def shrink_after_oom(plan: ChunkPlan, failed_tokens: int) -> ChunkPlan:
     lowered = min(lowered, plan.effective_tokens)
     if failed_tokens <= 1:
         lowered = 1
-    reason = (f"out of memory in a {failed_tokens}-token chunk: ceiling lowered to {lowered} "
-              f"(half, aligned to {unit}); was {plan.effective_tokens} ({plan.binding})")
-    return replace(plan, effective_tokens=lowered, binding="memory", reason=reason,
-                   safe_tokens=min(plan.safe_tokens, lowered))
+    reason = (
+        f"out of memory in a {failed_tokens}-token chunk: ceiling lowered to {lowered} "
+        f"(half, aligned to {unit}); was {plan.effective_tokens} ({plan.binding})"
+    )
+    return replace(
+        plan, effective_tokens=lowered, binding="memory", reason=reason, safe_tokens=min(plan.safe_tokens, lowered)
+    )

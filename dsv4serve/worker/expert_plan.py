@@ -18,8 +18,9 @@ def _setting(value, explicit: bool) -> Setting:
     return Setting(value, Source.CLI if explicit else Source.DEFAULT)
 
 
-def planned_expert_slots(specs: list[TensorSpec], args: ModelArgs, launch: WorkerLaunch,
-                         backends: KernelBackends) -> tuple[int | None, str]:
+def planned_expert_slots(
+    specs: list[TensorSpec], args: ModelArgs, launch: WorkerLaunch, backends: KernelBackends
+) -> tuple[int | None, str]:
     """(slots, or None for all resident; the plan's reason) with the weights as `backends` load them.
     Raises ConfigError as `plan` would."""
     gpu = take_snapshot("cuda")
@@ -27,9 +28,11 @@ def planned_expert_slots(specs: list[TensorSpec], args: ModelArgs, launch: Worke
     settings = PlanSettings(
         memory_ratio=_setting(launch.memory_ratio, False),
         num_tokens=_setting(launch.num_tokens, launch.num_tokens is not None),
-        moe_cache_size=_setting(None, False), max_num_seqs=_setting(launch.max_num_seqs, False),
+        moe_cache_size=_setting(None, False),
+        max_num_seqs=_setting(launch.max_num_seqs, False),
         max_model_len=Setting(launch.max_model_len, Source.CLI if launch.max_model_len_explicit else Source.MODEL_RULE),
-        max_prefill_length=Setting(launch.max_prefill_length, Source(launch.max_prefill_length_source)))
+        max_prefill_length=Setting(launch.max_prefill_length, Source(launch.max_prefill_length_source)),
+    )
     plan = plan_memory(args, loaded_weight_bytes(specs, args, backends), machine, settings)
     note = next((d for d in plan.decisions if d.startswith("routed experts")), "")
     return (None if plan.experts_resident else plan.expert_slots), note

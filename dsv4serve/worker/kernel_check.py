@@ -39,10 +39,16 @@ MIN_GREEDY_AGREEMENT = 0.5
 MAX_MEAN_LOGIT_GAP = 0.25  # mean |logit difference| over the mean |logit| of the torch path
 NO_FALLBACK = ("fp8_gemm", "fp4_moe")  # their torch path needs the weights dense
 HINTS = (
-    ("libcuda.so cannot found", "Triton cannot find the driver's libcuda.so.1: on WSL2 set "
-                                "TRITON_LIBCUDA_PATH=/usr/lib/wsl/lib, elsewhere run /sbin/ldconfig"),
-    ("Failed to find C compiler", "Triton builds a small C launcher on first use: install gcc and the "
-                                  "Python headers (the Docker image has them), or set CC"),
+    (
+        "libcuda.so cannot found",
+        "Triton cannot find the driver's libcuda.so.1: on WSL2 set "
+        "TRITON_LIBCUDA_PATH=/usr/lib/wsl/lib, elsewhere run /sbin/ldconfig",
+    ),
+    (
+        "Failed to find C compiler",
+        "Triton builds a small C launcher on first use: install gcc and the "
+        "Python headers (the Docker image has them), or set CC",
+    ),
     ("ptxas", "ptxas (shipped in the triton wheel) failed: reinstall triton at the version pyproject.toml pins"),
 )
 
@@ -70,14 +76,16 @@ def _scenario(model: Transformer, num: Numerics) -> torch.Tensor:
     """Every logit row of a batched two-row prefill and DECODE_STEPS decode steps: [positions, vocab]."""
     device = model.embed.weight.device
     gen = torch.Generator(device=device).manual_seed(5)
-    prompts = [torch.randint(0, model.args.vocab_size, (n + DECODE_STEPS,), generator=gen, device=device)
-               for n in PROMPT_TOKENS]
+    prompts = [
+        torch.randint(0, model.args.vocab_size, (n + DECODE_STEPS,), generator=gen, device=device)
+        for n in PROMPT_TOKENS
+    ]
     states = [model.new_state(num) for _ in prompts]
     rows = []
     steps = [PROMPT_TOKENS] + [(1, 1)] * DECODE_STEPS
     begins = [0, 0]
     for sizes in steps:
-        batch = [BatchRow(p[b:b + n], st) for p, b, n, st in zip(prompts, begins, sizes, states)]
+        batch = [BatchRow(p[b : b + n], st) for p, b, n, st in zip(prompts, begins, sizes, states)]
         rows += model(batch, num, all_logits=True).logits
         begins = [b + n for b, n in zip(begins, sizes)]
     for state in states:
@@ -120,12 +128,14 @@ def run_check(kernels: list[str], device: torch.device) -> list[Verdict]:
         num = dataclasses.replace(NUMERICS_ON, backends=KernelBackends(**{kernel: "triton"}))
         try:
             verdicts.append(_compare(kernel, _scenario(model, num), want))
-        except Exception as exc:  # noqa: BLE001 - every failure is reported by kernel
+        except Exception as exc:
             verdicts.append(Verdict(kernel, False, _explain(exc)))
             if _poisons_the_device(exc):  # later kernels (and torch) would fail for this one's fault
-                raise KernelCheckError(f"{kernel}: {verdicts[-1].detail}: a device fault, which leaves the "
-                                       "CUDA context unusable; run this kernel on torch with --kernels "
-                                       f"{kernel}=torch where its torch path fits in memory") from exc
+                raise KernelCheckError(
+                    f"{kernel}: {verdicts[-1].detail}: a device fault, which leaves the "
+                    "CUDA context unusable; run this kernel on torch with --kernels "
+                    f"{kernel}=torch where its torch path fits in memory"
+                ) from exc
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -145,14 +155,24 @@ def check_kernels(backends: KernelBackends, device: torch.device, named: frozens
         log.info("kernel check %s: %s (%s)", v.kernel, "ok" if v.ok else "FAILED", v.detail)
     stop = [v for v in failed if v.kernel in named or v.kernel in NO_FALLBACK]
     if stop:
-        lines = [f"  {v.kernel}: {v.detail}" + (" (named in --kernels)" if v.kernel in named else
-                                                 " (its torch path needs the weights loaded dense)")
-                 for v in stop]
-        raise KernelCheckError("the Triton kernel check failed on the tiny model:\n" + "\n".join(lines) +
-                               "\nfix the cause above, or choose torch for the kernel with --kernels "
-                               "KERNEL=torch where its torch path fits in memory")
+        lines = [
+            f"  {v.kernel}: {v.detail}"
+            + (" (named in --kernels)" if v.kernel in named else " (its torch path needs the weights loaded dense)")
+            for v in stop
+        ]
+        raise KernelCheckError(
+            "the Triton kernel check failed on the tiny model:\n"
+            + "\n".join(lines)
+            + "\nfix the cause above, or choose torch for the kernel with --kernels "
+            "KERNEL=torch where its torch path fits in memory"
+        )
     for v in failed:
         log.warning("kernel %s failed the start-up check (%s): running it on torch instead", v.kernel, v.detail)
-    log.info("Triton kernels checked on %s in %.1f s: %d ok, %d on torch instead", device, seconds,
-             len(verdicts) - len(failed), len(failed))
+    log.info(
+        "Triton kernels checked on %s in %.1f s: %d ok, %d on torch instead",
+        device,
+        seconds,
+        len(verdicts) - len(failed),
+        len(failed),
+    )
     return dataclasses.replace(backends, **{v.kernel: "torch" for v in failed})

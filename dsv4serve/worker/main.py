@@ -14,8 +14,7 @@ import msgspec
 import torch
 
 from dsv4serve.ipc.channel import Endpoints, WorkerChannel
-from dsv4serve.ipc.messages import (AbortRequest, AddRequest, RequestOutput, Shutdown, Stats, WorkerFailed,
-                                    WorkerLaunch)
+from dsv4serve.ipc.messages import AbortRequest, AddRequest, RequestOutput, Shutdown, Stats, WorkerFailed, WorkerLaunch
 from dsv4serve.worker.engine_setup import EngineParts, build_engine
 from dsv4serve.worker.request import Request, Status
 
@@ -26,8 +25,9 @@ IDLE_POLL_S = 0.05
 
 def worker_main(launch_bytes: bytes) -> None:
     launch = msgspec.msgpack.decode(launch_bytes, type=WorkerLaunch)
-    logging.basicConfig(level=launch.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s[worker]: %(message)s")
+    logging.basicConfig(
+        level=launch.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s[worker]: %(message)s"
+    )
     channel = WorkerChannel(Endpoints(launch.to_worker, launch.from_worker))
     try:
         parts = build_engine(launch)
@@ -109,20 +109,34 @@ class EngineLoop:
             return
         self.p.chunk.after_oom(failed)
         self.p.scheduler.reset(plan)
-        log.warning("out of memory in a step of %d tokens (%s); prefill chunk lowered to %d tokens (%s); "
-                    "retrying %d request(s)", plan.num_tokens, exc, self.p.chunk.chunk_tokens,
-                    self.p.chunk.reason, len(ids))
+        log.warning(
+            "out of memory in a step of %d tokens (%s); prefill chunk lowered to %d tokens (%s); "
+            "retrying %d request(s)",
+            plan.num_tokens,
+            exc,
+            self.p.chunk.chunk_tokens,
+            self.p.chunk.reason,
+            len(ids),
+        )
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
     def _send_output(self, req: Request, error: str | None = None) -> None:
         first = req.num_sent_tokens == 0
-        new = req.output[req.num_sent_tokens:]
+        new = req.output[req.num_sent_tokens :]
         req.num_sent_tokens = len(req.output)
         finished = req.status is Status.FINISHED
-        self.channel.send(RequestOutput(req.request_id, list(new), len(req.prompt_token_ids),
-                                        req.num_cached_tokens, req.finish_reason if finished else None, error,
-                                        req.prompt_logprobs if first else None))
+        self.channel.send(
+            RequestOutput(
+                req.request_id,
+                list(new),
+                len(req.prompt_token_ids),
+                req.num_cached_tokens,
+                req.finish_reason if finished else None,
+                error,
+                req.prompt_logprobs if first else None,
+            )
+        )
         if finished:
             self.p.scheduler.forget(req.request_id)
             self.p.runner.forget(req.request_id)
@@ -133,10 +147,15 @@ class EngineLoop:
             return
         self._last_stats = now
         s = self.p.scheduler
-        self.channel.send(Stats(num_running=len(s.running), num_waiting=len(s.waiting), kv_usage=s.kv_usage,
-                                prefill_chunk_tokens=self.p.chunk.chunk_tokens,
-                                oom_recoveries_total=self.oom_recoveries,
-                                prefix_cache_queries_total=s.prefix_queries_tokens,
-                                prefix_cache_hits_total=s.prefix_hits_tokens,
-                                **(self.p.expert_cache.stats.stats_fields() if self.p.expert_cache else {})))
-
+        self.channel.send(
+            Stats(
+                num_running=len(s.running),
+                num_waiting=len(s.waiting),
+                kv_usage=s.kv_usage,
+                prefill_chunk_tokens=self.p.chunk.chunk_tokens,
+                oom_recoveries_total=self.oom_recoveries,
+                prefix_cache_queries_total=s.prefix_queries_tokens,
+                prefix_cache_hits_total=s.prefix_hits_tokens,
+                **(self.p.expert_cache.stats.stats_fields() if self.p.expert_cache else {}),
+            )
+        )

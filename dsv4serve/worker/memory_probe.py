@@ -12,9 +12,9 @@ has already reserved). On CPU there is no device memory to measure: the snapshot
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from dsv4serve.worker.chunk_planner import MemorySnapshot, Platform
 
@@ -41,14 +41,22 @@ def detect_platform(proc_version: Path = PROC_VERSION) -> Platform:
     return "wsl2" if ("microsoft" in text.lower() or "wsl" in text.lower()) else "native"
 
 
-def take_snapshot(device: str = "cuda", memory_ratio: float = 1.0, simulated: SimulatedBudget | None = None,
-                  measured_activation_bytes_per_token: int | None = None) -> MemorySnapshot:
+def take_snapshot(
+    device: str = "cuda",
+    memory_ratio: float = 1.0,
+    simulated: SimulatedBudget | None = None,
+    measured_activation_bytes_per_token: int | None = None,
+) -> MemorySnapshot:
     if simulated is not None or device == "cpu":
         if simulated is None:
             raise ValueError("a CPU snapshot needs a SimulatedBudget: there is no device memory to measure")
-        return MemorySnapshot(simulated.free_bytes, simulated.total_bytes, simulated.platform,
-                              measured_activation_bytes_per_token or simulated.activation_bytes_per_token,
-                              "simulated")
+        return MemorySnapshot(
+            simulated.free_bytes,
+            simulated.total_bytes,
+            simulated.platform,
+            measured_activation_bytes_per_token or simulated.activation_bytes_per_token,
+            "simulated",
+        )
     import torch
 
     free, total = torch.cuda.mem_get_info(device)
@@ -71,8 +79,7 @@ def host_snapshot(memory_ratio: float = 1.0, meminfo: Path = PROC_MEMINFO) -> Me
     return MemorySnapshot(min(available, int(total * memory_ratio)), total, "native", None, "measured host RAM")
 
 
-def measure_activation_bytes(run_chunk_fn: Callable[[int], object], n_tokens: int,
-                             device: str = "cuda") -> int | None:
+def measure_activation_bytes(run_chunk_fn: Callable[[int], object], n_tokens: int, device: str = "cuda") -> int | None:
     """Run one probe prefill of `n_tokens` and return its peak activation bytes per token.
 
     The peak is torch.cuda.max_memory_allocated during the call minus what was allocated before it

@@ -32,7 +32,7 @@ class PrefixIndex:
         keys: list[bytes] = []
         prev = b""
         for end in range(self.page_tokens, max_tokens + 1, self.page_tokens):
-            page = struct.pack(f"<{self.page_tokens}q", *token_ids[end - self.page_tokens:end])
+            page = struct.pack(f"<{self.page_tokens}q", *token_ids[end - self.page_tokens : end])
             prev = hashlib.blake2b(prev + page, digest_size=16).digest()
             keys.append(prev)
         return keys

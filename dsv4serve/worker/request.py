@@ -47,6 +47,6 @@ class Request:
     def token_ids(self, start: int, stop: int) -> list[int]:
         """Prompt-then-output tokens in [start, stop)."""
         n_prompt = len(self.prompt_token_ids)
-        head = self.prompt_token_ids[start:min(stop, n_prompt)]
-        tail = [t.token_id for t in self.output[max(start - n_prompt, 0):max(stop - n_prompt, 0)]]
+        head = self.prompt_token_ids[start : min(stop, n_prompt)]
+        tail = [t.token_id for t in self.output[max(start - n_prompt, 0) : max(stop - n_prompt, 0)]]
         return head + tail

@@ -33,8 +33,15 @@ class FaultInjection:
 
 
 class Runner:
-    def __init__(self, model: Transformer, pool: KvPool, numerics: Numerics, eos_token_id: int,
-                 device: torch.device, fault: FaultInjection = FaultInjection()):
+    def __init__(
+        self,
+        model: Transformer,
+        pool: KvPool,
+        numerics: Numerics,
+        eos_token_id: int,
+        device: torch.device,
+        fault: FaultInjection = FaultInjection(),
+    ):
         self.model, self.pool, self.numerics, self.device, self.fault = model, pool, numerics, device, fault
         self.eos_token_id = eos_token_id
         self.states: dict[str, SequenceState] = {}
@@ -63,8 +70,10 @@ class Runner:
                 self.pool.copy_slot(r.restore_slot, r.slot)
                 state.num_tokens = r.start_position
         if state.slot != r.slot or state.num_tokens != r.start_position:
-            raise RuntimeError(f"{r.request_id}: sequence at slot {state.slot} position {state.num_tokens}, "
-                               f"plan at slot {r.slot} position {r.start_position}")
+            raise RuntimeError(
+                f"{r.request_id}: sequence at slot {state.slot} position {state.num_tokens}, "
+                f"plan at slot {r.slot} position {r.start_position}"
+            )
         state.pages.extend(r.new_pages)
         return state
 
@@ -81,8 +90,13 @@ class Runner:
         tokens = []
         for i, req in enumerate(reqs):
             top = out.row_top(i)
-            tokens.append(TokenOut(int(out.token_ids[i]), float(out.logprobs[i]) if req.sampling.logprobs is not None
-                                   else None, [TokenLogprob(t, lp) for t, lp in top] if top else None))
+            tokens.append(
+                TokenOut(
+                    int(out.token_ids[i]),
+                    float(out.logprobs[i]) if req.sampling.logprobs is not None else None,
+                    [TokenLogprob(t, lp) for t, lp in top] if top else None,
+                )
+            )
         return tokens
 
     def _check_fault(self, plan: StepPlan) -> None:
@@ -90,7 +104,8 @@ class Runner:
         if budget is not None and plan.num_tokens * self.fault.activation_bytes_per_token > budget:
             raise torch.OutOfMemoryError(
                 f"injected for testing: {plan.num_tokens} tokens x {self.fault.activation_bytes_per_token} "
-                f"activation bytes > budget {budget} bytes")
+                f"activation bytes > budget {budget} bytes"
+            )
 
     def execute(self, plan: StepPlan, requests: dict[str, Request]) -> tuple[dict[str, TokenOut], PromptLogprobs]:
         """Run one step: the sampled token of every row that asked for one, and the prompt logprobs
@@ -99,13 +114,23 @@ class Runner:
         if not plan.rows:
             return {}, {}
         self._check_fault(plan)
-        rows = [BatchRow(torch.tensor(r.token_ids, dtype=torch.long, device=self.device), self._sequence(r))
-                for r in plan.rows]
-        wants = [i for i, r in enumerate(plan.rows) if requests[r.request_id].prompt_logprobs is not None
-                 and r.start_position < len(requests[r.request_id].prompt_token_ids) - 1]
+        rows = [
+            BatchRow(torch.tensor(r.token_ids, dtype=torch.long, device=self.device), self._sequence(r))
+            for r in plan.rows
+        ]
+        wants = [
+            i
+            for i, r in enumerate(plan.rows)
+            if requests[r.request_id].prompt_logprobs is not None
+            and r.start_position < len(requests[r.request_id].prompt_token_ids) - 1
+        ]
         out = self.model.forward(rows, self.numerics, all_logits=bool(wants))
-        prompt_lps = {plan.rows[i].request_id: self._prompt_logprobs(plan.rows[i], requests[plan.rows[i].request_id],
-                                                                     out.logits[i]) for i in wants}
+        prompt_lps = {
+            plan.rows[i].request_id: self._prompt_logprobs(
+                plan.rows[i], requests[plan.rows[i].request_id], out.logits[i]
+            )
+            for i in wants
+        }
         for r in plan.rows:
             if r.snapshot_slot is not None:
                 self.pool.copy_slot(r.slot, r.snapshot_slot)
@@ -133,7 +158,7 @@ class Runner:
         prompt = req.prompt_token_ids
         n = min(len(row.token_ids), len(prompt) - 1 - row.start_position)  # positions with a next prompt token
         logp = torch.log_softmax(logits[:n].float(), dim=-1)  # [n, vocab]
-        targets = prompt[row.start_position + 1:row.start_position + 1 + n]
+        targets = prompt[row.start_position + 1 : row.start_position + 1 + n]
         index = torch.tensor(targets, device=logp.device).unsqueeze(1)  # gather wants it beside logp
         chosen = logp.gather(1, index).squeeze(1).tolist()
         k = req.sampling.prompt_logprobs or 0

@@ -70,8 +70,7 @@ def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
 
 
 @torch.no_grad()
-def sample(logits: torch.Tensor, rows: Sequence[SamplingRow],
-           generator: torch.Generator | None = None) -> SampleOutput:
+def sample(logits: torch.Tensor, rows: Sequence[SamplingRow], generator: torch.Generator | None = None) -> SampleOutput:
     """logits [B, V] (fp32; other float types are upcast) -> one token per row.
 
     `generator` drives the rows without a seed (None: torch's default generator).
@@ -82,8 +81,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow],
         if row.params.seed is not None and row.generator is None:
             raise ValueError("a row with a seed needs its own generator (make_generator)")
         if row.generator is not None and row.generator.device.type != logits.device.type:
-            raise ValueError(f"a row's generator is on {row.generator.device}, "
-                             f"the logits on {logits.device}")
+            raise ValueError(f"a row's generator is on {row.generator.device}, the logits on {logits.device}")
     raw = logits.float()  # [B, V] fp32, never modified: logprobs come from it
     is_greedy = [row.params.is_greedy for row in rows]
     if all(is_greedy) and not any(_changes_logits(row) for row in rows):
@@ -102,14 +100,16 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow],
             drawn = draw(work, rows, generator)
             token_ids = torch.where(torch.tensor(is_greedy, device=raw.device), token_ids, drawn)
     chosen, top_ids, top_values = logprobs_of(raw, token_ids, rows)
-    return SampleOutput(token_ids, chosen, top_ids, top_values,
-                        tuple(row.params.logprobs for row in rows))
+    return SampleOutput(token_ids, chosen, top_ids, top_values, tuple(row.params.logprobs for row in rows))
 
 
 def _changes_logits(row: SamplingRow) -> bool:
     """Whether a greedy row's logits need penalties, stop masking or forcing before the argmax."""
-    return (row.params.has_penalties or bool(stop_tokens_to_mask(row))
-            or forced_token(row.params, row.output_token_ids) is not None)
+    return (
+        row.params.has_penalties
+        or bool(stop_tokens_to_mask(row))
+        or forced_token(row.params, row.output_token_ids) is not None
+    )
 
 
 def forced_token(params: SamplingParams, output_token_ids: Sequence[int]) -> int | None:
@@ -140,15 +140,14 @@ def _row_tensor(values: list, like: torch.Tensor) -> torch.Tensor:
     return torch.tensor(values, dtype=like.dtype, device=like.device)
 
 
-def token_counts(sequences: Sequence[Sequence[int]], vocab_size: int,
-                 device: torch.device) -> torch.Tensor:
+def token_counts(sequences: Sequence[Sequence[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
     """How often each token occurs in each sequence: [N, V] fp32."""
     max_len = max((len(s) for s in sequences), default=0)
     # pad with an extra bin (vocab_size) that is cut off afterwards, as vLLM does
     ids = torch.full((len(sequences), max_len), vocab_size, dtype=torch.long)
     for i, seq in enumerate(sequences):
         if len(seq):
-            ids[i, :len(seq)] = torch.as_tensor(seq, dtype=torch.long)
+            ids[i, : len(seq)] = torch.as_tensor(seq, dtype=torch.long)
     counts = torch.zeros(len(sequences), vocab_size + 1, device=device)
     counts.scatter_add_(1, ids.to(device), torch.ones(ids.shape, device=device))
     return counts[:, :vocab_size]
@@ -165,8 +164,11 @@ def apply_penalties(work: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
     sub = work.index_select(0, index)  # [P, V]
     outputs = token_counts([rows[i].output_token_ids for i in picked], vocab_size, device)  # [P, V]
     if any(p.repetition_penalty != 1.0 for p in params):
-        prompts = token_counts([rows[i].prompt_token_ids if p.repetition_penalty != 1.0 else ()
-                                for i, p in zip(picked, params)], vocab_size, device)  # [P, V]
+        prompts = token_counts(
+            [rows[i].prompt_token_ids if p.repetition_penalty != 1.0 else () for i, p in zip(picked, params)],
+            vocab_size,
+            device,
+        )  # [P, V]
         repetition = _row_tensor([p.repetition_penalty for p in params], work)[:, None]
         scale = torch.where((prompts > 0) | (outputs > 0), repetition, 1.0)
         sub = torch.where(sub > 0, sub / scale, sub * scale)
@@ -245,8 +247,7 @@ def apply_min_p(work: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
     work.masked_fill_(probs < floor, _NEG_INF)
 
 
-def draw(work: torch.Tensor, rows: Sequence[SamplingRow],
-         generator: torch.Generator | None) -> torch.Tensor:
+def draw(work: torch.Tensor, rows: Sequence[SamplingRow], generator: torch.Generator | None) -> torch.Tensor:
     """One token per row from softmax(work): argmax(p / E) with E ~ Exp(1). -> [B] int64"""
     probs = work.softmax(dim=-1)  # [B, V]
     noise = torch.empty_like(probs)
@@ -267,8 +268,9 @@ def draw(work: torch.Tensor, rows: Sequence[SamplingRow],
     return probs.div_(noise).argmax(dim=-1)
 
 
-def logprobs_of(raw: torch.Tensor, token_ids: torch.Tensor, rows: Sequence[SamplingRow]
-                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+def logprobs_of(
+    raw: torch.Tensor, token_ids: torch.Tensor, rows: Sequence[SamplingRow]
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Raw logprob of each chosen token ([B] fp32; NaN for rows that did not ask for logprobs) and the
     N most likely alternatives ([B, N] int64 ids, [B, N] fp32 logprobs, best first; None when no row
     asked). Only the rows that asked pay for the full-vocabulary log-normalizer."""

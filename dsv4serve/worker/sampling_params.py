@@ -46,8 +46,7 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or self.repetition_penalty != 1.0)
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the first bad field; `vocab_size` also bounds stop_token_ids."""
@@ -70,8 +69,7 @@ class SamplingParams:
         if self.max_tokens is not None:
             _check_int(self, "max_tokens", lambda v: v >= 1, ">= 1")
             if self.min_tokens > self.max_tokens:
-                raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), "
-                                 f"got {self.min_tokens}")
+                raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 _check_int(self, name, lambda v: 0 <= v <= MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]")
@@ -91,8 +89,9 @@ def _check_int(params: SamplingParams, name: str, ok, rule: str) -> None:
         raise ValueError(f"{name} must be an integer {rule}, got {value!r}")
 
 
-def _check_stop_token_ids(stop_token_ids: tuple[int, ...], vocab_size: int | None,
-                          name: str = "stop_token_ids") -> None:
+def _check_stop_token_ids(
+    stop_token_ids: tuple[int, ...], vocab_size: int | None, name: str = "stop_token_ids"
+) -> None:
     if not isinstance(stop_token_ids, tuple):
         raise ValueError(f"{name} must be a tuple of token ids, got {type(stop_token_ids).__name__}")
     upper = vocab_size if vocab_size is not None else _INT64_MAX + 1

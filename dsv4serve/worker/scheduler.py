@@ -99,12 +99,18 @@ class Scheduler:
             return Rejected(msg.request_id, 400, f"request id {msg.request_id} is already in use")
         free_slots = max(self.limits.max_running - len(self.running), 0)
         if len(self.waiting) >= self.limits.max_waiting + free_slots:
-            return Rejected(msg.request_id, 503, f"the queue is full ({self.limits.max_waiting} waiting "
-                                                 "requests, --max-queued-requests); retry later")
+            return Rejected(
+                msg.request_id,
+                503,
+                f"the queue is full ({self.limits.max_waiting} waiting requests, --max-queued-requests); retry later",
+            )
         need = len(msg.prompt_token_ids) + 1
         if need > min(self.limits.max_model_len, self.num_pages_total * self.limits.page_tokens):
-            return Rejected(msg.request_id, 400, f"the prompt needs {need} tokens of KV; this server holds "
-                                                 f"{self.limits.kv_capacity_tokens}")
+            return Rejected(
+                msg.request_id,
+                400,
+                f"the prompt needs {need} tokens of KV; this server holds {self.limits.kv_capacity_tokens}",
+            )
         req = Request(msg.request_id, list(msg.prompt_token_ids), msg.sampling, self._arrivals)
         if msg.sampling.prompt_logprobs is not None:
             req.prompt_logprobs = [None] * len(req.prompt_token_ids)
@@ -145,8 +151,7 @@ class Scheduler:
                     rows.append(self._row(req, n))
                     budget -= n
         # a request preempted for room in this step is not re-admitted in the same step (no thrashing)
-        while (self.waiting and budget > 0 and len(self.running) < self.limits.max_running
-               and not self._preempted_now):
+        while self.waiting and budget > 0 and len(self.running) < self.limits.max_running and not self._preempted_now:
             req = self.waiting[0]
             if req.num_computed_tokens == 0:
                 self._attach_prefix(req)
@@ -213,7 +218,7 @@ class Scheduler:
         if not self.snapshot_slots.num_free:
             return None  # every snapshot slot is being saved in this step
         slot = self.limits.max_running + self.snapshot_slots.take()[0]
-        pages = self.pages.share(req.pages[:end // self.limits.page_tokens])
+        pages = self.pages.share(req.pages[: end // self.limits.page_tokens])
         self.prefix.insert(key, PrefixEntry(end, pages, slot, ready=False))
         return slot
 
@@ -237,10 +242,17 @@ class Scheduler:
     def _row(self, req: Request, n: int) -> ScheduledRow:
         start = req.num_computed_tokens
         restore, req.restore_slot = req.restore_slot, None
-        new_pages, req.pages_sent = tuple(req.pages[req.pages_sent:]), len(req.pages)
-        return ScheduledRow(req.request_id, tuple(req.token_ids(start, start + n)), start,
-                            sample=start + n == req.num_tokens, slot=req.slot, new_pages=new_pages,
-                            restore_slot=restore, snapshot_slot=self._plan_snapshot(req, start + n))
+        new_pages, req.pages_sent = tuple(req.pages[req.pages_sent :]), len(req.pages)
+        return ScheduledRow(
+            req.request_id,
+            tuple(req.token_ids(start, start + n)),
+            start,
+            sample=start + n == req.num_tokens,
+            slot=req.slot,
+            new_pages=new_pages,
+            restore_slot=restore,
+            snapshot_slot=self._plan_snapshot(req, start + n),
+        )
 
     def _reserve_or_preempt(self, req: Request, n_tokens: int) -> bool:
         """Reserve pages so `req` holds `n_tokens`, preempting newer requests if the pool is full.
@@ -312,8 +324,9 @@ class Scheduler:
         s, token = req.sampling, req.output[-1].token_id
         if token in s.stop_token_ids or (token == self.limits.eos_token_id and not s.ignore_eos):
             return "stop"
-        if (s.max_tokens is not None and len(req.output) >= s.max_tokens) or \
-                req.num_tokens >= self.limits.max_model_len:
+        if (
+            s.max_tokens is not None and len(req.output) >= s.max_tokens
+        ) or req.num_tokens >= self.limits.max_model_len:
             return "length"
         return None
 

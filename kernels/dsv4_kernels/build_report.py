@@ -56,20 +56,27 @@ def _build_in_this_process(keys: list[str]) -> dict:
         spec = KERNELS_BY_NAME[name]
         signature, constexprs = {c: (sig, cx) for c, sig, cx in spec.load_compile_configs()}[config]
         try:
-            source = ASTSource(fn=spec.load_kernel(), signature=signature, constexprs=constexprs,
-                               attrs=spec.compile_attrs(signature))
-            built = triton.compile(source, target=GPUTarget("cuda", int(arch), 32),
-                                   options=spec.launch_options(config, int(arch)))
+            source = ASTSource(
+                fn=spec.load_kernel(), signature=signature, constexprs=constexprs, attrs=spec.compile_attrs(signature)
+            )
+            built = triton.compile(
+                source, target=GPUTarget("cuda", int(arch), 32), options=spec.launch_options(config, int(arch))
+            )
             ptx = built.asm["ptx"]
             with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
                 cubin.write(built.asm["cubin"])
                 cubin.flush()
                 usage = subprocess.run([cuobjdump, "-res-usage", cubin.name], capture_output=True, text=True)
             regs, stack, _, _ = map(int, RES_USAGE.search(usage.stdout).groups())
-            results[key] = {"mma": sorted(set(MMA.findall(ptx))), "cubin_bytes": len(built.asm["cubin"]),
-                            "target": re.search(r"\.target\s+(\w+)", ptx).group(1),
-                            "shared": built.metadata.shared, "regs": regs, "stack": stack}
-        except Exception as exc:  # noqa: BLE001 - reported per build, the others still run
+            results[key] = {
+                "mma": sorted(set(MMA.findall(ptx))),
+                "cubin_bytes": len(built.asm["cubin"]),
+                "target": re.search(r"\.target\s+(\w+)", ptx).group(1),
+                "shared": built.metadata.shared,
+                "regs": regs,
+                "stack": stack,
+            }
+        except Exception as exc:
             results[key] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
     return results
 
@@ -86,9 +93,17 @@ def build_all(builds: list[Build], workers: int = 2, cost: Mapping[Build, float]
         shares[child].append(build_key(build))
         loads[child] += cost.get(build, 3)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    procs = [subprocess.Popen([sys.executable, "-m", "dsv4_kernels.build_report", "--child", json.dumps(share)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for share in shares if share]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "dsv4_kernels.build_report", "--child", json.dumps(share)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for share in shares
+        if share
+    ]
     results = {}
     for proc in procs:
         out, err = proc.communicate(timeout=600)
@@ -100,8 +115,10 @@ def build_all(builds: list[Build], workers: int = 2, cost: Mapping[Build, float]
 
 def table(results: dict) -> str:
     """A markdown table, one row a build."""
-    rows = ["| kernel | config | arch | regs | stack B | shared B | tensor-core instructions |",
-            "| --- | --- | --- | ---: | ---: | ---: | --- |"]
+    rows = [
+        "| kernel | config | arch | regs | stack B | shared B | tensor-core instructions |",
+        "| --- | --- | --- | ---: | ---: | ---: | --- |",
+    ]
     for key in sorted(results, key=lambda k: (k.split("|")[0], int(k.split("|")[2]), k.split("|")[1])):
         name, config, arch = key.split("|")
         r = results[key]

@@ -33,15 +33,28 @@ def interpreting() -> bool:
 
 
 @triton.jit
-def compressor_pool_kernel(kv_ptr, score_ptr, out_ptr, d, stride_kvw, stride_kvl, stride_sw, stride_sl,
-                           stride_ow, L: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr):
+def compressor_pool_kernel(
+    kv_ptr,
+    score_ptr,
+    out_ptr,
+    d,
+    stride_kvw,
+    stride_kvl,
+    stride_sw,
+    stride_sl,
+    stride_ow,
+    L: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     """pooled[w, c0:c0 + BLOCK_D] for window w = program_id(1), c0 = program_id(0) * BLOCK_D."""
     w = tl.program_id(1).to(tl.int64)
     offs_d = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
     offs_l = tl.arange(0, BLOCK_L)
     mask = (offs_l[:, None] < L) & (offs_d[None, :] < d)
-    score = tl.load(score_ptr + w * stride_sw + offs_l[:, None] * stride_sl + offs_d[None, :], mask=mask,
-                    other=float("-inf"))  # [BLOCK_L, BLOCK_D]
+    score = tl.load(
+        score_ptr + w * stride_sw + offs_l[:, None] * stride_sl + offs_d[None, :], mask=mask, other=float("-inf")
+    )  # [BLOCK_L, BLOCK_D]
     kv = tl.load(kv_ptr + w * stride_kvw + offs_l[:, None] * stride_kvl + offs_d[None, :], mask=mask, other=0.0)
     top = tl.max(score, axis=0)
     top = tl.where(top == float("-inf"), 0.0, top)  # an all -inf channel: every weight is exp(-inf) = 0
@@ -58,12 +71,15 @@ def pick_block_d(window_slots: int, d: int) -> int:
     return max(16, min(triton.next_power_of_2(d), 4096 // triton.next_power_of_2(window_slots)))
 
 
-def compressor_pool(kv: torch.Tensor, score: torch.Tensor, block_d: int | None = None,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+def compressor_pool(
+    kv: torch.Tensor, score: torch.Tensor, block_d: int | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """See the module contract. `out` ([n_windows, d] fp32, unit column stride) receives the stores."""
     if kv.shape != score.shape or kv.dim() != 3 or kv.dtype != torch.float32 or score.dtype != torch.float32:
-        raise ValueError(f"need fp32 kv and score of one [n_windows, L, d] shape, got {kv.dtype} {tuple(kv.shape)}"
-                         f" and {score.dtype} {tuple(score.shape)}")
+        raise ValueError(
+            f"need fp32 kv and score of one [n_windows, L, d] shape, got {kv.dtype} {tuple(kv.shape)}"
+            f" and {score.dtype} {tuple(score.shape)}"
+        )
     n_windows, slots, d = kv.shape
     if kv.stride(2) != 1:
         kv = kv.contiguous()
@@ -74,15 +90,36 @@ def compressor_pool(kv: torch.Tensor, score: torch.Tensor, block_d: int | None =
         return out
     block_d = block_d or pick_block_d(slots, d)
     grid = (triton.cdiv(d, block_d), n_windows)
-    compressor_pool_kernel[grid](kv, score, out, d, kv.stride(0), kv.stride(1), score.stride(0), score.stride(1),
-                                 out.stride(0), L=slots, BLOCK_L=triton.next_power_of_2(slots), BLOCK_D=block_d)
+    compressor_pool_kernel[grid](
+        kv,
+        score,
+        out,
+        d,
+        kv.stride(0),
+        kv.stride(1),
+        score.stride(0),
+        score.stride(1),
+        out.stride(0),
+        L=slots,
+        BLOCK_L=triton.next_power_of_2(slots),
+        BLOCK_D=block_d,
+    )
     return out
 
 
 COMPILE_SIGNATURE = {
-    "kv_ptr": "*fp32", "score_ptr": "*fp32", "out_ptr": "*fp32", "d": "i32",
-    "stride_kvw": "i32", "stride_kvl": "i32", "stride_sw": "i32", "stride_sl": "i32", "stride_ow": "i32",
-    "L": "constexpr", "BLOCK_L": "constexpr", "BLOCK_D": "constexpr",
+    "kv_ptr": "*fp32",
+    "score_ptr": "*fp32",
+    "out_ptr": "*fp32",
+    "d": "i32",
+    "stride_kvw": "i32",
+    "stride_kvl": "i32",
+    "stride_sw": "i32",
+    "stride_sl": "i32",
+    "stride_ow": "i32",
+    "L": "constexpr",
+    "BLOCK_L": "constexpr",
+    "BLOCK_D": "constexpr",
 }
 
 # multiples of 16 at DeepSeek-V4-Flash's dims (registry.py): d = 512 or 128 and the strides built from it

@@ -75,13 +75,36 @@ def _load_fp4_tile(w_ptrs, ws_ptrs, w_mask, ws_mask, DOT_FP32: tl.constexpr):
 
 
 @triton.jit
-def fp4_moe_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, w3_ptr, w3_scale_ptr, out_ptr,
-                        topk_weight_ptr, sorted_ids_ptr, expert_ids_ptr,
-                        num_slots, N, K, limit,
-                        stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
-                        A_ROW_DIV: tl.constexpr, GATE_UP: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr):
+def fp4_moe_gemm_kernel(
+    a_ptr,
+    a_scale_ptr,
+    w_ptr,
+    w_scale_ptr,
+    w3_ptr,
+    w3_scale_ptr,
+    out_ptr,
+    topk_weight_ptr,
+    sorted_ids_ptr,
+    expert_ids_ptr,
+    num_slots,
+    N,
+    K,
+    limit,
+    stride_am,
+    stride_asm,
+    stride_we,
+    stride_wn,
+    stride_wse,
+    stride_wsn,
+    stride_om,
+    A_ROW_DIV: tl.constexpr,
+    GATE_UP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
     """One (expert block of BLOCK_M slots, BLOCK_N output columns) tile, computed transposed
     ([BLOCK_N, BLOCK_M], see the module doc). A row = slot // A_ROW_DIV (the token for GATE_UP, the
     slot itself for the down GEMM). BLOCK_K divides 128. EVEN_K (K a multiple of BLOCK_K) drops the
@@ -145,8 +168,9 @@ def store_dtype() -> torch.dtype:
     return torch.float32 if interpreting() else torch.bfloat16
 
 
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
-              num_blocks: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_align(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int, num_blocks: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """topk_ids [T, k] -> (sorted slot ids int32 [B * block_m], expert id per block int32 [B]).
 
     Slots of one expert are contiguous (in slot order) and padded to a multiple of block_m with the
@@ -169,8 +193,8 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     offset = 0
     for e in torch.nonzero(counts).flatten().tolist():
         c, s = int(counts[e]), int(starts[e])
-        sorted_ids[s:s + c] = order[offset:offset + c].to(torch.int32)
-        expert_ids[s // block_m:(s + int(padded[e])) // block_m] = e
+        sorted_ids[s : s + c] = order[offset : offset + c].to(torch.int32)
+        expert_ids[s // block_m : (s + int(padded[e])) // block_m] = e
         offset += c
     return sorted_ids, expert_ids
 
@@ -182,12 +206,24 @@ def _u8(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
 
 
-def fp4_moe_gemm(a_q: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
-                 sorted_ids: torch.Tensor, expert_ids: torch.Tensor, num_slots: int, a_row_div: int,
-                 w3: torch.Tensor | None = None, w3_scale: torch.Tensor | None = None,
-                 topk_weights: torch.Tensor | None = None, limit: float = 0.0,
-                 block_m: int = 16, block_n: int = 64, block_k: int = 128,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+def fp4_moe_gemm(
+    a_q: torch.Tensor,
+    a_scale: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    sorted_ids: torch.Tensor,
+    expert_ids: torch.Tensor,
+    num_slots: int,
+    a_row_div: int,
+    w3: torch.Tensor | None = None,
+    w3_scale: torch.Tensor | None = None,
+    topk_weights: torch.Tensor | None = None,
+    limit: float = 0.0,
+    block_m: int = 16,
+    block_n: int = 64,
+    block_k: int = 128,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """One grouped GEMM launch. a_q e4m3 [rows, K], a_scale fp32 [rows, ceil(K/128)]; w packed
     [E, N, K/2], w_scale e8m0 [E, N, K/32]; returns [num_slots, N] (bf16 values; fp32 storage when
     interpreting). With w3 given, the gate/up form (topk_weights fp32 [num_slots] required).
@@ -207,12 +243,36 @@ def fp4_moe_gemm(a_q: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_sc
     route_w = topk_weights.float().contiguous().flatten() if gate_up else a_scale
     out = output_buffer(out, (num_slots, n), store_dtype(), a_q.device)
     grid = (len(expert_ids), triton.cdiv(n, block_n))
-    fp4_moe_gemm_kernel[grid](a_q, a_scale, w, w_scale, w3, w3_scale, out, route_w, sorted_ids, expert_ids,
-                              num_slots, n, k, float(limit),
-                              a_q.stride(0), a_scale.stride(0), w.stride(0), w.stride(1),
-                              w_scale.stride(0), w_scale.stride(1), out.stride(0),
-                              A_ROW_DIV=a_row_div, GATE_UP=gate_up, BLOCK_M=block_m, BLOCK_N=block_n,
-                              BLOCK_K=block_k, EVEN_K=k % block_k == 0, DOT_FP32=interpreting())
+    fp4_moe_gemm_kernel[grid](
+        a_q,
+        a_scale,
+        w,
+        w_scale,
+        w3,
+        w3_scale,
+        out,
+        route_w,
+        sorted_ids,
+        expert_ids,
+        num_slots,
+        n,
+        k,
+        float(limit),
+        a_q.stride(0),
+        a_scale.stride(0),
+        w.stride(0),
+        w.stride(1),
+        w_scale.stride(0),
+        w_scale.stride(1),
+        out.stride(0),
+        A_ROW_DIV=a_row_div,
+        GATE_UP=gate_up,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        EVEN_K=k % block_k == 0,
+        DOT_FP32=interpreting(),
+    )
     return out
 
 
@@ -227,10 +287,23 @@ def pick_block_k(block_m: int) -> int:
     return 128 if block_m < 64 else 64
 
 
-def fp4_moe(x: torch.Tensor, w1: torch.Tensor, w1_scale: torch.Tensor, w3: torch.Tensor, w3_scale: torch.Tensor,
-            w2: torch.Tensor, w2_scale: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-            limit: float, block_m: int | None = None, block_n: int = 64, block_k: int | None = None,
-            num_blocks: int | None = None, outs: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+def fp4_moe(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w1_scale: torch.Tensor,
+    w3: torch.Tensor,
+    w3_scale: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    limit: float,
+    block_m: int | None = None,
+    block_n: int = 64,
+    block_k: int | None = None,
+    num_blocks: int | None = None,
+    outs: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
     """x [T, D] bf16, W1/W3 [E, I, D/2] + [E, I, D/32], W2 [E, D, I/2] + [E, D, I/32], topk [T, k]
     (weights fp32, already route-scaled) -> routed-expert sum fp32 [T, D] (module contract above).
     `outs`: optional (act [T*k, I], y [T*k, D]) buffers for the two launches."""
@@ -241,28 +314,75 @@ def fp4_moe(x: torch.Tensor, w1: torch.Tensor, w1_scale: torch.Tensor, w3: torch
     sorted_ids, expert_ids = moe_align(topk_ids, w1.shape[0], bm, num_blocks)
     x_q, x_s = act_quant_fp8_ref(x)
     act_out, y_out = outs or (None, None)
-    act = fp4_moe_gemm(x_q, x_s, w1, w1_scale, sorted_ids, expert_ids, num_slots, k, w3=w3, w3_scale=w3_scale,
-                       topk_weights=topk_weights, limit=limit, block_m=bm, block_n=block_n, block_k=bk,
-                       out=act_out)
+    act = fp4_moe_gemm(
+        x_q,
+        x_s,
+        w1,
+        w1_scale,
+        sorted_ids,
+        expert_ids,
+        num_slots,
+        k,
+        w3=w3,
+        w3_scale=w3_scale,
+        topk_weights=topk_weights,
+        limit=limit,
+        block_m=bm,
+        block_n=block_n,
+        block_k=bk,
+        out=act_out,
+    )
     act_q, act_s = act_quant_fp8_ref(act)
-    y = fp4_moe_gemm(act_q, act_s, w2, w2_scale, sorted_ids, expert_ids, num_slots, 1, block_m=bm, block_n=block_n,
-                     block_k=bk, out=y_out)
+    y = fp4_moe_gemm(
+        act_q,
+        act_s,
+        w2,
+        w2_scale,
+        sorted_ids,
+        expert_ids,
+        num_slots,
+        1,
+        block_m=bm,
+        block_n=block_n,
+        block_k=bk,
+        out=y_out,
+    )
     return y.float().view(t, k, -1).sum(dim=1)
 
 
 _SIG = {
-    "a_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32", "w_ptr": "*u8", "w_scale_ptr": "*u8", "w3_ptr": "*u8",
-    "w3_scale_ptr": "*u8", "out_ptr": "*bf16", "topk_weight_ptr": "*fp32", "sorted_ids_ptr": "*i32",
-    "expert_ids_ptr": "*i32", "num_slots": "i32", "N": "i32", "K": "i32", "limit": "fp32",
-    "stride_am": "i32", "stride_asm": "i32", "stride_we": "i32", "stride_wn": "i32", "stride_wse": "i32",
-    "stride_wsn": "i32", "stride_om": "i32",
-    "A_ROW_DIV": "constexpr", "GATE_UP": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
-    "BLOCK_K": "constexpr", "EVEN_K": "constexpr", "DOT_FP32": "constexpr",
+    "a_ptr": "*fp8e4nv",
+    "a_scale_ptr": "*fp32",
+    "w_ptr": "*u8",
+    "w_scale_ptr": "*u8",
+    "w3_ptr": "*u8",
+    "w3_scale_ptr": "*u8",
+    "out_ptr": "*bf16",
+    "topk_weight_ptr": "*fp32",
+    "sorted_ids_ptr": "*i32",
+    "expert_ids_ptr": "*i32",
+    "num_slots": "i32",
+    "N": "i32",
+    "K": "i32",
+    "limit": "fp32",
+    "stride_am": "i32",
+    "stride_asm": "i32",
+    "stride_we": "i32",
+    "stride_wn": "i32",
+    "stride_wse": "i32",
+    "stride_wsn": "i32",
+    "stride_om": "i32",
+    "A_ROW_DIV": "constexpr",
+    "GATE_UP": "constexpr",
+    "BLOCK_M": "constexpr",
+    "BLOCK_N": "constexpr",
+    "BLOCK_K": "constexpr",
+    "EVEN_K": "constexpr",
+    "DOT_FP32": "constexpr",
 }
 # multiples of 16 at DeepSeek-V4-Flash's dims (registry.py; D=4096, I=2048): N, K, the activation,
 # weight and output strides and the scale strides K/128 and K/32; not the slot count
-ALIGNED_INTS = ("N", "K", "stride_am", "stride_asm", "stride_we", "stride_wn", "stride_wse", "stride_wsn",
-                "stride_om")
+ALIGNED_INTS = ("N", "K", "stride_am", "stride_asm", "stride_we", "stride_wn", "stride_wse", "stride_wsn", "stride_om")
 _GPU = {"EVEN_K": True, "DOT_FP32": False}
 
 # (config name, signature, constexprs) for the CPU compile checks (tests/kernels/test_compile.py)

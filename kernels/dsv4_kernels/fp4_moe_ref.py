@@ -18,17 +18,25 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dsv4_kernels.formats import dequant_fp4
 from dsv4_kernels.fp8_gemm_ref import act_quant_fp8_ref, dequant_act_fp8_ref
-from dsv4serve.model.quant import dequant_fp4
 
 
 def _expert_weight(packed: torch.Tensor, scale: torch.Tensor, e: int) -> torch.Tensor:
     return dequant_fp4(packed[e], scale[e])  # exact fp32 [N, K]
 
 
-def gate_up_ref(x_q: torch.Tensor, x_scale: torch.Tensor, w1: torch.Tensor, w1_scale: torch.Tensor,
-                w3: torch.Tensor, w3_scale: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                limit: float) -> torch.Tensor:
+def gate_up_ref(
+    x_q: torch.Tensor,
+    x_scale: torch.Tensor,
+    w1: torch.Tensor,
+    w1_scale: torch.Tensor,
+    w3: torch.Tensor,
+    w3_scale: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    limit: float,
+) -> torch.Tensor:
     """x_q e4m3 [T, D], x_scale fp32 [T, ceil(D/128)], topk [T, k] -> act [T*k, I] fp32 holding
     bf16-rounded values (the input of w2 before its FP8 quantization)."""
     t, k = topk_ids.shape
@@ -48,8 +56,9 @@ def gate_up_ref(x_q: torch.Tensor, x_scale: torch.Tensor, w1: torch.Tensor, w1_s
     return act
 
 
-def down_ref(act_q: torch.Tensor, act_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
-             topk_ids: torch.Tensor) -> torch.Tensor:
+def down_ref(
+    act_q: torch.Tensor, act_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor, topk_ids: torch.Tensor
+) -> torch.Tensor:
     """act_q e4m3 [T*k, I], act_scale fp32 [T*k, ceil(I/128)] -> per-slot expert outputs bf16 [T*k, D]."""
     flat_ids = topk_ids.flatten()
     a = dequant_act_fp8_ref(act_q, act_scale)
@@ -60,9 +69,18 @@ def down_ref(act_q: torch.Tensor, act_scale: torch.Tensor, w2: torch.Tensor, w2_
     return y
 
 
-def fp4_moe_ref(x: torch.Tensor, w1: torch.Tensor, w1_scale: torch.Tensor, w3: torch.Tensor,
-                w3_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
-                topk_weights: torch.Tensor, topk_ids: torch.Tensor, limit: float) -> torch.Tensor:
+def fp4_moe_ref(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w1_scale: torch.Tensor,
+    w3: torch.Tensor,
+    w3_scale: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    limit: float,
+) -> torch.Tensor:
     """x [T, D] (bf16) -> routed-expert sum fp32 [T, D]."""
     t, k = topk_ids.shape
     x_q, x_s = act_quant_fp8_ref(x)

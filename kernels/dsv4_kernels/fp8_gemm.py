@@ -34,10 +34,26 @@ def interpreting() -> bool:
 
 
 @triton.jit
-def fp8_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, M, N, K,
-                    stride_am, stride_asm, stride_bn, stride_bsn, stride_cm,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr):
+def fp8_gemm_kernel(
+    a_ptr,
+    a_scale_ptr,
+    b_ptr,
+    b_scale_ptr,
+    c_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_asm,
+    stride_bn,
+    stride_bsn,
+    stride_cm,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SWAP_AB: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
     """One [BLOCK_M, BLOCK_N] output tile. SWAP_AB computes its transpose, b_tile @ a_tile^T, so that
     N fills the 64-row side of a Hopper wgmma when M is a decode batch (M < 64). EVEN_K (K a multiple
     of BLOCK_K) drops the K masks, so the tile loads are masked along M / N only."""
@@ -108,8 +124,14 @@ def pick_blocks(m: int) -> tuple[int, int, bool]:
     return 64, 128, False
 
 
-def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
-             blocks: tuple[int, int, bool] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+def fp8_gemm(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    blocks: tuple[int, int, bool] | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """See the module contract. Returns bf16 [M, N]. `out` ([M, N], row stride free, dtype
     `store_dtype()`) receives the kernel's stores (tests pass a NaN-poisoned view)."""
     m, k = a.shape
@@ -127,10 +149,26 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: t
     bm, bn, swap_ab = blocks or pick_blocks(m)
     out = output_buffer(out, (m, n), store_dtype(), a.device)
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
-    fp8_gemm_kernel[grid](a, a_scale, b, b_scale, out, m, n, k,
-                          a.stride(0), a_scale.stride(0), b.stride(0), b_scale.stride(0), out.stride(0),
-                          BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=FP8_BLOCK, SWAP_AB=swap_ab,
-                          EVEN_K=k % FP8_BLOCK == 0)
+    fp8_gemm_kernel[grid](
+        a,
+        a_scale,
+        b,
+        b_scale,
+        out,
+        m,
+        n,
+        k,
+        a.stride(0),
+        a_scale.stride(0),
+        b.stride(0),
+        b_scale.stride(0),
+        out.stride(0),
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=FP8_BLOCK,
+        SWAP_AB=swap_ab,
+        EVEN_K=k % FP8_BLOCK == 0,
+    )
     return out.to(torch.bfloat16)
 
 
@@ -147,10 +185,23 @@ def fp8_linear(x: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor) -> torch
 
 
 COMPILE_SIGNATURE = {
-    "a_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32", "b_ptr": "*fp8e4nv", "b_scale_ptr": "*u8", "c_ptr": "*bf16",
-    "M": "i32", "N": "i32", "K": "i32",
-    "stride_am": "i32", "stride_asm": "i32", "stride_bn": "i32", "stride_bsn": "i32", "stride_cm": "i32",
-    "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "SWAP_AB": "constexpr",
+    "a_ptr": "*fp8e4nv",
+    "a_scale_ptr": "*fp32",
+    "b_ptr": "*fp8e4nv",
+    "b_scale_ptr": "*u8",
+    "c_ptr": "*bf16",
+    "M": "i32",
+    "N": "i32",
+    "K": "i32",
+    "stride_am": "i32",
+    "stride_asm": "i32",
+    "stride_bn": "i32",
+    "stride_bsn": "i32",
+    "stride_cm": "i32",
+    "BLOCK_M": "constexpr",
+    "BLOCK_N": "constexpr",
+    "BLOCK_K": "constexpr",
+    "SWAP_AB": "constexpr",
     "EVEN_K": "constexpr",
 }
 # multiples of 16 at DeepSeek-V4-Flash's dims (registry.py): N and K of every FP8 projection and the

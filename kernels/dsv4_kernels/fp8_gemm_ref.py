@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from dsv4serve.model.quant import FP8_MAX, dequant_fp8_block, pow2_ceil
+from dsv4_kernels.formats import FP8_MAX, dequant_fp8_block, pow2_ceil
 
 FP8_BLOCK = 128  # K block of both scales, N block of the weight scale
 FP8_AMAX_FLOOR = 1e-4  # dsv4serve.model.numerics.FP8_AMAX_FLOOR (the reference's act_quant floor)

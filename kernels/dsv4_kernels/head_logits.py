@@ -40,9 +40,22 @@ def interpreting() -> bool:
 
 
 @triton.jit
-def head_logits_kernel(y_ptr, w_ptr, out_ptr, M, V, K, stride_ym, stride_wv, stride_om,
-                       BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
-                       EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr):
+def head_logits_kernel(
+    y_ptr,
+    w_ptr,
+    out_ptr,
+    M,
+    V,
+    K,
+    stride_ym,
+    stride_wv,
+    stride_om,
+    BLOCK_M: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
     """One [BLOCK_M rows, BLOCK_V vocabulary] tile of the logits, computed transposed."""
     pid_v = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -89,30 +102,58 @@ def pick_block_m(m: int, batch_invariant: bool = False) -> int:
     return 16 if batch_invariant or m <= 16 else 32
 
 
-def head_logits(y: torch.Tensor, w: torch.Tensor, block_m: int | None = None,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+def head_logits(
+    y: torch.Tensor, w: torch.Tensor, block_m: int | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """See the module contract. `out` ([M, V] fp32, unit column stride) receives the stores (tests pass
     a NaN-poisoned view)."""
     m, k = y.shape
     v, k_w = w.shape
     if y.dtype != torch.float32 or w.dtype != torch.bfloat16 or k_w != k:
-        raise ValueError(f"need fp32 y [M, K] and bf16 w [V, K], got {y.dtype} {tuple(y.shape)}, "
-                         f"{w.dtype} {tuple(w.shape)}")
+        raise ValueError(
+            f"need fp32 y [M, K] and bf16 w [V, K], got {y.dtype} {tuple(y.shape)}, {w.dtype} {tuple(w.shape)}"
+        )
     y, w = y.contiguous(), w.contiguous()
     out = output_buffer(out, (m, v), torch.float32, y.device)
     if m == 0:
         return out
     bm = block_m or pick_block_m(m)
     grid = (triton.cdiv(v, BLOCK_V), triton.cdiv(m, bm))
-    head_logits_kernel[grid](y, w, out, m, v, k, y.stride(0), w.stride(0), out.stride(0),
-                             BLOCK_M=bm, BLOCK_V=BLOCK_V, BLOCK_K=BLOCK_K, EVEN_K=k % BLOCK_K == 0,
-                             DOT_FP32=interpreting())
+    head_logits_kernel[grid](
+        y,
+        w,
+        out,
+        m,
+        v,
+        k,
+        y.stride(0),
+        w.stride(0),
+        out.stride(0),
+        BLOCK_M=bm,
+        BLOCK_V=BLOCK_V,
+        BLOCK_K=BLOCK_K,
+        EVEN_K=k % BLOCK_K == 0,
+        DOT_FP32=interpreting(),
+    )
     return out
 
 
-_SIG = {"y_ptr": "*fp32", "w_ptr": "*bf16", "out_ptr": "*fp32", "M": "i32", "V": "i32", "K": "i32",
-        "stride_ym": "i32", "stride_wv": "i32", "stride_om": "i32", "BLOCK_M": "constexpr",
-        "BLOCK_V": "constexpr", "BLOCK_K": "constexpr", "EVEN_K": "constexpr", "DOT_FP32": "constexpr"}
+_SIG = {
+    "y_ptr": "*fp32",
+    "w_ptr": "*bf16",
+    "out_ptr": "*fp32",
+    "M": "i32",
+    "V": "i32",
+    "K": "i32",
+    "stride_ym": "i32",
+    "stride_wv": "i32",
+    "stride_om": "i32",
+    "BLOCK_M": "constexpr",
+    "BLOCK_V": "constexpr",
+    "BLOCK_K": "constexpr",
+    "EVEN_K": "constexpr",
+    "DOT_FP32": "constexpr",
+}
 _GPU = {"BLOCK_V": BLOCK_V, "BLOCK_K": BLOCK_K, "EVEN_K": True, "DOT_FP32": False}
 # multiples of 16 at DeepSeek-V4-Flash's dims: V = 129280, K = 4096 and the row strides equal to them;
 # not M

@@ -43,11 +43,31 @@ def interpreting() -> bool:
 
 
 @triton.jit
-def indexer_score_kernel(q_ptr, w_ptr, k_ptr, bt_ptr, cu_ptr, start_ptr, out_ptr, num_heads, num_cols,
-                         stride_qn, stride_qh, stride_wn, stride_kp, stride_ke, stride_btb, stride_on,
-                         RATIO: tl.constexpr, PER_PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-                         UPCAST: tl.constexpr):
+def indexer_score_kernel(
+    q_ptr,
+    w_ptr,
+    k_ptr,
+    bt_ptr,
+    cu_ptr,
+    start_ptr,
+    out_ptr,
+    num_heads,
+    num_cols,
+    stride_qn,
+    stride_qh,
+    stride_wn,
+    stride_kp,
+    stride_ke,
+    stride_btb,
+    stride_on,
+    RATIO: tl.constexpr,
+    PER_PAGE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     """Scores of rows [tile * BLOCK_T, +BLOCK_T) of request b against entries of key block pid_e."""
     pid_e = tl.program_id(0)
     tile = tl.program_id(1)
@@ -76,8 +96,11 @@ def indexer_score_kernel(q_ptr, w_ptr, k_ptr, bt_ptr, cu_ptr, start_ptr, out_ptr
         n_visible = (pos0 + i + 1) // RATIO
         score = tl.full((BLOCK_E,), float("-inf"), tl.float32)
         if pid_e * BLOCK_E < n_visible:
-            q = tl.load(q_ptr + row * stride_qn + offs_h[:, None] * stride_qh + offs_d[None, :],
-                        mask=head_ok[:, None], other=0.0)  # [BLOCK_H, Di]
+            q = tl.load(
+                q_ptr + row * stride_qn + offs_h[:, None] * stride_qh + offs_d[None, :],
+                mask=head_ok[:, None],
+                other=0.0,
+            )  # [BLOCK_H, Di]
             if UPCAST:
                 q = q.to(tl.float32)
             w = tl.load(w_ptr + row * stride_wn + offs_h, mask=head_ok, other=0.0)
@@ -95,16 +118,27 @@ def pick_blocks(max_rows_per_request: int, num_requests: int, num_cols: int) -> 
     return block_t, (64 if programs < 264 else 128)
 
 
-def indexer_scores(q: torch.Tensor, weights: torch.Tensor, idx_k: torch.Tensor, block_table: torch.Tensor,
-                   cu_seqlens: torch.Tensor, start_pos: torch.Tensor, ratio: int, num_cols: int,
-                   max_rows_per_request: int, blocks: tuple[int, int] | None = None,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+def indexer_scores(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    idx_k: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    start_pos: torch.Tensor,
+    ratio: int,
+    num_cols: int,
+    max_rows_per_request: int,
+    blocks: tuple[int, int] | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The kernel alone: scores [N, num_cols] fp32, -inf where not visible. `num_cols` must cover
     every row's visible count; `out` ([N, num_cols] fp32, unit column stride) receives the stores."""
     n_rows, num_heads, head_dim = q.shape
     if idx_k.dtype != q.dtype or idx_k.shape[2] != head_dim or tuple(weights.shape) != (n_rows, num_heads):
-        raise ValueError(f"q {q.dtype} {tuple(q.shape)}, weights {tuple(weights.shape)} and idx_k "
-                         f"{idx_k.dtype} {tuple(idx_k.shape)} do not fit")
+        raise ValueError(
+            f"q {q.dtype} {tuple(q.shape)}, weights {tuple(weights.shape)} and idx_k "
+            f"{idx_k.dtype} {tuple(idx_k.shape)} do not fit"
+        )
     if head_dim < 16 or head_dim & (head_dim - 1):
         raise ValueError(f"index head dim must be a power of two >= 16, got {head_dim}")
     if q.dtype not in (torch.bfloat16, torch.float32):
@@ -119,11 +153,30 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, idx_k: torch.Tensor, 
     block_t, block_e = blocks or pick_blocks(max_rows_per_request, num_requests, num_cols)
     grid = (triton.cdiv(num_cols, block_e), triton.cdiv(max_rows_per_request, block_t), num_requests)
     indexer_score_kernel[grid](
-        q, weights, idx_k, block_table, cu_seqlens.to(torch.int32), start_pos.to(torch.int32), out,
-        num_heads, num_cols, q.stride(0), q.stride(1), weights.stride(0), idx_k.stride(0), idx_k.stride(1),
-        block_table.stride(0), out.stride(0),
-        RATIO=ratio, PER_PAGE=idx_k.shape[1], HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(num_heads)),
-        BLOCK_T=block_t, BLOCK_E=block_e, UPCAST=interpreting())
+        q,
+        weights,
+        idx_k,
+        block_table,
+        cu_seqlens.to(torch.int32),
+        start_pos.to(torch.int32),
+        out,
+        num_heads,
+        num_cols,
+        q.stride(0),
+        q.stride(1),
+        weights.stride(0),
+        idx_k.stride(0),
+        idx_k.stride(1),
+        block_table.stride(0),
+        out.stride(0),
+        RATIO=ratio,
+        PER_PAGE=idx_k.shape[1],
+        HEAD_DIM=head_dim,
+        BLOCK_H=max(16, triton.next_power_of_2(num_heads)),
+        BLOCK_T=block_t,
+        BLOCK_E=block_e,
+        UPCAST=interpreting(),
+    )
     return out
 
 
@@ -144,9 +197,18 @@ def select_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
     return chosen
 
 
-def indexer_topk(q: torch.Tensor, weights: torch.Tensor, idx_k: torch.Tensor, block_table: torch.Tensor,
-                 cu_seqlens: torch.Tensor, start_pos: torch.Tensor, ratio: int, topk: int,
-                 max_rows_per_request: int | None = None, num_cols: int | None = None) -> torch.Tensor:
+def indexer_topk(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    idx_k: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    start_pos: torch.Tensor,
+    ratio: int,
+    topk: int,
+    max_rows_per_request: int | None = None,
+    num_cols: int | None = None,
+) -> torch.Tensor:
     """See the module contract. `max_rows_per_request` (the longest request's row count) and
     `num_cols` (the most entries any row sees) size the grid; the step plan knows both, and leaving
     them out costs one device-to-host sync to compute them."""
@@ -154,18 +216,36 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, idx_k: torch.Tensor, bl
         lengths = cu_seqlens[1:] - cu_seqlens[:-1]
         max_rows_per_request = int(lengths.max()) if lengths.numel() else 0
         num_cols = int(visible_counts(cu_seqlens, start_pos, ratio).max()) if q.shape[0] else 0
-    scores = indexer_scores(q, weights, idx_k, block_table, cu_seqlens, start_pos, ratio, max(num_cols, 1),
-                            max_rows_per_request)
+    scores = indexer_scores(
+        q, weights, idx_k, block_table, cu_seqlens, start_pos, ratio, max(num_cols, 1), max_rows_per_request
+    )
     return select_topk(scores, topk)
 
 
 COMPILE_SIGNATURE = {
-    "q_ptr": "*bf16", "w_ptr": "*fp32", "k_ptr": "*bf16", "bt_ptr": "*i32", "cu_ptr": "*i32", "start_ptr": "*i32",
-    "out_ptr": "*fp32", "num_heads": "i32", "num_cols": "i32",
-    "stride_qn": "i32", "stride_qh": "i32", "stride_wn": "i32", "stride_kp": "i32", "stride_ke": "i32",
-    "stride_btb": "i32", "stride_on": "i32",
-    "RATIO": "constexpr", "PER_PAGE": "constexpr", "HEAD_DIM": "constexpr", "BLOCK_H": "constexpr",
-    "BLOCK_T": "constexpr", "BLOCK_E": "constexpr", "UPCAST": "constexpr",
+    "q_ptr": "*bf16",
+    "w_ptr": "*fp32",
+    "k_ptr": "*bf16",
+    "bt_ptr": "*i32",
+    "cu_ptr": "*i32",
+    "start_ptr": "*i32",
+    "out_ptr": "*fp32",
+    "num_heads": "i32",
+    "num_cols": "i32",
+    "stride_qn": "i32",
+    "stride_qh": "i32",
+    "stride_wn": "i32",
+    "stride_kp": "i32",
+    "stride_ke": "i32",
+    "stride_btb": "i32",
+    "stride_on": "i32",
+    "RATIO": "constexpr",
+    "PER_PAGE": "constexpr",
+    "HEAD_DIM": "constexpr",
+    "BLOCK_H": "constexpr",
+    "BLOCK_T": "constexpr",
+    "BLOCK_E": "constexpr",
+    "UPCAST": "constexpr",
 }
 # multiples of 16 at DeepSeek-V4-Flash's dims (registry.py): 64 heads of 128, 32 keys a page; not the
 # block table's width or the number of score columns

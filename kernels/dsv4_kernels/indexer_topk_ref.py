@@ -21,8 +21,11 @@ def visible_counts(cu_seqlens: torch.Tensor, start_pos: torch.Tensor, ratio: int
     """[N] int64: how many entries each packed row sees, (position + 1) // ratio."""
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
     row_start = torch.repeat_interleave(cu_seqlens[:-1].long(), lengths)
-    row_pos = torch.repeat_interleave(start_pos.long(), lengths) + torch.arange(
-        int(lengths.sum()), device=cu_seqlens.device) - row_start
+    row_pos = (
+        torch.repeat_interleave(start_pos.long(), lengths)
+        + torch.arange(int(lengths.sum()), device=cu_seqlens.device)
+        - row_start
+    )
     return (row_pos + 1) // ratio
 
 
@@ -34,9 +37,16 @@ def gather_keys(idx_k: torch.Tensor, block_table: torch.Tensor, b: int, num_entr
     return idx_k[pages, entries % per_page]
 
 
-def indexer_scores_ref(q: torch.Tensor, weights: torch.Tensor, idx_k: torch.Tensor, block_table: torch.Tensor,
-                       cu_seqlens: torch.Tensor, start_pos: torch.Tensor, ratio: int,
-                       num_cols: int) -> torch.Tensor:
+def indexer_scores_ref(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    idx_k: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    start_pos: torch.Tensor,
+    ratio: int,
+    num_cols: int,
+) -> torch.Tensor:
     """q [N, Hi, Di], weights [N, Hi] -> scores [N, num_cols] fp32, -inf where e is not visible."""
     n_rows = q.shape[0]
     visible = visible_counts(cu_seqlens, start_pos, ratio)
@@ -63,8 +73,16 @@ def topk_from_scores_ref(scores: torch.Tensor, topk: int) -> torch.Tensor:
     return torch.nn.functional.pad(chosen, (0, pad), value=-1) if pad > 0 else chosen
 
 
-def indexer_topk_ref(q: torch.Tensor, weights: torch.Tensor, idx_k: torch.Tensor, block_table: torch.Tensor,
-                     cu_seqlens: torch.Tensor, start_pos: torch.Tensor, ratio: int, topk: int) -> torch.Tensor:
+def indexer_topk_ref(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    idx_k: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    start_pos: torch.Tensor,
+    ratio: int,
+    topk: int,
+) -> torch.Tensor:
     """The whole selection: [N, topk] int32 entry indices per packed row (see the module doc)."""
     num_cols = max(int(visible_counts(cu_seqlens, start_pos, ratio).max()), 1) if q.shape[0] else 1
     scores = indexer_scores_ref(q, weights, idx_k, block_table, cu_seqlens, start_pos, ratio, num_cols)

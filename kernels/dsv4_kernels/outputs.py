@@ -5,13 +5,16 @@ from __future__ import annotations
 import torch
 
 
-def output_buffer(out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype,
-                  device: torch.device) -> torch.Tensor:
+def output_buffer(
+    out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
     """`out` when it is what the kernel stores into (`shape`, `dtype`, unit last stride; other strides
     free: tests pass a NaN-poisoned view of a larger buffer), else a new buffer; ValueError otherwise."""
     if out is None:
         return torch.empty(shape, dtype=dtype, device=device)
     if tuple(out.shape) != tuple(shape) or out.dtype != dtype or out.stride(-1) != 1:
-        raise ValueError(f"out must be {list(shape)} {dtype} with unit last stride, got {tuple(out.shape)} "
-                         f"{out.dtype} strides {out.stride()}")
+        raise ValueError(
+            f"out must be {list(shape)} {dtype} with unit last stride, got {tuple(out.shape)} "
+            f"{out.dtype} strides {out.stride()}"
+        )
     return out

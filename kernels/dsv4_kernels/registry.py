@@ -70,8 +70,11 @@ class KernelSpec:
         if wrong:
             raise ValueError(f"{self.name}: ALIGNED_INTS names no i32 argument: {wrong}")
         arg_names = self.load_kernel().arg_names
-        return {(arg_names.index(a),): [["tt.divisibility", 16]] for a, kind in signature.items()
-                if kind.startswith("*") or a in aligned}
+        return {
+            (arg_names.index(a),): [["tt.divisibility", 16]]
+            for a, kind in signature.items()
+            if kind.startswith("*") or a in aligned
+        }
 
 
 KERNELS: tuple[KernelSpec, ...] = (
@@ -85,8 +88,11 @@ KERNELS: tuple[KernelSpec, ...] = (
     KernelSpec(  # one kernel, two forms: GATE_UP (w1, w3, SwiGLU, routing weight) and the w2 GEMM
         name="fp4_moe_gemm",
         kernel="dsv4_kernels.fp4_moe:fp4_moe_gemm_kernel",
-        references=("dsv4_kernels.fp4_moe_ref:gate_up_ref", "dsv4_kernels.fp4_moe_ref:down_ref",
-                    "dsv4_kernels.fp4_moe_ref:fp4_moe_ref"),
+        references=(
+            "dsv4_kernels.fp4_moe_ref:gate_up_ref",
+            "dsv4_kernels.fp4_moe_ref:down_ref",
+            "dsv4_kernels.fp4_moe_ref:fp4_moe_ref",
+        ),
         test_module="tests/kernels/test_fp4_moe.py",
         compile_configs="dsv4_kernels.fp4_moe:COMPILE_CONFIGS",
     ),

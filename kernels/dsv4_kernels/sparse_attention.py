@@ -41,10 +41,32 @@ def interpreting() -> bool:
 
 
 @triton.jit
-def _key_rows(slot, n, b, t, sp, seq, n_win, n_comp, n_visible, new_kv_ptr, swa_kv_ptr, comp_kv_ptr,
-              block_table_ptr, topk_ptr, stride_new, stride_swa_slot, stride_swa_pos, stride_comp_page,
-              stride_comp_entry, stride_bt, stride_topk,
-              WINDOW: tl.constexpr, ENTRIES_PER_PAGE: tl.constexpr, COMP_MODE: tl.constexpr):
+def _key_rows(
+    slot,
+    n,
+    b,
+    t,
+    sp,
+    seq,
+    n_win,
+    n_comp,
+    n_visible,
+    new_kv_ptr,
+    swa_kv_ptr,
+    comp_kv_ptr,
+    block_table_ptr,
+    topk_ptr,
+    stride_new,
+    stride_swa_slot,
+    stride_swa_pos,
+    stride_comp_page,
+    stride_comp_entry,
+    stride_bt,
+    stride_topk,
+    WINDOW: tl.constexpr,
+    ENTRIES_PER_PAGE: tl.constexpr,
+    COMP_MODE: tl.constexpr,
+):
     """Virtual key slots [BLOCK_N] of query row n (position t) -> (row pointers, valid) [BLOCK_N]."""
     is_win = slot < n_win
     pos = t - n_win + 1 + slot  # >= 0 on window slots (n_win <= t + 1); unused elsewhere
@@ -61,11 +83,9 @@ def _key_rows(slot, n, b, t, sp, seq, n_win, n_comp, n_visible, new_kv_ptr, swa_
             is_comp = is_comp & (entry >= 0) & (entry < n_visible)
         else:  # HCA: every visible entry (n_comp = n_visible)
             entry = j
-        page = tl.load(block_table_ptr + b.to(tl.int64) * stride_bt + entry // ENTRIES_PER_PAGE,
-                       mask=is_comp, other=-1)
+        page = tl.load(block_table_ptr + b.to(tl.int64) * stride_bt + entry // ENTRIES_PER_PAGE, mask=is_comp, other=-1)
         is_comp = is_comp & (page >= 0)
-        comp_ptrs = (comp_kv_ptr + page.to(tl.int64) * stride_comp_page
-                     + (entry % ENTRIES_PER_PAGE) * stride_comp_entry)
+        comp_ptrs = comp_kv_ptr + page.to(tl.int64) * stride_comp_page + (entry % ENTRIES_PER_PAGE) * stride_comp_entry
         ptrs = tl.where(is_comp, comp_ptrs, ptrs)
         valid = valid | is_comp
     return ptrs, valid
@@ -86,8 +106,20 @@ def _online_softmax_step(q, k, valid, acc, m_i, l_i, scale_log2):
 
 
 @triton.jit
-def _combine_splits(n, offs_h, mask_h, out_rows, part_acc_ptr, part_ml_ptr, num_heads, num_rows, num_splits,
-                    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, D_CHUNK: tl.constexpr):
+def _combine_splits(
+    n,
+    offs_h,
+    mask_h,
+    out_rows,
+    part_acc_ptr,
+    part_ml_ptr,
+    num_heads,
+    num_rows,
+    num_splits,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    D_CHUNK: tl.constexpr,
+):
     """PHASE 2: merge the splits' (acc, m, l) of row n: o = sum_s 2^(m_s-M) acc_s / sum_s 2^(m_s-M) l_s,
     with M = max_s m_s. out_rows [BLOCK_H]: the output row pointers. The sum runs D_CHUNK channels at a
     time, so the merge holds a [BLOCK_H, D_CHUNK] accumulator, not a whole [BLOCK_H, HEAD_DIM] one."""
@@ -107,8 +139,7 @@ def _combine_splits(n, offs_h, mask_h, out_rows, part_acc_ptr, part_ml_ptr, num_
         for s in range(0, num_splits):
             base = ((s * num_rows + n) * num_heads).to(tl.int64) + offs_h
             beta = tl.exp2(tl.load(part_ml_ptr + base * 2, mask=mask_h, other=-1.0e30) - m_max)
-            acc_s = tl.load(part_acc_ptr + base[:, None] * HEAD_DIM + offs_d[None, :], mask=mask_h[:, None],
-                            other=0.0)
+            acc_s = tl.load(part_acc_ptr + base[:, None] * HEAD_DIM + offs_d[None, :], mask=mask_h[:, None], other=0.0)
             acc += acc_s * beta[:, None]
         out_ptrs = out_rows[:, None] + offs_d[None, :]
         tl.store(out_ptrs, (acc / l_sum[:, None]).to(out_ptrs.dtype.element_ty), mask=mask_h[:, None])
@@ -116,15 +147,46 @@ def _combine_splits(n, offs_h, mask_h, out_rows, part_acc_ptr, part_ml_ptr, num_
 
 @triton.jit
 def paged_sparse_attention_kernel(
-        q_ptr, new_kv_ptr, swa_kv_ptr, comp_kv_ptr, block_table_ptr, topk_ptr,
-        cu_seqlens_ptr, start_pos_ptr, seq_slot_ptr, row_req_ptr, sink_ptr,
-        out_ptr, part_acc_ptr, part_ml_ptr,
-        scale_log2, num_heads, num_rows, ratio, num_topk, num_splits,
-        stride_qn, stride_qh, stride_new, stride_swa_slot, stride_swa_pos, stride_comp_page,
-        stride_comp_entry, stride_bt, stride_topk, stride_on, stride_oh,
-        WINDOW: tl.constexpr, ENTRIES_PER_PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
-        COMP_MODE: tl.constexpr, PHASE: tl.constexpr,
-        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr):
+    q_ptr,
+    new_kv_ptr,
+    swa_kv_ptr,
+    comp_kv_ptr,
+    block_table_ptr,
+    topk_ptr,
+    cu_seqlens_ptr,
+    start_pos_ptr,
+    seq_slot_ptr,
+    row_req_ptr,
+    sink_ptr,
+    out_ptr,
+    part_acc_ptr,
+    part_ml_ptr,
+    scale_log2,
+    num_heads,
+    num_rows,
+    ratio,
+    num_topk,
+    num_splits,
+    stride_qn,
+    stride_qh,
+    stride_new,
+    stride_swa_slot,
+    stride_swa_pos,
+    stride_comp_page,
+    stride_comp_entry,
+    stride_bt,
+    stride_topk,
+    stride_on,
+    stride_oh,
+    WINDOW: tl.constexpr,
+    ENTRIES_PER_PAGE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    COMP_MODE: tl.constexpr,
+    PHASE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
     """Grid (query rows, head groups, splits). COMP_MODE: 0 window only, 1 CSA (topk_idx), 2 HCA (all
     visible). PHASE: 0 one split, normalized output; 1 this split's partials; 2 merge the partials."""
     n = tl.program_id(0)
@@ -134,8 +196,20 @@ def paged_sparse_attention_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     out_rows = out_ptr + n.to(tl.int64) * stride_on + offs_h * stride_oh
     if PHASE == 2:
-        _combine_splits(n, offs_h, mask_h, out_rows, part_acc_ptr, part_ml_ptr, num_heads, num_rows, num_splits,
-                        HEAD_DIM, BLOCK_H, min(HEAD_DIM, 128))
+        _combine_splits(
+            n,
+            offs_h,
+            mask_h,
+            out_rows,
+            part_acc_ptr,
+            part_ml_ptr,
+            num_heads,
+            num_rows,
+            num_splits,
+            HEAD_DIM,
+            BLOCK_H,
+            min(HEAD_DIM, 128),
+        )
     else:
         b = tl.load(row_req_ptr + n)
         sp = tl.load(start_pos_ptr + b)
@@ -154,8 +228,11 @@ def paged_sparse_attention_kernel(
         blk_lo = split * per_split
         blk_hi = tl.minimum(num_blocks, blk_lo + per_split)
 
-        q = tl.load(q_ptr + n.to(tl.int64) * stride_qn + offs_h[:, None] * stride_qh + offs_d[None, :],
-                    mask=mask_h[:, None], other=0.0)  # [BLOCK_H, D]
+        q = tl.load(
+            q_ptr + n.to(tl.int64) * stride_qn + offs_h[:, None] * stride_qh + offs_d[None, :],
+            mask=mask_h[:, None],
+            other=0.0,
+        )  # [BLOCK_H, D]
         if DOT_FP32:
             q = q.to(tl.float32)
         sink = tl.load(sink_ptr + offs_h, mask=mask_h, other=0.0) * 1.4426950408889634  # LOG2E: log2 units
@@ -164,17 +241,42 @@ def paged_sparse_attention_kernel(
         acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
         for blk in range(blk_lo, blk_hi):
             slot = blk * BLOCK_N + tl.arange(0, BLOCK_N)
-            ptrs, valid = _key_rows(slot, n, b, t, sp, seq, n_win, n_comp, n_visible, new_kv_ptr, swa_kv_ptr,
-                                    comp_kv_ptr, block_table_ptr, topk_ptr, stride_new, stride_swa_slot,
-                                    stride_swa_pos, stride_comp_page, stride_comp_entry, stride_bt, stride_topk,
-                                    WINDOW, ENTRIES_PER_PAGE, COMP_MODE)
+            ptrs, valid = _key_rows(
+                slot,
+                n,
+                b,
+                t,
+                sp,
+                seq,
+                n_win,
+                n_comp,
+                n_visible,
+                new_kv_ptr,
+                swa_kv_ptr,
+                comp_kv_ptr,
+                block_table_ptr,
+                topk_ptr,
+                stride_new,
+                stride_swa_slot,
+                stride_swa_pos,
+                stride_comp_page,
+                stride_comp_entry,
+                stride_bt,
+                stride_topk,
+                WINDOW,
+                ENTRIES_PER_PAGE,
+                COMP_MODE,
+            )
             k = tl.load(ptrs[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)  # [BLOCK_N, D] = V
             if DOT_FP32:
                 k = k.to(tl.float32)
             acc, m_i, l_i = _online_softmax_step(q, k, valid, acc, m_i, l_i, scale_log2)
         if PHASE == 0:
-            tl.store(out_rows[:, None] + offs_d[None, :], (acc / l_i[:, None]).to(out_ptr.dtype.element_ty),
-                     mask=mask_h[:, None])
+            tl.store(
+                out_rows[:, None] + offs_d[None, :],
+                (acc / l_i[:, None]).to(out_ptr.dtype.element_ty),
+                mask=mask_h[:, None],
+            )
         else:
             base = ((split * num_rows + n) * num_heads).to(tl.int64) + offs_h
             tl.store(part_acc_ptr + base[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=mask_h[:, None])
@@ -193,14 +295,25 @@ def pick_num_splits(num_programs: int, max_blocks: int, num_sms: int) -> int:
     return max(1, min(triton.cdiv(max_blocks, 2), triton.cdiv(2 * num_sms, max(1, num_programs))))
 
 
-def _check_inputs(q: torch.Tensor, new_kv: torch.Tensor, swa_kv: torch.Tensor, cu_seqlens: torch.Tensor,
-                  start_pos: torch.Tensor, seq_slot: torch.Tensor, comp_kv: torch.Tensor | None,
-                  block_table: torch.Tensor | None, topk_idx: torch.Tensor | None, ratio: int) -> None:
+def _check_inputs(
+    q: torch.Tensor,
+    new_kv: torch.Tensor,
+    swa_kv: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    start_pos: torch.Tensor,
+    seq_slot: torch.Tensor,
+    comp_kv: torch.Tensor | None,
+    block_table: torch.Tensor | None,
+    topk_idx: torch.Tensor | None,
+    ratio: int,
+) -> None:
     """Shapes and dtypes the kernel assumes; raises ValueError naming the mismatch."""
     num_rows, _, head_dim = q.shape
     if head_dim & (head_dim - 1) or tuple(new_kv.shape) != (num_rows, head_dim) or swa_kv.shape[2] != head_dim:
-        raise ValueError(f"need q [N, H, D] (D a power of two), new_kv [N, D], swa_kv [slots, W, D]; got "
-                         f"{tuple(q.shape)}, {tuple(new_kv.shape)}, {tuple(swa_kv.shape)}")
+        raise ValueError(
+            f"need q [N, H, D] (D a power of two), new_kv [N, D], swa_kv [slots, W, D]; got "
+            f"{tuple(q.shape)}, {tuple(new_kv.shape)}, {tuple(swa_kv.shape)}"
+        )
     kv_dtypes = {new_kv.dtype, swa_kv.dtype} | ({comp_kv.dtype} if comp_kv is not None else set())
     if kv_dtypes != {q.dtype}:
         raise ValueError(f"q and every key tensor must share one dtype, got {q.dtype} and {kv_dtypes}")
@@ -229,16 +342,31 @@ def _workspaces(num_splits: int, q: torch.Tensor, sink: torch.Tensor) -> tuple[t
     """Split-K partials: acc [S, N, H, D] and (m, l) [S, N, H, 2] fp32 (one split: unused fp32 dummies)."""
     if num_splits == 1:
         return sink, sink
-    return (torch.empty(num_splits, *q.shape, dtype=torch.float32, device=q.device),
-            torch.empty(num_splits, *q.shape[:2], 2, dtype=torch.float32, device=q.device))
+    return (
+        torch.empty(num_splits, *q.shape, dtype=torch.float32, device=q.device),
+        torch.empty(num_splits, *q.shape[:2], 2, dtype=torch.float32, device=q.device),
+    )
 
 
-def paged_sparse_attention(q: torch.Tensor, new_kv: torch.Tensor, swa_kv: torch.Tensor, cu_seqlens: torch.Tensor,
-                           start_pos: torch.Tensor, seq_slot: torch.Tensor, sink: torch.Tensor, scale: float,
-                           comp_kv: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
-                           topk_idx: torch.Tensor | None = None, ratio: int = 0, *, num_splits: int | None = None,
-                           block_h: int | None = None, block_n: int | None = None,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
+def paged_sparse_attention(
+    q: torch.Tensor,
+    new_kv: torch.Tensor,
+    swa_kv: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    start_pos: torch.Tensor,
+    seq_slot: torch.Tensor,
+    sink: torch.Tensor,
+    scale: float,
+    comp_kv: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    topk_idx: torch.Tensor | None = None,
+    ratio: int = 0,
+    *,
+    num_splits: int | None = None,
+    block_h: int | None = None,
+    block_n: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The layout and semantics of `paged_sparse_attention_ref` (same arguments). Returns o [N, H, D] in
     `store_dtype()`. `out` ([N, H, D], unit last stride, `store_dtype()`) receives the stores (tests pass a
     NaN-poisoned view). num_splits None picks a split-K for the GPU's SM count (1 on CPU); pass it
@@ -247,8 +375,9 @@ def paged_sparse_attention(q: torch.Tensor, new_kv: torch.Tensor, swa_kv: torch.
     num_rows, num_heads, head_dim = q.shape
     q, new_kv, swa_kv, sink = q.contiguous(), new_kv.contiguous(), swa_kv.contiguous(), sink.float().contiguous()
     counts = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    row_req = torch.repeat_interleave(torch.arange(counts.numel(), device=q.device, dtype=torch.int32), counts,
-                                      output_size=num_rows)
+    row_req = torch.repeat_interleave(
+        torch.arange(counts.numel(), device=q.device, dtype=torch.int32), counts, output_size=num_rows
+    )
     comp_mode = 0 if comp_kv is None else (1 if topk_idx is not None else 2)
     comp = new_kv.unsqueeze(1) if comp_kv is None else comp_kv.contiguous()  # a dummy when SWA-only
     table = cu_seqlens if block_table is None else block_table.contiguous()
@@ -270,12 +399,50 @@ def paged_sparse_attention(q: torch.Tensor, new_kv: torch.Tensor, swa_kv: torch.
     if num_rows == 0:
         return out
     part_acc, part_ml = _workspaces(num_splits, q, sink)
-    args = (q, new_kv, swa_kv, comp, table, topk, cu_seqlens, start_pos, seq_slot, row_req, sink,
-            out, part_acc, part_ml, scale * LOG2E, num_heads, num_rows, max(ratio, 1), num_topk, num_splits,
-            q.stride(0), q.stride(1), new_kv.stride(0), swa_kv.stride(0), swa_kv.stride(1), comp.stride(0),
-            comp.stride(1), table.stride(0), topk.stride(0), out.stride(0), out.stride(1))
-    meta = dict(WINDOW=swa_kv.shape[1], ENTRIES_PER_PAGE=comp.shape[1], HEAD_DIM=head_dim, COMP_MODE=comp_mode,
-                BLOCK_H=block_h, BLOCK_N=block_n, DOT_FP32=interpreting(), num_warps=num_warps, num_stages=num_stages)
+    args = (
+        q,
+        new_kv,
+        swa_kv,
+        comp,
+        table,
+        topk,
+        cu_seqlens,
+        start_pos,
+        seq_slot,
+        row_req,
+        sink,
+        out,
+        part_acc,
+        part_ml,
+        scale * LOG2E,
+        num_heads,
+        num_rows,
+        max(ratio, 1),
+        num_topk,
+        num_splits,
+        q.stride(0),
+        q.stride(1),
+        new_kv.stride(0),
+        swa_kv.stride(0),
+        swa_kv.stride(1),
+        comp.stride(0),
+        comp.stride(1),
+        table.stride(0),
+        topk.stride(0),
+        out.stride(0),
+        out.stride(1),
+    )
+    meta = dict(
+        WINDOW=swa_kv.shape[1],
+        ENTRIES_PER_PAGE=comp.shape[1],
+        HEAD_DIM=head_dim,
+        COMP_MODE=comp_mode,
+        BLOCK_H=block_h,
+        BLOCK_N=block_n,
+        DOT_FP32=interpreting(),
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
     paged_sparse_attention_kernel[(num_rows, head_groups, num_splits)](*args, PHASE=min(num_splits - 1, 1), **meta)
     if num_splits > 1:
         paged_sparse_attention_kernel[(num_rows, head_groups, 1)](*args, PHASE=2, **meta)
@@ -283,30 +450,73 @@ def paged_sparse_attention(q: torch.Tensor, new_kv: torch.Tensor, swa_kv: torch.
 
 
 COMPILE_SIGNATURE = {
-    "q_ptr": "*bf16", "new_kv_ptr": "*bf16", "swa_kv_ptr": "*bf16", "comp_kv_ptr": "*bf16",
-    "block_table_ptr": "*i32", "topk_ptr": "*i32", "cu_seqlens_ptr": "*i32", "start_pos_ptr": "*i32",
-    "seq_slot_ptr": "*i32", "row_req_ptr": "*i32", "sink_ptr": "*fp32", "out_ptr": "*bf16",
-    "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "scale_log2": "fp32",
-    "num_heads": "i32", "num_rows": "i32", "ratio": "i32", "num_topk": "i32", "num_splits": "i32",
-    "stride_qn": "i32", "stride_qh": "i32", "stride_new": "i32", "stride_swa_slot": "i32", "stride_swa_pos": "i32",
-    "stride_comp_page": "i32", "stride_comp_entry": "i32", "stride_bt": "i32", "stride_topk": "i32",
-    "stride_on": "i32", "stride_oh": "i32",
-    "WINDOW": "constexpr", "ENTRIES_PER_PAGE": "constexpr", "HEAD_DIM": "constexpr", "COMP_MODE": "constexpr",
-    "PHASE": "constexpr", "BLOCK_H": "constexpr", "BLOCK_N": "constexpr", "DOT_FP32": "constexpr",
+    "q_ptr": "*bf16",
+    "new_kv_ptr": "*bf16",
+    "swa_kv_ptr": "*bf16",
+    "comp_kv_ptr": "*bf16",
+    "block_table_ptr": "*i32",
+    "topk_ptr": "*i32",
+    "cu_seqlens_ptr": "*i32",
+    "start_pos_ptr": "*i32",
+    "seq_slot_ptr": "*i32",
+    "row_req_ptr": "*i32",
+    "sink_ptr": "*fp32",
+    "out_ptr": "*bf16",
+    "part_acc_ptr": "*fp32",
+    "part_ml_ptr": "*fp32",
+    "scale_log2": "fp32",
+    "num_heads": "i32",
+    "num_rows": "i32",
+    "ratio": "i32",
+    "num_topk": "i32",
+    "num_splits": "i32",
+    "stride_qn": "i32",
+    "stride_qh": "i32",
+    "stride_new": "i32",
+    "stride_swa_slot": "i32",
+    "stride_swa_pos": "i32",
+    "stride_comp_page": "i32",
+    "stride_comp_entry": "i32",
+    "stride_bt": "i32",
+    "stride_topk": "i32",
+    "stride_on": "i32",
+    "stride_oh": "i32",
+    "WINDOW": "constexpr",
+    "ENTRIES_PER_PAGE": "constexpr",
+    "HEAD_DIM": "constexpr",
+    "COMP_MODE": "constexpr",
+    "PHASE": "constexpr",
+    "BLOCK_H": "constexpr",
+    "BLOCK_N": "constexpr",
+    "DOT_FP32": "constexpr",
 }
 # multiples of 16 at DeepSeek-V4-Flash's dims (registry.py): 64 heads, 512 top-k, head dim 512 strides;
 # not the block table's width (pages per sequence), the row count or the split count
-ALIGNED_INTS = ("num_heads", "num_topk", "stride_qn", "stride_qh", "stride_new", "stride_swa_slot", "stride_swa_pos",
-                "stride_comp_page", "stride_comp_entry", "stride_topk", "stride_on", "stride_oh")
+ALIGNED_INTS = (
+    "num_heads",
+    "num_topk",
+    "stride_qn",
+    "stride_qh",
+    "stride_new",
+    "stride_swa_slot",
+    "stride_swa_pos",
+    "stride_comp_page",
+    "stride_comp_entry",
+    "stride_topk",
+    "stride_on",
+    "stride_oh",
+)
 _REAL_DIMS = {"WINDOW": 128, "HEAD_DIM": 512, "BLOCK_H": 64, "DOT_FP32": False}
-_FORMS = (("decode_csa", {"ENTRIES_PER_PAGE": 32, "COMP_MODE": 1, "PHASE": 1}),  # split-K partials
-          ("prefill_csa", {"ENTRIES_PER_PAGE": 32, "COMP_MODE": 1, "PHASE": 0}),  # one chunk, normalized
-          ("decode_hca", {"ENTRIES_PER_PAGE": 1, "COMP_MODE": 2, "PHASE": 1}),  # every entry, one a page
-          ("combine", {"ENTRIES_PER_PAGE": 32, "COMP_MODE": 1, "PHASE": 2}))  # split-K merge, no matrix product
+_FORMS = (
+    ("decode_csa", {"ENTRIES_PER_PAGE": 32, "COMP_MODE": 1, "PHASE": 1}),  # split-K partials
+    ("prefill_csa", {"ENTRIES_PER_PAGE": 32, "COMP_MODE": 1, "PHASE": 0}),  # one chunk, normalized
+    ("decode_hca", {"ENTRIES_PER_PAGE": 1, "COMP_MODE": 2, "PHASE": 1}),  # every entry, one a page
+    ("combine", {"ENTRIES_PER_PAGE": 32, "COMP_MODE": 1, "PHASE": 2}),
+)  # split-K merge, no matrix product
 
 
 def _launches() -> dict[str, tuple[tuple[int, int, int], tuple[int, ...]]]:
-    """"bn<BLOCK_N>" -> (the `launch_shape` at 64 heads, the archs that get it)."""
+    """ "bn<BLOCK_N>" -> (the `launch_shape` at 64 heads, the archs that get it)."""
     by_shape: dict[tuple[int, int, int], list[int]] = {}
     for arch, smem in SHARED_PER_BLOCK.items():
         by_shape.setdefault(launch_shape(smem, 64), []).append(arch)
@@ -316,8 +526,14 @@ def _launches() -> dict[str, tuple[tuple[int, int, int], tuple[int, ...]]]:
 # (config name, signature, constexprs) for the CPU compile checks (tests/kernels/test_compile.py), at
 # DeepSeek-V4-Flash's dims: each form with the launch shape of each arch; LAUNCH_OPTIONS / LAUNCH_ARCHS:
 # how and where the wrapper launches them (registry.py)
-COMPILE_CONFIGS = tuple((f"{form}_{tag}", COMPILE_SIGNATURE, {**_REAL_DIMS, **extra, "BLOCK_N": shape[0]})
-                        for tag, (shape, _) in _launches().items() for form, extra in _FORMS)
-LAUNCH_OPTIONS = {f"{form}_{tag}": {"num_warps": shape[1], "num_stages": shape[2]}
-                  for tag, (shape, _) in _launches().items() for form, _ in _FORMS}
+COMPILE_CONFIGS = tuple(
+    (f"{form}_{tag}", COMPILE_SIGNATURE, {**_REAL_DIMS, **extra, "BLOCK_N": shape[0]})
+    for tag, (shape, _) in _launches().items()
+    for form, extra in _FORMS
+)
+LAUNCH_OPTIONS = {
+    f"{form}_{tag}": {"num_warps": shape[1], "num_stages": shape[2]}
+    for tag, (shape, _) in _launches().items()
+    for form, _ in _FORMS
+}
 LAUNCH_ARCHS = {f"{form}_{tag}": archs for tag, (_, archs) in _launches().items() for form, _ in _FORMS}

@@ -22,13 +22,18 @@ ROW_CHUNK = 256  # query rows gathered at a time: bounds the [rows, L, D] gather
 def _request_of_rows(cu_seqlens: torch.Tensor, num_rows: int) -> torch.Tensor:
     """cu_seqlens [B+1] -> the request of each packed row [N] int64."""
     counts = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    return torch.repeat_interleave(torch.arange(counts.numel(), device=cu_seqlens.device), counts,
-                                   output_size=num_rows)
+    return torch.repeat_interleave(torch.arange(counts.numel(), device=cu_seqlens.device), counts, output_size=num_rows)
 
 
-def _window_keys(req: torch.Tensor, pos: torch.Tensor, cu_seqlens: torch.Tensor,
-                 start_pos: torch.Tensor, seq_slot: torch.Tensor, new_kv: torch.Tensor,
-                 swa_kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _window_keys(
+    req: torch.Tensor,
+    pos: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    start_pos: torch.Tensor,
+    seq_slot: torch.Tensor,
+    new_kv: torch.Tensor,
+    swa_kv: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Window keys of the given rows: [R, W, D] and validity [R, W] (slot i holds position t-W+1+i)."""
     window = swa_kv.shape[1]
     key_pos = pos[:, None] - window + 1 + torch.arange(window, device=pos.device)[None, :]  # [R, W]
@@ -41,8 +46,14 @@ def _window_keys(req: torch.Tensor, pos: torch.Tensor, cu_seqlens: torch.Tensor,
     return keys, valid
 
 
-def _compressed_keys(req: torch.Tensor, pos: torch.Tensor, comp_kv: torch.Tensor, block_table: torch.Tensor,
-                     topk_idx: torch.Tensor | None, ratio: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _compressed_keys(
+    req: torch.Tensor,
+    pos: torch.Tensor,
+    comp_kv: torch.Tensor,
+    block_table: torch.Tensor,
+    topk_idx: torch.Tensor | None,
+    ratio: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Selected compressed entries of the given rows: [R, K, D] and validity [R, K]."""
     per_page = comp_kv.shape[1]
     num_visible = (pos + 1) // ratio  # [R]
@@ -59,11 +70,20 @@ def _compressed_keys(req: torch.Tensor, pos: torch.Tensor, comp_kv: torch.Tensor
     return keys, valid
 
 
-def paged_sparse_attention_ref(q: torch.Tensor, new_kv: torch.Tensor, swa_kv: torch.Tensor,
-                               cu_seqlens: torch.Tensor, start_pos: torch.Tensor, seq_slot: torch.Tensor,
-                               sink: torch.Tensor, scale: float, comp_kv: torch.Tensor | None = None,
-                               block_table: torch.Tensor | None = None, topk_idx: torch.Tensor | None = None,
-                               ratio: int = 0) -> torch.Tensor:
+def paged_sparse_attention_ref(
+    q: torch.Tensor,
+    new_kv: torch.Tensor,
+    swa_kv: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    start_pos: torch.Tensor,
+    seq_slot: torch.Tensor,
+    sink: torch.Tensor,
+    scale: float,
+    comp_kv: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    topk_idx: torch.Tensor | None = None,
+    ratio: int = 0,
+) -> torch.Tensor:
     """q [N, H, D], new_kv [N, D], swa_kv [slots, W, D], cu_seqlens [B+1], start_pos [B], seq_slot [B],
     sink [H] fp32; optional comp_kv [pages, E, D], block_table [B, max_pages], topk_idx [N, K], ratio
     -> o [N, H, D] fp32 (see the module doc)."""
@@ -77,8 +97,9 @@ def paged_sparse_attention_ref(q: torch.Tensor, new_kv: torch.Tensor, swa_kv: to
         req, pos = req_all[rows], pos_all[rows]
         keys, valid = _window_keys(req, pos, cu_seqlens, start_pos, seq_slot, new_kv, swa_kv)
         if comp_kv is not None:
-            comp, comp_valid = _compressed_keys(req, pos, comp_kv, block_table,
-                                                None if topk_idx is None else topk_idx[rows], ratio)
+            comp, comp_valid = _compressed_keys(
+                req, pos, comp_kv, block_table, None if topk_idx is None else topk_idx[rows], ratio
+            )
             keys, valid = torch.cat((keys, comp), 1), torch.cat((valid, comp_valid), 1)
         k64 = keys.double().masked_fill(~valid[..., None], 0.0)  # stale slots may hold anything, even NaN
         logits = torch.einsum("rhd,rld->rhl", q[rows].double(), k64) * scale

@@ -4,12 +4,14 @@ fails the comparison with its reference, and a store outside the output is caugh
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
 
-def into_poisoned(shape: tuple[int, ...], dtype: torch.dtype, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+def into_poisoned(
+    shape: tuple[int, ...], dtype: torch.dtype, fn: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
     """fn(out) with `out` a NaN-filled view of `shape` inside a larger buffer (offset by one and padded
     by two on every axis, so its strides are not its shape's); asserts that fn stored nothing outside
     the view and returns fn's result."""

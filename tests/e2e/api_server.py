@@ -26,7 +26,7 @@ class ServerProcess:
         self.log_path = log_path
         env = {**os.environ, "DSV4SERVE_CACHE_DIR": str(cache_dir)}
         cmd = [sys.executable, "-m", "dsv4serve", "--model", "dsv4-tiny", "--port", str(self.port), *args]
-        self._log = open(log_path, "w")
+        self._log = open(log_path, "w")  # noqa: SIM115 (closed by stop())
         self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT)
 
     def log(self) -> str:

@@ -29,9 +29,19 @@ class LoopThread:
 
 
 def launch_for(model_dir: Path, **overrides) -> WorkerLaunch:
-    base = dict(to_worker="", from_worker="", model_path=str(model_dir), device="cpu", max_num_seqs=8,
-                max_queued_requests=16, max_model_len=4096, max_model_len_explicit=False,
-                max_prefill_length=None, max_prefill_length_source="default", num_tokens=None)
+    base = dict(
+        to_worker="",
+        from_worker="",
+        model_path=str(model_dir),
+        device="cpu",
+        max_num_seqs=8,
+        max_queued_requests=16,
+        max_model_len=4096,
+        max_model_len_explicit=False,
+        max_prefill_length=None,
+        max_prefill_length_source="default",
+        num_tokens=None,
+    )
     return WorkerLaunch(**{**base, **overrides})
 
 

@@ -13,15 +13,28 @@ from .api_server import ServerProcess
 
 MAX_MODEL_LEN = 2048
 HELLO = [{"role": "user", "content": "Hello!"}]
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
-                                           "parameters": {"type": "object",
-                                                          "properties": {"city": {"type": "string"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
 
 
 @pytest.fixture(scope="module")
 def server(tiny_cache, tmp_path_factory):
-    srv = ServerProcess(tiny_cache, tmp_path_factory.mktemp("api") / "server.log",
-                        "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "4")
+    srv = ServerProcess(
+        tiny_cache,
+        tmp_path_factory.mktemp("api") / "server.log",
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--max-num-seqs",
+        "4",
+    )
     try:
         srv.wait_healthy()
         yield srv
@@ -46,7 +59,7 @@ def sse_events(raw: str) -> list[str]:
     events = raw.split("\n\n")[:-1]
     for event in events:
         assert event.startswith("data: ") and "\n" not in event, event
-    return [e[len("data: "):] for e in events]
+    return [e[len("data: ") :] for e in events]
 
 
 def test_startup_report_health_version_models(server, http):
@@ -63,8 +76,14 @@ def test_startup_report_health_version_models(server, http):
 
 
 def test_chat_non_stream_with_the_sdk(sdk):
-    out = sdk.chat.completions.create(model="dsv4-tiny", messages=HELLO, max_tokens=4, logprobs=True,
-                                      top_logprobs=2, extra_body={"some_unknown_field": 1})
+    out = sdk.chat.completions.create(
+        model="dsv4-tiny",
+        messages=HELLO,
+        max_tokens=4,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"some_unknown_field": 1},
+    )
     assert out.object == "chat.completion" and out.id.startswith("chatcmpl-") and len(out.choices) == 1
     choice = out.choices[0]
     assert choice.finish_reason in ("stop", "length") and choice.message.role == "assistant"
@@ -81,8 +100,8 @@ def test_chat_stream_n2_with_the_async_sdk(server):
     async def run():
         client = openai.AsyncOpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0)
         stream = await client.chat.completions.create(
-            model="dsv4-tiny", messages=HELLO, max_tokens=3, n=2, stream=True,
-            stream_options={"include_usage": True})
+            model="dsv4-tiny", messages=HELLO, max_tokens=3, n=2, stream=True, stream_options={"include_usage": True}
+        )
         return [chunk async for chunk in stream]
 
     chunks = asyncio.run(run())
@@ -95,8 +114,12 @@ def test_chat_stream_n2_with_the_async_sdk(server):
 
 
 def test_sse_framing_and_continuous_usage(http):
-    body = {"messages": HELLO, "max_tokens": 3, "stream": True,
-            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    body = {
+        "messages": HELLO,
+        "max_tokens": 3,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
     with http.stream("POST", "/v1/chat/completions", json=body) as resp:
         assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
         raw = resp.read().decode()
@@ -106,10 +129,15 @@ def test_sse_framing_and_continuous_usage(http):
     assert events[-1]["choices"] == [] and events[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
-@pytest.mark.parametrize("controls", [{"reasoning_effort": "none"},
-                                      {"chat_template_kwargs": {"thinking": False}},
-                                      {"thinking": {"type": "disabled"}},
-                                      {"chat_template_kwargs": {"reasoning_effort": "none"}}])
+@pytest.mark.parametrize(
+    "controls",
+    [
+        {"reasoning_effort": "none"},
+        {"chat_template_kwargs": {"thinking": False}},
+        {"thinking": {"type": "disabled"}},
+        {"chat_template_kwargs": {"reasoning_effort": "none"}},
+    ],
+)
 def test_thinking_off_controls(http, controls):
     out = http.post("/v1/chat/completions", json={"messages": HELLO, "max_tokens": 1, **controls}).json()
     message = out["choices"][0]["message"]
@@ -123,8 +151,13 @@ def test_default_thinking_opens_reasoning_in_the_prompt(http):
 
 
 def test_tools_request_shape(sdk):
-    out = sdk.chat.completions.create(model="dsv4-tiny", messages=[{"role": "user", "content": "Paris?"}],
-                                      tools=TOOLS, tool_choice="auto", max_tokens=4)
+    out = sdk.chat.completions.create(
+        model="dsv4-tiny",
+        messages=[{"role": "user", "content": "Paris?"}],
+        tools=TOOLS,
+        tool_choice="auto",
+        max_tokens=4,
+    )
     choice = out.choices[0]
     assert choice.finish_reason in ("stop", "length", "tool_calls")
     assert "DSML" not in (choice.message.content or "")
@@ -133,9 +166,15 @@ def test_tools_request_shape(sdk):
 
 def test_named_tool_choice_forces_a_call_of_that_function(http):
     # thinking off, so the call opens at once (after reasoning it opens after </think>: tests/unit/test_tool_choice.py)
-    body = {"model": "dsv4-tiny", "messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": TOOLS,
-            "tool_choice": {"type": "function", "function": {"name": "get_weather"}}, "max_tokens": 24,
-            "logprobs": True, "chat_template_kwargs": {"thinking": False}}
+    body = {
+        "model": "dsv4-tiny",
+        "messages": [{"role": "user", "content": "Weather in Paris?"}],
+        "tools": TOOLS,
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        "max_tokens": 24,
+        "logprobs": True,
+        "chat_template_kwargs": {"thinking": False},
+    }
     choice = http.post("/v1/chat/completions", json=body).json()["choices"][0]
     text = "".join(c["token"] for c in choice["logprobs"]["content"])
     assert text.startswith('\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n')
@@ -152,7 +191,7 @@ def test_completions_text_and_token_prompts(sdk):
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     assert all(v <= 0 for v in lp.token_logprobs[1:]) and all(len(t) >= 1 for t in lp.top_logprobs[1:])
     assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
-    assert "".join(lp.tokens[:out.usage.prompt_tokens]) == "The sky is"
+    assert "".join(lp.tokens[: out.usage.prompt_tokens]) == "The sky is"
     ids = sdk.completions.create(model="dsv4-tiny", prompt=[33310, 2058], max_tokens=2)
     assert ids.usage.prompt_tokens == 2 and ids.usage.prompt_tokens_details.cached_tokens is not None
     chunks = list(sdk.completions.create(model="dsv4-tiny", prompt="Hi", max_tokens=2, stream=True))
@@ -162,8 +201,8 @@ def test_completions_text_and_token_prompts(sdk):
 def test_stop_string_cuts_and_never_leaks_into_the_stream(http):
     body = {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
     full = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
-    k = next(i for i in range(1, len(full) - 2) if full.find(full[i:i + 3]) == i)
-    stop = full[k:k + 3]
+    k = next(i for i in range(1, len(full) - 2) if full.find(full[i : i + 3]) == i)
+    stop = full[k : k + 3]
     cut = http.post("/v1/completions", json={**body, "stop": [stop]}).json()["choices"][0]
     assert cut["text"] == full[:k] and cut["finish_reason"] == "stop"
     with http.stream("POST", "/v1/completions", json={**body, "stop": stop, "stream": True}) as resp:
@@ -187,11 +226,22 @@ def test_tokenize_and_detokenize(http):
 
 def test_metrics_names(http):
     text = http.get("/metrics").text
-    for name in ("num_requests_running", "num_requests_waiting", "time_to_first_token_seconds_bucket",
-                 "inter_token_latency_seconds_bucket", "e2e_request_latency_seconds_bucket",
-                 "prompt_tokens_total", "generation_tokens_total", 'request_success_total{finished_reason="length"}',
-                 "prefix_cache_queries_total", "prefix_cache_hits_total", "kv_cache_usage_perc",
-                 "prefill_chunk_tokens", "oom_recoveries_total", "worker_restarts_total"):
+    for name in (
+        "num_requests_running",
+        "num_requests_waiting",
+        "time_to_first_token_seconds_bucket",
+        "inter_token_latency_seconds_bucket",
+        "e2e_request_latency_seconds_bucket",
+        "prompt_tokens_total",
+        "generation_tokens_total",
+        'request_success_total{finished_reason="length"}',
+        "prefix_cache_queries_total",
+        "prefix_cache_hits_total",
+        "kv_cache_usage_perc",
+        "prefill_chunk_tokens",
+        "oom_recoveries_total",
+        "worker_restarts_total",
+    ):
         assert "dsv4serve:" + name in text, name
 
 
@@ -200,8 +250,10 @@ CHAT_400 = [
     ({"messages": "hi"}, "messages"),
     ({}, "messages"),
     ({"messages": HELLO, "stream_options": {"include_usage": True}}, "stream_options"),
-    ({"messages": HELLO, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
-     "tool_choice"),
+    (
+        {"messages": HELLO, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+        "tool_choice",
+    ),
     ({"messages": HELLO, "tool_choice": "auto"}, "tool_choice"),
     ({"messages": HELLO, "top_k": -2}, "top_k"),
     ({"messages": HELLO, "model": 5}, "model"),
@@ -232,8 +284,16 @@ def test_chat_bad_input_is_400_with_the_envelope(http, body, param):
         assert error["param"] == param, error
 
 
-@pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b"", b'{"prompt": "\\ud800", "messages": [{"role": "user", "content": "\\ud800"}]}',
-                                 b"\xff\xfe"])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"{not json",
+        b"[1, 2]",
+        b"",
+        b'{"prompt": "\\ud800", "messages": [{"role": "user", "content": "\\ud800"}]}',
+        b"\xff\xfe",
+    ],
+)
 def test_undecodable_bodies_are_400_never_422(http, raw):
     for path in ("/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"):
         resp = http.post(path, content=raw, headers={"content-type": "application/json"})

@@ -49,8 +49,9 @@ def test_client_disconnect_aborts_the_request(server):
             assert next(lines).startswith("data: ")
             assert wait_for(lambda: metric(server.base, "num_requests_running") == 1, 5)
     # the connection is closed: the engine request must be gone (stats are sent every ~0.5 s)
-    assert wait_for(lambda: metric(server.base, "num_requests_running") == 0
-                    and metric(server.base, "kv_cache_usage_perc") == 0, 3)
+    assert wait_for(
+        lambda: metric(server.base, "num_requests_running") == 0 and metric(server.base, "kv_cache_usage_perc") == 0, 3
+    )
 
 
 def test_non_streamed_disconnect_aborts_too(server):
@@ -69,7 +70,7 @@ def test_worker_death_mid_stream_gives_an_error_event_then_done(server):
                 os.kill(pid, signal.SIGKILL)
             rest = list(lines)
     assert rest[-1] == "data: [DONE]"
-    error = json.loads(rest[-2][len("data: "):])
+    error = json.loads(rest[-2][len("data: ") :])
     assert set(error["error"]) == {"message", "type", "param", "code"}
     assert wait_for(lambda: httpx.get(server.base + "/health").status_code == 503, 3)
     resp = httpx.post(server.base + "/v1/chat/completions", json={"messages": HELLO, "max_tokens": 1})

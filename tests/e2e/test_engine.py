@@ -50,6 +50,7 @@ def model_alone(tiny_dir):
             out.append(int(logits.argmax()))
             logits = model.forward([BatchRow(torch.tensor(out[-1:]), seq)], NUMERICS_ON).logits[0]
         return out
+
     return continuation
 
 
@@ -91,8 +92,9 @@ def test_seeded_sampling_is_reproducible(engine):
     params = SamplingParams(temperature=1.0, seed=1234, max_tokens=6, ignore_eos=True, logprobs=2)
     first, outs = lt.run(collect(client, "s1", PROMPT, params))
     second, _ = lt.run(collect(client, "s2", PROMPT, params))
-    other, _ = lt.run(collect(client, "s3", PROMPT, SamplingParams(temperature=1.0, seed=99, max_tokens=6,
-                                                                   ignore_eos=True)))
+    other, _ = lt.run(
+        collect(client, "s3", PROMPT, SamplingParams(temperature=1.0, seed=99, max_tokens=6, ignore_eos=True))
+    )
     assert first == second and first != other
     tok = outs[0].tokens[0]
     assert tok.logprob is not None and tok.logprob <= 0 and len(tok.top) == 2
@@ -123,8 +125,9 @@ def test_prompt_logprobs_equal_the_model_run_alone(engine, tiny_dir, model_alone
     args, state = load_dense_state_dict(tiny_dir)
     model = Transformer(args)
     model.load_state_dict(state)
-    logits = model.forward([BatchRow(torch.tensor(prompt), model.new_state(NUMERICS_ON))], NUMERICS_ON,
-                           all_logits=True).logits[0]
+    logits = model.forward(
+        [BatchRow(torch.tensor(prompt), model.new_state(NUMERICS_ON))], NUMERICS_ON, all_logits=True
+    ).logits[0]
     want = torch.log_softmax(logits.float(), dim=-1)
     for p in range(1, len(prompt)):
         assert got[p].token_id == prompt[p]
@@ -154,9 +157,12 @@ def test_abort_on_disconnect_frees_the_request_within_a_second(engine):
 def test_full_queue_answers_503(loop_thread, tiny_dir):
     client = start_client(loop_thread, launch_for(tiny_dir, max_num_seqs=1, max_queued_requests=1))
     try:
+
         async def flood():
-            return await asyncio.gather(*[collect(client, f"q{i}", PROMPT, greedy(20)) for i in range(3)],
-                                        return_exceptions=True)
+            return await asyncio.gather(
+                *[collect(client, f"q{i}", PROMPT, greedy(20)) for i in range(3)], return_exceptions=True
+            )
+
         results = loop_thread.run(flood())
         rejected = [r for r in results if isinstance(r, RequestRejected)]
         assert len(rejected) == 1 and rejected[0].status == 503
@@ -181,14 +187,20 @@ def test_offloaded_experts_through_a_small_slot_cache_give_the_same_tokens(loop_
         loop_thread.run(client.shutdown())
 
 
-def test_oom_in_a_prefill_chunk_shrinks_the_chunk_and_the_request_completes(loop_thread, tiny_dir,
-                                                                          reference_tokens):
+def test_oom_in_a_prefill_chunk_shrinks_the_chunk_and_the_request_completes(loop_thread, tiny_dir, reference_tokens):
     # fault injection (testing only): a step whose activations pass the budget of 24 tokens (at the
     # planner's own bytes per token) raises torch.OutOfMemoryError, as a real allocation would
     args = read_model_args(tiny_dir)
     per_token = prefill_geometry(args, context_tokens=4096, max_rows=8).activation_bytes_per_token
-    client = start_client(loop_thread, launch_for(tiny_dir, max_prefill_length=32, max_prefill_length_source="cli",
-                                                  fault_oom_above_bytes=24 * per_token + per_token // 2))
+    client = start_client(
+        loop_thread,
+        launch_for(
+            tiny_dir,
+            max_prefill_length=32,
+            max_prefill_length_source="cli",
+            fault_oom_above_bytes=24 * per_token + per_token // 2,
+        ),
+    )
     try:
         tokens, _ = loop_thread.run(collect(client, "oom", PROMPT, greedy(8)))
         assert tokens == reference_tokens
@@ -203,6 +215,7 @@ def test_oom_in_a_prefill_chunk_shrinks_the_chunk_and_the_request_completes(loop
 def test_killed_worker_fails_in_flight_requests_then_comes_back(loop_thread, tiny_dir, reference_tokens):
     client = start_client(loop_thread, launch_for(tiny_dir))
     try:
+
         async def kill_mid_stream():
             gen = client.generate("k1", PROMPT, greedy(400))
             await gen.__anext__()
@@ -229,6 +242,7 @@ def test_killed_worker_fails_in_flight_requests_then_comes_back(loop_thread, tin
 
 def test_startup_failure_is_reported_not_hung(loop_thread, tmp_path):
     from dsv4serve.supervisor import EngineClient
+
     client = EngineClient(launch_for(tmp_path), ready_timeout_s=120)
     with pytest.raises(EngineUnavailable, match="failed to start: CheckpointError"):
         loop_thread.run(client.start(), timeout=150)

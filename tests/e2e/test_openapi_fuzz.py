@@ -29,9 +29,26 @@ def test_openapi_describes_the_request_bodies(server):
 
 def test_schemathesis_finds_no_server_error(server, tmp_path):
     exe = shutil.which("schemathesis") or pytest.fail("schemathesis is not installed (pip install -e '.[test]')")
-    out = subprocess.run([exe, "run", server.base + "/openapi.json", "--checks", "not_a_server_error",
-                          "--max-examples", "5", "--workers", "1", "--request-timeout", "60",
-                          "--generation-deterministic"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    out = subprocess.run(
+        [
+            exe,
+            "run",
+            server.base + "/openapi.json",
+            "--checks",
+            "not_a_server_error",
+            "--max-examples",
+            "5",
+            "--workers",
+            "1",
+            "--request-timeout",
+            "60",
+            "--generation-deterministic",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
     tail = out.stdout[-3000:]
     assert out.returncode == 0, tail  # non-zero when any generated request got a 5xx
     cases = tail.split("Test cases:")[-1].strip().splitlines()[0]

@@ -20,10 +20,12 @@ import sys
 
 os.environ["TRITON_INTERPRET"] = "1"
 
-from dsv4_kernels.registry import KERNELS  # noqa: E402  (the table imports neither triton nor torch)
+from dsv4_kernels.registry import KERNELS
 
 for _name in sorted({spec.kernel.split(":")[0] for spec in KERNELS}):
     _module = sys.modules.get(_name)
     if _module is not None and getattr(_module, "interpreting", lambda: True)() is False:
-        raise RuntimeError(f"{_name} was imported before tests/kernels/conftest.py set TRITON_INTERPRET=1; "
-                           "its kernels were built for a GPU. Import kernel modules lazily in other tests.")
+        raise RuntimeError(
+            f"{_name} was imported before tests/kernels/conftest.py set TRITON_INTERPRET=1; "
+            "its kernels were built for a GPU. Import kernel modules lazily in other tests."
+        )

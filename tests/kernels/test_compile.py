@@ -54,9 +54,12 @@ EXPECTED = {
     ("head_logits", "decode", 120): "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32",
     ("head_logits", "batch", 120): "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32",
     # "": no tensor-core instruction at all (a per-channel softmax pooling has no matrix product)
-    ("compressor_pool", "csa", 90): "", ("compressor_pool", "csa", 120): "",
-    ("compressor_pool", "csa_indexer", 90): "", ("compressor_pool", "csa_indexer", 120): "",
-    ("compressor_pool", "hca", 90): "", ("compressor_pool", "hca", 120): "",
+    ("compressor_pool", "csa", 90): "",
+    ("compressor_pool", "csa", 120): "",
+    ("compressor_pool", "csa_indexer", 90): "",
+    ("compressor_pool", "csa_indexer", 120): "",
+    ("compressor_pool", "hca", 90): "",
+    ("compressor_pool", "hca", 120): "",
 }
 
 # local-memory stack bytes (register spills) each launched build may have, as measured with triton 3.7.1;
@@ -65,8 +68,10 @@ EXPECTED = {
 STACK_BUDGET = {
     # the [64 heads, 512] fp32 accumulator alone is 128 registers a thread at 8 warps; the key tiles,
     # their row pointers and the softmax state come on top
-    ("paged_sparse_attention", "decode_csa_bn32", 90): 72, ("paged_sparse_attention", "prefill_csa_bn32", 90): 64,
-    ("paged_sparse_attention", "decode_csa_bn16", 120): 16, ("paged_sparse_attention", "prefill_csa_bn16", 120): 48,
+    ("paged_sparse_attention", "decode_csa_bn32", 90): 72,
+    ("paged_sparse_attention", "prefill_csa_bn32", 90): 64,
+    ("paged_sparse_attention", "decode_csa_bn16", 120): 16,
+    ("paged_sparse_attention", "prefill_csa_bn16", 120): 48,
 }
 
 # rough cold build seconds on the 2-core CI machine, only to balance the two child processes
@@ -114,13 +119,12 @@ def test_fits_the_arch_without_new_spills(compiled: dict, name: str, config: str
 
 def test_every_budget_names_a_launched_build() -> None:
     launched = set(launched_builds())
-    assert set(STACK_BUDGET) <= launched and set(EXPECTED) <= launched, \
-        (set(STACK_BUDGET) | set(EXPECTED)) - launched
-
+    assert set(STACK_BUDGET) <= launched and set(EXPECTED) <= launched, (set(STACK_BUDGET) | set(EXPECTED)) - launched
 
 
 def test_the_printed_table_has_a_row_per_build(compiled: dict) -> None:
     rows = table(compiled).splitlines()[2:]
     assert len(rows) == len(compiled)
-    assert {tuple(cell.strip() for cell in row.split("|")[1:4]) for row in rows} == \
-        {(name, config, f"sm_{arch}") for name, config, arch in launched_builds()}
+    assert {tuple(cell.strip() for cell in row.split("|")[1:4]) for row in rows} == {
+        (name, config, f"sm_{arch}") for name, config, arch in launched_builds()
+    }

@@ -30,7 +30,7 @@ def _bound(kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
     p = p / p.sum(dim=1, keepdim=True).clamp_min(1e-300)
     spread = torch.where(torch.isinf(s), 0.0, (s - top).abs()).amax(dim=1)
     slots = kv.shape[1]
-    return (2 * (2 * slots + spread + 4) * 2.0 ** -24 * (p * kv.double().abs()).sum(dim=1)).float()
+    return (2 * (2 * slots + spread + 4) * 2.0**-24 * (p * kv.double().abs()).sum(dim=1)).float()
 
 
 def _pool_poisoned(kv: torch.Tensor, score: torch.Tensor, block_d: int | None = None) -> torch.Tensor:
@@ -43,8 +43,8 @@ def _windows(n_windows: int, slots: int, d: int, seed: int, first_half_missing: 
     kv = torch.randn(n_windows, slots, d, generator=gen)
     score = torch.randn(n_windows, slots, d, generator=gen) * 4  # softmax spreads from flat to peaked
     if first_half_missing:  # the CSA form's window 0: no previous window
-        kv[0, :slots // 2] = 0.0
-        score[0, :slots // 2] = float("-inf")
+        kv[0, : slots // 2] = 0.0
+        score[0, : slots // 2] = float("-inf")
     return kv, score
 
 
@@ -102,15 +102,24 @@ def _model_entries(ratio: int, chunks: list[int], seed: int):
     n_tokens = sum(chunks)
     page_tokens = 16 if ratio == 4 else 128
     n_pages = -(-n_tokens // page_tokens)
-    cache = CompressedCache.empty(ratio, page_tokens, args.index_head_dim, n_pages + 1, 1, torch.float32,
-                                  torch.device("cpu"))
+    cache = CompressedCache.empty(
+        ratio, page_tokens, args.index_head_dim, n_pages + 1, 1, torch.float32, torch.device("cpu")
+    )
     pages = torch.randperm(n_pages + 1, generator=gen)[:n_pages]
     x = torch.randn(n_tokens, args.dim, generator=gen)
     kv, gate = comp.project(x, NUMERICS_OFF)
     start = 0
     for n in chunks:
-        comp.update(kv[start:start + n], gate[start:start + n], start, cache, 0, pages,
-                    inv_freq(args, compressed_layer=True), NUMERICS_OFF)
+        comp.update(
+            kv[start : start + n],
+            gate[start : start + n],
+            start,
+            cache,
+            0,
+            pages,
+            inv_freq(args, compressed_layer=True),
+            NUMERICS_OFF,
+        )
         start += n
     n_entries = n_tokens // ratio
     return comp, kv, gate, cache.read(pages, n_entries), args.rope_head_dim
@@ -126,8 +135,8 @@ def test_reference_matches_model_compressor(ratio: int, chunks: list[int]) -> No
     d = entries.shape[1]
     n_windows = entries.shape[0]
     score = gate + comp.ape.detach().float()[torch.arange(kv.shape[0]) % ratio]
-    kv_w = kv[:n_windows * ratio].view(n_windows, ratio, -1)
-    score_w = score[:n_windows * ratio].view(n_windows, ratio, -1)
+    kv_w = kv[: n_windows * ratio].view(n_windows, ratio, -1)
+    score_w = score[: n_windows * ratio].view(n_windows, ratio, -1)
     if ratio == 4:
         prev_kv = torch.cat((torch.zeros(1, ratio, d), kv_w[:-1, :, :d]))
         prev_score = torch.cat((torch.full((1, ratio, d), float("-inf")), score_w[:-1, :, :d]))
@@ -138,4 +147,4 @@ def test_reference_matches_model_compressor(ratio: int, chunks: list[int]) -> No
     with torch.no_grad():
         for pooled in (pooled_ref, pooled_kernel):
             normed = comp.norm(pooled)
-            torch.testing.assert_close(normed[:, :d - rope_dim], entries[:, :d - rope_dim], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(normed[:, : d - rope_dim], entries[:, : d - rope_dim], rtol=1e-5, atol=1e-5)

@@ -17,12 +17,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dsv4_kernels.formats import dequant_fp4, quant_fp4
 from dsv4_kernels.fp4_moe import fp4_moe, fp4_moe_gemm, moe_align, store_dtype
 from dsv4_kernels.fp4_moe_ref import down_ref, fp4_moe_ref, gate_up_ref
 from dsv4_kernels.fp8_gemm_ref import act_quant_fp8_ref
 from dsv4serve.model.moe import Expert
 from dsv4serve.model.numerics import NUMERICS_ON
-from dsv4serve.model.quant import dequant_fp4, quant_fp4
 
 LIMIT = 0.75  # small enough that the clamps bite with these magnitudes
 
@@ -51,7 +51,7 @@ def _poison(rows: int, cols: int) -> torch.Tensor:
 def _assert_stage(out: torch.Tensor, ref: torch.Tensor) -> None:
     out, ref = out.float(), ref.float()
     assert not torch.isnan(out).any(), "unwritten output elements"
-    assert bool(((out - ref).abs() <= 2.0 ** -8 * ref.abs()).all()), f"max err {(out - ref).abs().max()}"
+    assert bool(((out - ref).abs() <= 2.0**-8 * ref.abs()).all()), f"max err {(out - ref).abs().max()}"
     assert (out == ref).float().mean() >= 0.95
     assert torch.equal(out.to(torch.bfloat16).float(), out), "outputs must be bf16 values"
 
@@ -72,28 +72,48 @@ def test_stages_match_reference(t, topk, e, d, i, unused, bm, bk) -> None:
     sorted_ids, expert_ids = moe_align(ids, e, bm, num_blocks=-(-slots // bm) + min(slots, e))  # + skipped blocks
     assert (expert_ids == -1).any()
     x_q, x_s = act_quant_fp8_ref(x)
-    act = fp4_moe_gemm(x_q, x_s, w1, s1, sorted_ids, expert_ids, slots, topk, w3=w3, w3_scale=s3,
-                       topk_weights=weights, limit=LIMIT, block_m=bm, block_k=bk, out=_poison(slots, i))
+    act = fp4_moe_gemm(
+        x_q,
+        x_s,
+        w1,
+        s1,
+        sorted_ids,
+        expert_ids,
+        slots,
+        topk,
+        w3=w3,
+        w3_scale=s3,
+        topk_weights=weights,
+        limit=LIMIT,
+        block_m=bm,
+        block_k=bk,
+        out=_poison(slots, i),
+    )
     act_ref = gate_up_ref(x_q, x_s, w1, s1, w3, s3, weights, ids, LIMIT)
     _assert_stage(act, act_ref)
     a_q, a_s = act_quant_fp8_ref(act_ref)  # the down stage is checked on the reference's own input
-    y = fp4_moe_gemm(a_q, a_s, w2, s2, sorted_ids, expert_ids, slots, 1, block_m=bm, block_k=bk,
-                     out=_poison(slots, d))
+    y = fp4_moe_gemm(a_q, a_s, w2, s2, sorted_ids, expert_ids, slots, 1, block_m=bm, block_k=bk, out=_poison(slots, d))
     _assert_stage(y, down_ref(a_q, a_s, w2, s2, ids))
 
 
 @pytest.mark.parametrize("limit", [LIMIT, 0.0])
-@pytest.mark.parametrize(("t", "topk", "e", "d", "i", "unused", "bm", "bk"),
-                         [CASES[0], CASES[2], (20, 2, 5, 160, 96, 1, 64, 128)])  # last: the prefill tile
+@pytest.mark.parametrize(
+    ("t", "topk", "e", "d", "i", "unused", "bm", "bk"), [CASES[0], CASES[2], (20, 2, 5, 160, 96, 1, 64, 128)]
+)  # last: the prefill tile
 def test_moe_end_to_end(t, topk, e, d, i, unused, bm, bk, limit) -> None:
     x, w, weights, ids = _problem(t, topk, e, d, i, seed=5 * t + e, unused=unused)
     outs = (_poison(t * topk, i), _poison(t * topk, d))
     out = fp4_moe(x, *w, weights, ids, limit, block_m=bm, block_k=bk, outs=outs)
     ref = fp4_moe_ref(x, *w, weights, ids, limit)
     assert out.shape == (t, d) and out.dtype == torch.float32 and not torch.isnan(out).any()
-    per_slot = down_ref(*act_quant_fp8_ref(gate_up_ref(*act_quant_fp8_ref(x), *w[:4], weights, ids, limit)),
-                        *w[4:], ids).float().abs().view(t, topk, d).sum(1)
-    assert bool(((out - ref).abs() <= 2.0 ** -6 * per_slot + 2.0 ** -8 * ref.abs()).all())
+    per_slot = (
+        down_ref(*act_quant_fp8_ref(gate_up_ref(*act_quant_fp8_ref(x), *w[:4], weights, ids, limit)), *w[4:], ids)
+        .float()
+        .abs()
+        .view(t, topk, d)
+        .sum(1)
+    )
+    assert bool(((out - ref).abs() <= 2.0**-6 * per_slot + 2.0**-8 * ref.abs()).all())
 
 
 def test_reference_follows_model_expert() -> None:
@@ -112,7 +132,7 @@ def test_reference_follows_model_expert() -> None:
         rows, slot = torch.where(ids == ex)
         if len(rows):
             model.index_add_(0, rows, expert(x_deq[rows], NUMERICS_ON, weights[rows, slot, None]).float())
-    assert bool(((model - ref).abs() <= 2.0 ** -6 * model.abs().amax() + 2.0 ** -8 * model.abs()).all())
+    assert bool(((model - ref).abs() <= 2.0**-6 * model.abs().amax() + 2.0**-8 * model.abs()).all())
     assert (model == ref).float().mean() >= 0.9
 
 

@@ -14,11 +14,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4_kernels.fp8_gemm import fp8_gemm, fp8_linear, act_quant_fp8, store_dtype
+from dsv4_kernels.formats import dequant_fp8_block, quant_fp8_block
+from dsv4_kernels.fp8_gemm import act_quant_fp8, fp8_gemm, fp8_linear, store_dtype
 from dsv4_kernels.fp8_gemm_ref import dequant_act_fp8_ref, fp8_gemm_ref
 from dsv4_kernels.testing import into_poisoned
 from dsv4serve.model.numerics import NUMERICS_ON, fp8_quant_dequant, linear
-from dsv4serve.model.quant import dequant_fp8_block, quant_fp8_block
 
 
 def _operands(m: int, n: int, k: int, seed: int):
@@ -34,12 +34,13 @@ def _operands(m: int, n: int, k: int, seed: int):
 def _bound(a, a_scale, b, b_scale, ref: torch.Tensor) -> torch.Tensor:
     k = a.shape[1]
     mag = dequant_act_fp8_ref(a, a_scale).abs() @ dequant_fp8_block(b, b_scale).abs().t()
-    return 2.0 ** -8 * ref.abs() + 2 * k * 2.0 ** -24 * mag + 1e-30
+    return 2.0**-8 * ref.abs() + 2 * k * 2.0**-24 * mag + 1e-30
 
 
 def _run_poisoned(a, a_scale, b, b_scale, blocks=None) -> torch.Tensor:
-    return into_poisoned((a.shape[0], b.shape[0]), store_dtype(),
-                         lambda out: fp8_gemm(a, a_scale, b, b_scale, blocks=blocks, out=out))
+    return into_poisoned(
+        (a.shape[0], b.shape[0]), store_dtype(), lambda out: fp8_gemm(a, a_scale, b, b_scale, blocks=blocks, out=out)
+    )
 
 
 # (M, N, K): decode m=1 with ragged N and K (300 = 2 blocks + 44, 200 = 128 + 72), exact blocks,

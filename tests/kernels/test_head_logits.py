@@ -27,7 +27,7 @@ def _operands(m: int, v: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Te
 
 def _bound(y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     k = y.shape[1]
-    return 2 * k * 2.0 ** -24 * (y.double().abs() @ w.double().abs().t()) + 1e-30
+    return 2 * k * 2.0**-24 * (y.double().abs() @ w.double().abs().t()) + 1e-30
 
 
 def _run_poisoned(y: torch.Tensor, w: torch.Tensor, block_m: int | None = None) -> torch.Tensor:
@@ -78,7 +78,7 @@ def test_tile_shape_and_batch_invariance() -> None:
     y, w = _operands(40, 96, 128, seed=3)
     assert pick_block_m(40) == 32 and pick_block_m(40, batch_invariant=True) == 16
     whole = _run_poisoned(y, w, block_m=16)
-    alone = torch.cat([_run_poisoned(y[i:i + 1], w, block_m=16) for i in (0, 17, 39)])
+    alone = torch.cat([_run_poisoned(y[i : i + 1], w, block_m=16) for i in (0, 17, 39)])
     assert torch.equal(whole[[0, 17, 39]], alone)
 
 

@@ -20,15 +20,21 @@ import pytest
 import torch
 
 from dsv4_kernels.indexer_topk import indexer_scores, indexer_topk, select_topk
-from dsv4_kernels.indexer_topk_ref import (gather_keys, indexer_scores_ref, indexer_topk_ref, topk_from_scores_ref,
-                                           visible_counts)
+from dsv4_kernels.indexer_topk_ref import (
+    gather_keys,
+    indexer_scores_ref,
+    indexer_topk_ref,
+    topk_from_scores_ref,
+    visible_counts,
+)
 from dsv4_kernels.testing import into_poisoned
 
 RATIO = 4
 
 
-def _problem(requests: list[tuple[int, int]], heads: int, head_dim: int, per_page: int, seed: int,
-             integer: bool = False) -> dict:
+def _problem(
+    requests: list[tuple[int, int]], heads: int, head_dim: int, per_page: int, seed: int, integer: bool = False
+) -> dict:
     """A packed step: requests [(start_pos, n_rows)], each with its own shuffled pages."""
     gen = torch.Generator().manual_seed(seed)
     n_entries = [(start + n) // RATIO for start, n in requests]
@@ -38,7 +44,7 @@ def _problem(requests: list[tuple[int, int]], heads: int, head_dim: int, per_pag
     block_table = torch.full((len(requests), max(pages_needed) + 2), -1, dtype=torch.int32)  # -1 padding
     used = 0
     for b, need in enumerate(pages_needed):
-        block_table[b, :need] = order[used:used + need]
+        block_table[b, :need] = order[used : used + need]
         used += need
     if integer:
         idx_k = torch.randint(-1, 2, (num_pages, per_page, head_dim), generator=gen).float()
@@ -72,14 +78,18 @@ def _score_bound(p: dict, num_cols: int) -> torch.Tensor:
         n_vis = int(visible[rows].max()) if bounds[b] < bounds[b + 1] else 0
         keys = gather_keys(p["idx_k"], p["block_table"], b, n_vis)
         mag = torch.einsum("th,thd,sd->ts", w[rows].abs().double(), q[rows].abs().double(), keys.abs().double())
-        bound[rows, :n_vis] = 2 * (q.shape[2] + q.shape[1] + 1) * 2.0 ** -24 * mag.float()
+        bound[rows, :n_vis] = 2 * (q.shape[2] + q.shape[1] + 1) * 2.0**-24 * mag.float()
     return bound
 
 
 def _scores_poisoned(p: dict, num_cols: int, max_rows: int, blocks=None) -> torch.Tensor:
-    return into_poisoned((p["q"].shape[0], num_cols), torch.float32,
-                         lambda out: indexer_scores(**p, ratio=RATIO, num_cols=num_cols, max_rows_per_request=max_rows,
-                                                    blocks=blocks, out=out))
+    return into_poisoned(
+        (p["q"].shape[0], num_cols),
+        torch.float32,
+        lambda out: indexer_scores(
+            **p, ratio=RATIO, num_cols=num_cols, max_rows_per_request=max_rows, blocks=blocks, out=out
+        ),
+    )
 
 
 # (requests [(start_pos, n_rows)], heads, head_dim, entries per page)
@@ -148,9 +158,9 @@ def test_select_topk_tie_rule() -> None:
     """Equal scores go to the earlier entry (+0.0 and -0.0 are equal), best first, -1 padding, and
     appending invisible (-inf) columns changes nothing."""
     inf = float("inf")
-    scores = torch.tensor([[0.0, 2.0, -0.0, 2.0, -1.0, -inf],
-                           [-0.0, 0.0, -inf, -inf, -inf, -inf],
-                           [-3.0, -inf, -3.0, 5.0, -2.0, 0.0]])
+    scores = torch.tensor(
+        [[0.0, 2.0, -0.0, 2.0, -1.0, -inf], [-0.0, 0.0, -inf, -inf, -inf, -inf], [-3.0, -inf, -3.0, 5.0, -2.0, 0.0]]
+    )
     expected = torch.tensor([[1, 3, 0, 2], [0, 1, -1, -1], [3, 5, 4, 0]], dtype=torch.int32)
     assert torch.equal(select_topk(scores, 4), expected)
     assert torch.equal(topk_from_scores_ref(scores, 4), expected)

@@ -77,6 +77,7 @@ def test_the_worker_stops_with_the_flag_named(monkeypatch):
 
 def test_a_device_fault_stops_the_check_at_that_kernel(monkeypatch):
     """A sticky CUDA error poisons the context: no later kernel (nor torch) could run, so no fallback."""
+
     def fault(*args, **kwargs):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 

@@ -31,8 +31,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from dsv4serve.checkpoint.loader import load_dense_state_dict
-from dsv4serve.model.backends import KernelBackends, default_backends, kernel_names, parse_backends
 from dsv4serve.model.attention import Attention
+from dsv4serve.model.backends import KernelBackends, default_backends, kernel_names, parse_backends
 from dsv4serve.model.kv_pool import CompressedCache, KvPool, LayerCache
 from dsv4serve.model.moe import MoE
 from dsv4serve.model.numerics import NUMERICS_ON, Numerics
@@ -42,7 +42,7 @@ PROMPT_TOKENS = (40, 33)  # two ragged rows
 CHUNKS = ((24, 16), (17, 16))  # each row's prefill chunks, run batched chunk by chunk
 DECODE_STEPS = 3
 CACHE_FIELDS = ("entries", "pending_kv", "pending_score", "prev_kv", "prev_score")
-LAYER_TOL = 2.0 ** -6  # relative to the largest magnitude of the compared tensor: two to four bf16 ulps
+LAYER_TOL = 2.0**-6  # relative to the largest magnitude of the compared tensor: two to four bf16 ulps
 # whole run, every kernel on Triton (measured: 91% greedy agreement, mean gap 4% of the mean logit,
 # 84% of pool values equal; a wrong key, entry, expert or scale breaks all three)
 MIN_GREEDY_AGREEMENT = 0.8
@@ -68,7 +68,7 @@ def _run(model: Transformer, num: Numerics) -> tuple[list[torch.Tensor], KvPool]
     logits, begins = [], [0, 0]
     steps = list(zip(*CHUNKS)) + [(1, 1)] * DECODE_STEPS
     for sizes in steps:
-        rows = [BatchRow(p[b:b + n], st) for p, b, n, st in zip(prompts, begins, sizes, states)]
+        rows = [BatchRow(p[b : b + n], st) for p, b, n, st in zip(prompts, begins, sizes, states)]
         logits += model(rows, num, all_logits=True).logits
         begins = [b + n for b, n in zip(begins, sizes)]
     return logits, pool
@@ -78,8 +78,18 @@ class FactoryAudit(TorchFunctionMode):
     """Records tensor factory calls made from model or kernel-wrapper code without a `device`: on a
     GPU such a tensor would land on the CPU and mix with the device's tensors."""
 
-    FACTORIES = {torch.arange, torch.zeros, torch.ones, torch.empty, torch.full, torch.tensor, torch.rand,
-                 torch.randn, torch.linspace, torch.eye}
+    FACTORIES = {
+        torch.arange,
+        torch.zeros,
+        torch.ones,
+        torch.empty,
+        torch.full,
+        torch.tensor,
+        torch.rand,
+        torch.randn,
+        torch.linspace,
+        torch.eye,
+    }
     WATCHED = (f"{os.sep}dsv4serve{os.sep}model{os.sep}", f"{os.sep}dsv4_kernels{os.sep}")
 
     def __init__(self) -> None:
@@ -97,9 +107,14 @@ class FactoryAudit(TorchFunctionMode):
 
 def _twin(cache: LayerCache) -> LayerCache:
     """A copy of one layer's pool tensors, for a second path to run on."""
+
     def copy(c: CompressedCache | None) -> CompressedCache | None:
-        return None if c is None else dataclasses.replace(
-            c, **{f: getattr(c, f).clone() for f in CACHE_FIELDS if getattr(c, f) is not None})
+        return (
+            None
+            if c is None
+            else dataclasses.replace(c, **{f: getattr(c, f).clone() for f in CACHE_FIELDS if getattr(c, f) is not None})
+        )
+
     return LayerCache(cache.swa.clone(), copy(cache.comp), copy(cache.idx))
 
 
@@ -161,7 +176,7 @@ def test_head_on_triton(tiny_model):
     ref_logits, _ = _run(tiny_model, NUMERICS_ON)
     logits, _ = _run(tiny_model, dataclasses.replace(NUMERICS_ON, backends=KernelBackends(head="triton")))
     got, want = torch.cat(logits), torch.cat(ref_logits)
-    assert got.dtype == torch.float32 and _gap(got, want) < 2.0 ** -18, _gap(got, want)
+    assert got.dtype == torch.float32 and _gap(got, want) < 2.0**-18, _gap(got, want)
 
 
 def test_all_kernels_on_triton(tiny_model):
@@ -177,26 +192,31 @@ def test_all_kernels_on_triton(tiny_model):
     pairs = [(g, w) for gl, wl in zip(pool.layers, ref_pool.layers) for g, w in zip(gl.tensors(), wl.tensors())]
     equal = sum(int((g == w).sum()) for g, w in pairs) / sum(w.numel() for _, w in pairs)
     assert equal >= MIN_POOL_EQUAL, equal
-    assert all(torch.equal(g, w) for g, w in zip(pool.layers[0].tensors(), ref_pool.layers[0].tensors())), \
+    assert all(torch.equal(g, w) for g, w in zip(pool.layers[0].tensors(), ref_pool.layers[0].tensors())), (
         "layer 0 (window only) reads no other layer's output: its pool must be equal"
+    )
 
 
 def test_parse_backends():
-    assert parse_backends("all=triton,fp4_moe=torch") == dataclasses.replace(KernelBackends.every("triton"),
-                                                                              fp4_moe="torch")
+    assert parse_backends("all=triton,fp4_moe=torch") == dataclasses.replace(
+        KernelBackends.every("triton"), fp4_moe="torch"
+    )
     assert parse_backends(" attention = triton ") == KernelBackends(attention="triton")
     assert parse_backends("", KernelBackends.every("triton")) == KernelBackends.every("triton")
     assert default_backends("cpu") == KernelBackends()
     assert default_backends("cuda") == KernelBackends.every("triton")
 
 
-@pytest.mark.parametrize("spec, names", [
-    ("attention", "'attention' is not KERNEL=BACKEND"),
-    ("attention=", "'attention=' is not KERNEL=BACKEND"),
-    ("attention=cuda", "names backend 'cuda'"),
-    ("atention=triton", "names kernel 'atention'"),
-    ("attention=triton,,indexer=torch", "empty part"),
-])
+@pytest.mark.parametrize(
+    "spec, names",
+    [
+        ("attention", "'attention' is not KERNEL=BACKEND"),
+        ("attention=", "'attention=' is not KERNEL=BACKEND"),
+        ("attention=cuda", "names backend 'cuda'"),
+        ("atention=triton", "names kernel 'atention'"),
+        ("attention=triton,,indexer=torch", "empty part"),
+    ],
+)
 def test_parse_backends_errors(spec, names):
     with pytest.raises(ValueError, match=names):
         parse_backends(spec)

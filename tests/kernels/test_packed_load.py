@@ -78,6 +78,7 @@ def test_packed_model_holds_no_dense_copy(ckpt, dense):
     assert not [n for n in names if ".experts." in n], "routed experts must be held only stacked"
     fp8 = [n for n, m in model.named_modules() if isinstance(m, Linear) and m.fp8_stored]
     assert fp8 and not [n for n in fp8 if f"{n}.weight" in names], "FP8 projections must hold no dense weight"
+
     # the weights the kernels read: dense-loaded fp32 + the packed copies vs packed only (1 byte per
     # FP8 value and half a byte per FP4 value, plus scales: about 1/4 and 1/8 of fp32)
     def kernel_bytes(m: Transformer) -> int:
@@ -85,6 +86,7 @@ def test_packed_model_holds_no_dense_copy(ckpt, dense):
         own = [t for x in mods for t in [*x.parameters(recurse=False), *x.buffers(recurse=False)]]
         experts = [t for x in mods if isinstance(x, MoE) for t in x.experts.parameters()]
         return sum(t.numel() * t.element_size() for t in [*own, *experts])
+
     assert kernel_bytes(model) < 0.3 * kernel_bytes(dense)
     assert _nbytes(model) < _nbytes(dense)
     with pytest.raises(RuntimeError, match="fp8_gemm=torch needs the model loaded dense"):
@@ -107,8 +109,10 @@ def test_all_torch_estimate_is_the_dense_model(ckpt, dense):
     bf16_saved = sum(t.numel() * 2 for n, t in dense.named_parameters() if held_bf16(n, TORCH))
     assert dense.head.weight.dtype == torch.bfloat16 and not held_bf16("head.weight", TORCH)
     head_saved = dense.head.weight.numel() * 2
-    assert device_bytes(ckpt.specs, ckpt.args, TORCH, include_mtp=True).total_bytes == \
-        _nbytes(dense) - packed_copies - bf16_saved + head_saved
+    assert (
+        device_bytes(ckpt.specs, ckpt.args, TORCH, include_mtp=True).total_bytes
+        == _nbytes(dense) - packed_copies - bf16_saved + head_saved
+    )
 
 
 def test_embedding_wo_a_and_head_are_held_in_bf16_exactly(ckpt):

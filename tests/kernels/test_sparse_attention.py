@@ -32,13 +32,22 @@ NUM_PAGES = 40
 class Batch:
     """One step's inputs in the paged layout (the kwargs of both functions) plus the per-request truth
     that the dense oracle needs: every key by position, every compressed entry in order."""
+
     kwargs: dict
     keys_by_pos: list[torch.Tensor]  # request b: [start_pos + T, D]; positions no ring holds are NaN
     entries: list[torch.Tensor]  # request b: [num_entries, D], as the pages hold them (dropped pages: NaN)
 
 
-def _make_batch(rows: list[tuple[int, int]], mode: str, heads: int = 6, dim: int = 64, ratio: int = 4,
-                topk: int = 6, dtype: torch.dtype = torch.float32, seed: int = 0) -> Batch:
+def _make_batch(
+    rows: list[tuple[int, int]],
+    mode: str,
+    heads: int = 6,
+    dim: int = 64,
+    ratio: int = 4,
+    topk: int = 6,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> Batch:
     """rows: (new tokens, start_pos) per request. mode: 'swa', 'csa' (topk_idx) or 'hca' (all visible)."""
     gen = torch.Generator().manual_seed(seed)
     num_req, num_rows = len(rows), sum(n for n, _ in rows)
@@ -61,7 +70,7 @@ def _make_batch(rows: list[tuple[int, int]], mode: str, heads: int = 6, dim: int
         ent = torch.randn(n_entries, dim, generator=gen)
         for page in range(-(-n_entries // per_page)):
             table[b, page] = free_pages.pop()
-            comp[table[b, page], : min(per_page, n_entries - page * per_page)] = ent[page * per_page:][:per_page]
+            comp[table[b, page], : min(per_page, n_entries - page * per_page)] = ent[page * per_page :][:per_page]
         if mode == "hca" and n_entries > per_page:  # an invalid page inside the visible range is skipped
             table[b, 0] = -1
             ent[:per_page] = nan
@@ -75,9 +84,16 @@ def _make_batch(rows: list[tuple[int, int]], mode: str, heads: int = 6, dim: int
             topk_rows.append(picks.int())
     cu = torch.tensor([0] + [n for n, _ in rows], dtype=torch.int32).cumsum(0, dtype=torch.int32)
     start_pos = torch.tensor([sp for _, sp in rows], dtype=torch.int32)
-    kwargs = dict(q=torch.randn(num_rows, heads, dim, generator=gen).to(dtype), new_kv=torch.cat(new_kv).to(dtype),
-                  swa_kv=swa.to(dtype), cu_seqlens=cu, start_pos=start_pos, seq_slot=seq_slot,
-                  sink=torch.randn(heads, generator=gen) * 2, scale=dim ** -0.5)
+    kwargs = dict(
+        q=torch.randn(num_rows, heads, dim, generator=gen).to(dtype),
+        new_kv=torch.cat(new_kv).to(dtype),
+        swa_kv=swa.to(dtype),
+        cu_seqlens=cu,
+        start_pos=start_pos,
+        seq_slot=seq_slot,
+        sink=torch.randn(heads, generator=gen) * 2,
+        scale=dim**-0.5,
+    )
     if mode != "swa":
         kwargs.update(comp_kv=comp.to(dtype), block_table=table, ratio=ratio)
     if mode == "csa":
@@ -86,14 +102,20 @@ def _make_batch(rows: list[tuple[int, int]], mode: str, heads: int = 6, dim: int
 
 
 def _run_poisoned(batch: Batch, **launch) -> torch.Tensor:
-    return into_poisoned(tuple(batch.kwargs["q"].shape), store_dtype(),
-                         lambda out: paged_sparse_attention(**batch.kwargs, out=out, **launch))
+    return into_poisoned(
+        tuple(batch.kwargs["q"].shape),
+        store_dtype(),
+        lambda out: paged_sparse_attention(**batch.kwargs, out=out, **launch),
+    )
 
 
 def _assert_close(out: torch.Tensor, ref: torch.Tensor, batch: Batch) -> None:
     assert out.shape == ref.shape and not torch.isnan(out).any() and not torch.isnan(ref).any()
-    max_v = max(x.nan_to_num().abs().max().item() for x in batch.kwargs.values()
-                if isinstance(x, torch.Tensor) and x.is_floating_point())
+    max_v = max(
+        x.nan_to_num().abs().max().item()
+        for x in batch.kwargs.values()
+        if isinstance(x, torch.Tensor) and x.is_floating_point()
+    )
     err = (out.float() - ref).abs().max().item()
     assert err <= 1e-5 * max_v, f"max err {err} > {1e-5 * max_v}"
 
@@ -108,9 +130,19 @@ CASES = {  # name: (rows [(new tokens, start_pos)], mode, extra batch kwargs)
 }
 
 
-@pytest.mark.parametrize(("name", "num_splits"), [("decode_csa", 1), ("decode_csa", 3), ("chunks_csa", 1),
-                                                   ("chunks_csa", 3), ("decode_hca", 3), ("chunks_hca", 1),
-                                                   ("chunks_swa", 2), ("dim128_bf16", 2)])
+@pytest.mark.parametrize(
+    ("name", "num_splits"),
+    [
+        ("decode_csa", 1),
+        ("decode_csa", 3),
+        ("chunks_csa", 1),
+        ("chunks_csa", 3),
+        ("decode_hca", 3),
+        ("chunks_hca", 1),
+        ("chunks_swa", 2),
+        ("dim128_bf16", 2),
+    ],
+)
 def test_kernel_matches_reference(name: str, num_splits: int) -> None:
     """Decode and ragged chunks, start_pos 0 and > W, CSA / HCA / SWA-only, with the single-split
     (prefill) form and the split-K (decode) form, including splits that get no key block."""
@@ -150,8 +182,11 @@ def _dense_oracle(batch: Batch) -> torch.Tensor:
             visible &= ~torch.isnan(ent[:, 0])[None, :]  # entries of a dropped page are skipped
             keys, allowed = torch.cat((keys, ent)), torch.cat((allowed, visible), 1)
         keys = keys.masked_fill(~allowed.any(0)[:, None], 0.0)  # positions nobody may read
-        outs.append(sparse_attention(kw["q"][cu[b]:cu[b + 1]].double(), keys.double(), allowed, kw["sink"].double(),
-                                     kw["scale"]))
+        outs.append(
+            sparse_attention(
+                kw["q"][cu[b] : cu[b + 1]].double(), keys.double(), allowed, kw["sink"].double(), kw["scale"]
+            )
+        )
     return torch.cat(outs).float()
 
 

@@ -40,7 +40,7 @@ def generate(model: Transformer) -> tuple[torch.Tensor, list[int]]:
     ids = torch.randint(0, model.args.vocab_size, (PROMPT_TOKENS,), generator=torch.Generator().manual_seed(7))
     state, rows = model.new_state(NUMERICS_ON), []
     for begin in range(0, PROMPT_TOKENS, CHUNK):
-        rows.append(model([BatchRow(ids[begin:begin + CHUNK], state)], NUMERICS_ON, all_logits=True).logits[0])
+        rows.append(model([BatchRow(ids[begin : begin + CHUNK], state)], NUMERICS_ON, all_logits=True).logits[0])
     tokens = [int(rows[-1][-1].argmax())]
     for _ in range(DECODE_STEPS):
         logits = model([BatchRow(torch.tensor(tokens[-1:]), state)], NUMERICS_ON).logits[0]

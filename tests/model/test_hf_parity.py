@@ -21,16 +21,20 @@ NEW_TOKENS = 8
 
 def test_parsed_args_match_the_hf_config(tiny_case):
     cfg, a = tiny_case.hf_config, tiny_case.args
-    assert (a.dim, a.n_layers, a.n_heads, a.head_dim) == (cfg.hidden_size, cfg.num_hidden_layers,
-                                                         cfg.num_attention_heads, cfg.head_dim)
+    assert (a.dim, a.n_layers, a.n_heads, a.head_dim) == (
+        cfg.hidden_size,
+        cfg.num_hidden_layers,
+        cfg.num_attention_heads,
+        cfg.head_dim,
+    )
     assert a.rope_head_dim == cfg.qk_rope_head_dim and a.window_size == cfg.sliding_window
     kinds = {"sliding_attention": "swa", "compressed_sparse_attention": "csa", "heavily_compressed_attention": "hca"}
     assert list(a.layer_kinds) == [kinds[t] for t in cfg.layer_types]
-    assert list(a.compress_ratios) == [0 if t == "sliding_attention" else cfg.compress_rates[t]
-                                       for t in cfg.layer_types]
+    assert list(a.compress_ratios) == [
+        0 if t == "sliding_attention" else cfg.compress_rates[t] for t in cfg.layer_types
+    ]
     assert a.n_hash_layers == sum(t == "hash_moe" for t in cfg.mlp_layer_types)
-    assert (a.index_n_heads, a.index_head_dim, a.index_topk) == (cfg.index_n_heads, cfg.index_head_dim,
-                                                                 cfg.index_topk)
+    assert (a.index_n_heads, a.index_head_dim, a.index_topk) == (cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk)
     assert (a.hc_mult, a.hc_sinkhorn_iters, a.n_mtp_layers) == (cfg.hc_mult, cfg.hc_sinkhorn_iters, 0)
     assert a.rope_factor == 16 and a.original_seq_len == 64 and a.compress_rope_theta == 160000
 
@@ -79,8 +83,9 @@ def test_greedy_continuation_matches_hf_generate(tiny_case):
     hf = tiny_case.hf_model()
     prompt = tiny_case.token_ids[: tiny_case.token_ids.shape[0] - NEW_TOKENS]
     with torch.no_grad():
-        ref = hf.generate(prompt[None], max_new_tokens=NEW_TOKENS, do_sample=False,
-                          pad_token_id=0)[0, prompt.shape[0]:].tolist()  # may stop early at EOS
+        ref = hf.generate(prompt[None], max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)[
+            0, prompt.shape[0] :
+        ].tolist()  # may stop early at EOS
     model, state = tiny_case.model, tiny_case.model.new_state(NUMERICS_OFF)
     logits = model([BatchRow(prompt, state)], NUMERICS_OFF).logits[0]
     ours = []
@@ -88,4 +93,4 @@ def test_greedy_continuation_matches_hf_generate(tiny_case):
         token = int(logits.argmax())
         ours.append(token)
         logits = model([BatchRow(torch.tensor([token]), state)], NUMERICS_OFF).logits[0]
-    assert len(ref) >= 1 and ours[:len(ref)] == ref
+    assert len(ref) >= 1 and ours[: len(ref)] == ref

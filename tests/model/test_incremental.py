@@ -21,8 +21,11 @@ import torch
 from dsv4serve.model.numerics import NUMERICS_OFF, NUMERICS_ON
 from dsv4serve.model.transformer import BatchRow
 
-NUMERICS = {"off": NUMERICS_OFF, "on": NUMERICS_ON,
-            "on_fp32": dataclasses.replace(NUMERICS_ON, compute_dtype=torch.float32)}
+NUMERICS = {
+    "off": NUMERICS_OFF,
+    "on": NUMERICS_ON,
+    "on_fp32": dataclasses.replace(NUMERICS_ON, compute_dtype=torch.float32),
+}
 
 
 def _random_mix(n_tokens: int, seed: int) -> list[int]:
@@ -43,10 +46,12 @@ def test_any_chunking_equals_one_pass(tiny_case, helpers, numerics):
     n = ids.shape[0]
     full = helpers.run_chunks(model, ids, [n], num)
     w, r = tiny_case.args.window_size, max(tiny_case.args.compress_ratios)
-    patterns = {"decode": [1] * n,
-                "fours": [4] * (n // 4) + [n % 4] * (n % 4 > 0),
-                "window_edges": [w - 1, 1, w + 1, r - 1, r + 1],  # one short of / past each boundary
-                "mix": _random_mix(n, seed=7)}
+    patterns = {
+        "decode": [1] * n,
+        "fours": [4] * (n // 4) + [n % 4] * (n % 4 > 0),
+        "window_edges": [w - 1, 1, w + 1, r - 1, r + 1],  # one short of / past each boundary
+        "mix": _random_mix(n, seed=7),
+    }
     patterns["window_edges"].append(n - sum(patterns["window_edges"]))
     assert patterns["window_edges"][-1] > 0
     for name, sizes in patterns.items():
@@ -67,7 +72,7 @@ def test_prefill_then_greedy_decode_equals_full_forward(mixed_case, numerics):
         logits = model([BatchRow(torch.tensor(tokens[-1:]), state)], num).logits[0]
     full_state = model.new_state(num)
     full = model([BatchRow(torch.tensor(tokens), full_state)], num, all_logits=True).logits[0]
-    _assert_same(torch.stack(step_logits), full[prompt.shape[0] - 1:-1], f"decode/{numerics}")
+    _assert_same(torch.stack(step_logits), full[prompt.shape[0] - 1 : -1], f"decode/{numerics}")
     assert state.num_tokens == full_state.num_tokens == len(tokens)
 
 
@@ -83,14 +88,17 @@ def test_batched_rows_equal_rows_run_alone(mixed_case, numerics):
         for hist, off in zip(histories, offsets):
             st = model.new_state(num)
             if hist:
-                model([BatchRow(ids[off:off + hist], st)], num)
+                model([BatchRow(ids[off : off + hist], st)], num)
             states.append(st)
         return states
 
-    alone = [model([BatchRow(ids[off + h:off + h + c], st)], num, all_logits=True).logits[0]
-             for h, c, off, st in zip(histories, chunks, offsets, fresh_states())]
-    rows = [BatchRow(ids[off + h:off + h + c], st) for h, c, off, st in zip(histories, chunks, offsets,
-                                                                             fresh_states())]
+    alone = [
+        model([BatchRow(ids[off + h : off + h + c], st)], num, all_logits=True).logits[0]
+        for h, c, off, st in zip(histories, chunks, offsets, fresh_states())
+    ]
+    rows = [
+        BatchRow(ids[off + h : off + h + c], st) for h, c, off, st in zip(histories, chunks, offsets, fresh_states())
+    ]
     batched = model(rows, num, all_logits=True).logits
     for i, (got, want) in enumerate(zip(batched, alone)):
         _assert_same(got, want, f"row {i}/{numerics}")
@@ -103,8 +111,9 @@ def test_mtp_block_is_chunk_exact(mixed_case):
     from dsv4serve.model.transformer import Transformer
 
     a = mixed_case.args
-    args = dataclasses.replace(a, n_mtp_layers=1, compress_ratios=a.compress_ratios + (0,),
-                               layer_kinds=a.layer_kinds + ("swa",))
+    args = dataclasses.replace(
+        a, n_mtp_layers=1, compress_ratios=a.compress_ratios + (0,), layer_kinds=a.layer_kinds + ("swa",)
+    )
     model = Transformer(args).eval()
     model.load_state_dict(random_dense_state(args, seed=3), strict=True)
     num, ids = NUMERICS_ON, mixed_case.token_ids
@@ -113,9 +122,12 @@ def test_mtp_block_is_chunk_exact(mixed_case):
     def drafts(sizes):
         state, outs, begin = model.new_state(num), [], 0
         for size in sizes:
-            main = model([BatchRow(ids[begin:begin + size], state)], num, return_hidden=True)
-            outs.append(model.forward_mtp([BatchRow(ids[begin + 1:begin + size + 1], state)], main.hidden,
-                                          num, all_logits=True).logits[0])
+            main = model([BatchRow(ids[begin : begin + size], state)], num, return_hidden=True)
+            outs.append(
+                model.forward_mtp(
+                    [BatchRow(ids[begin + 1 : begin + size + 1], state)], main.hidden, num, all_logits=True
+                ).logits[0]
+            )
             begin += size
         return torch.cat(outs)
 

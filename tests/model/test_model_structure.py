@@ -12,19 +12,50 @@ from dsv4serve.model.schema import checkpoint_schema
 from dsv4serve.model.transformer import BatchRow, Transformer
 
 # the reference `inference/config.json` of dsv4-tiny (FP8 linears, FP4 experts, one MTP layer)
-DSV4_TINY = dict(vocab_size=129280, dim=128, moe_inter_dim=128, n_layers=4, n_hash_layers=2, n_mtp_layers=1,
-                 n_heads=4, n_routed_experts=8, n_shared_experts=1, n_activated_experts=2,
-                 score_func="sqrtsoftplus", route_scale=1.5, swiglu_limit=10.0, q_lora_rank=128, head_dim=128,
-                 rope_head_dim=64, norm_eps=1e-6, o_groups=2, o_lora_rank=64, window_size=16,
-                 compress_ratios=[0, 4, 16, 4, 0], compress_rope_theta=160000.0, original_seq_len=65536,
-                 rope_theta=10000.0, rope_factor=16, beta_fast=32, beta_slow=1, index_n_heads=4,
-                 index_head_dim=128, index_topk=4, hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6,
-                 dtype="fp8", expert_dtype="fp4", scale_fmt="ue8m0")
+DSV4_TINY = dict(
+    vocab_size=129280,
+    dim=128,
+    moe_inter_dim=128,
+    n_layers=4,
+    n_hash_layers=2,
+    n_mtp_layers=1,
+    n_heads=4,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    n_activated_experts=2,
+    score_func="sqrtsoftplus",
+    route_scale=1.5,
+    swiglu_limit=10.0,
+    q_lora_rank=128,
+    head_dim=128,
+    rope_head_dim=64,
+    norm_eps=1e-6,
+    o_groups=2,
+    o_lora_rank=64,
+    window_size=16,
+    compress_ratios=[0, 4, 16, 4, 0],
+    compress_rope_theta=160000.0,
+    original_seq_len=65536,
+    rope_theta=10000.0,
+    rope_factor=16,
+    beta_fast=32,
+    beta_slow=1,
+    index_n_heads=4,
+    index_head_dim=128,
+    index_topk=4,
+    hc_mult=4,
+    hc_sinkhorn_iters=20,
+    hc_eps=1e-6,
+    dtype="fp8",
+    expert_dtype="fp4",
+    scale_fmt="ue8m0",
+)
 
 
 def _weight_names(args, include_mtp: bool) -> set[str]:
-    return {s.name for s in checkpoint_schema(args, include_mtp=include_mtp)
-            if s.role not in ("fp8_scale", "fp4_scale")}
+    return {
+        s.name for s in checkpoint_schema(args, include_mtp=include_mtp) if s.role not in ("fp8_scale", "fp4_scale")
+    }
 
 
 def test_state_dict_names_are_the_official_names_with_mtp():

@@ -1,5 +1,5 @@
 """The numerics simulations against the format definitions and independent implementations:
-FP8 blocks against the checkpoint quantizer (dsv4serve.model.quant), FP4 rounding against the e2m1
+FP8 blocks against the checkpoint quantizer (dsv4_kernels.formats), FP4 rounding against the e2m1
 grid with round-half-to-even, the Hadamard transform against Sylvester's matrix, RoPE against
 transformers and the YaRN band of dsv4-model.md §2.2."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4serve.model import quant
+from dsv4_kernels import formats as quant
 from dsv4serve.model.args import args_from_dicts
 from dsv4serve.model.numerics import fp4_quant_dequant, fp8_quant_dequant, hadamard
 from dsv4serve.model.rope import apply_rope, inv_freq, rope_cos_sin
@@ -54,7 +54,7 @@ def test_hadamard_is_the_orthonormal_sylvester_transform(n):
     while h.shape[0] < n:
         h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
     x = _randn(5, n, seed=n).double()
-    assert torch.allclose(hadamard(x), x @ h.double() / n ** 0.5, atol=1e-12)
+    assert torch.allclose(hadamard(x), x @ h.double() / n**0.5, atol=1e-12)
     assert torch.allclose(hadamard(hadamard(x)), x, atol=1e-12)
 
 
@@ -73,13 +73,40 @@ def test_rope_matches_transformers_and_inverts():
 def test_yarn_band_of_the_real_config():
     """Base 160000, 64 rope dims, original length 65536: frequencies below index 15 kept, above 25
     divided by the factor 16 (dsv4-model.md §2.2); window-only layers are unscaled base 10000."""
-    ref = dict(vocab_size=64, dim=64, moe_inter_dim=32, n_layers=2, n_hash_layers=0, n_heads=2,
-               n_routed_experts=2, n_shared_experts=1, n_activated_experts=1, score_func="sqrtsoftplus",
-               route_scale=1.5, swiglu_limit=10.0, q_lora_rank=32, head_dim=512, rope_head_dim=64,
-               o_groups=1, o_lora_rank=16, window_size=128, compress_ratios=[0, 128],
-               compress_rope_theta=160000.0, original_seq_len=65536, rope_theta=10000.0, rope_factor=16,
-               beta_fast=32, beta_slow=1, index_n_heads=2, index_head_dim=128, index_topk=4, hc_mult=2,
-               hc_sinkhorn_iters=2, dtype="bf16", expert_dtype="bf16")
+    ref = dict(
+        vocab_size=64,
+        dim=64,
+        moe_inter_dim=32,
+        n_layers=2,
+        n_hash_layers=0,
+        n_heads=2,
+        n_routed_experts=2,
+        n_shared_experts=1,
+        n_activated_experts=1,
+        score_func="sqrtsoftplus",
+        route_scale=1.5,
+        swiglu_limit=10.0,
+        q_lora_rank=32,
+        head_dim=512,
+        rope_head_dim=64,
+        o_groups=1,
+        o_lora_rank=16,
+        window_size=128,
+        compress_ratios=[0, 128],
+        compress_rope_theta=160000.0,
+        original_seq_len=65536,
+        rope_theta=10000.0,
+        rope_factor=16,
+        beta_fast=32,
+        beta_slow=1,
+        index_n_heads=2,
+        index_head_dim=128,
+        index_topk=4,
+        hc_mult=2,
+        hc_sinkhorn_iters=2,
+        dtype="bf16",
+        expert_dtype="bf16",
+    )
     args = args_from_dicts({}, ref)
     plain = 1.0 / (160000.0 ** (torch.arange(0, 64, 2).double() / 64))
     got = inv_freq(args, compressed_layer=True).double()

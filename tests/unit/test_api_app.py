@@ -35,8 +35,12 @@ def client(tokenizer, api_key=None) -> TestClient:
 
 def test_api_key_guards_v1_and_tokenize_but_not_health_or_metrics(tokenizer):
     c = client(tokenizer, api_key="sekret")
-    for method, path in (("get", "/v1/models"), ("post", "/v1/chat/completions"), ("post", "/tokenize"),
-                         ("post", "/detokenize")):
+    for method, path in (
+        ("get", "/v1/models"),
+        ("post", "/v1/chat/completions"),
+        ("post", "/tokenize"),
+        ("post", "/detokenize"),
+    ):
         resp = getattr(c, method)(path)
         assert resp.status_code == 401 and resp.json()["error"]["code"] == 401, path
         bad = getattr(c, method)(path, headers={"Authorization": "Bearer wrong"})
@@ -70,8 +74,9 @@ def test_detokenizer_keeps_the_markers_the_chat_parser_needs(tokenizer):
     assert IncrementalDetokenizer(tokenizer, skip_special_tokens=True).push(ids) == "a</think>b<｜DSML｜tool_calls>"
 
 
-@pytest.mark.parametrize("pieces", [["hello wor", "ld STOP here"], ["hello world S", "T", "OP here"],
-                                    ["hello world STOP", " here"]])
+@pytest.mark.parametrize(
+    "pieces", [["hello wor", "ld STOP here"], ["hello world S", "T", "OP here"], ["hello world STOP", " here"]]
+)
 def test_stop_strings_hold_back_partial_matches(pieces):
     stops = StopStrings(("STOP",), include=False)
     out, matched = "", False

@@ -41,7 +41,7 @@ class ScriptedEngine:
         self.requests.append(sampling)
         tokens = self.script + [EOS]
         if sampling.max_tokens is not None:
-            tokens = tokens[:sampling.max_tokens]
+            tokens = tokens[: sampling.max_tokens]
         for i, token in enumerate(tokens):
             if self.fail is not None and i == self.fail_after:
                 raise self.fail
@@ -108,9 +108,14 @@ def test_max_completion_tokens_wins_and_n_seeds_follow_vllm(setup):
     assert [s.max_tokens for s in engine.requests] == [3, 3] and sorted(s.seed for s in engine.requests) == [10, 11]
 
 
-@pytest.mark.parametrize("failure, status", [(WorkerDied("the worker process died"), 503),
-                                             (RequestRejected(503, "the queue is full"), 503),
-                                             (RuntimeError("an engine bug"), 503)])
+@pytest.mark.parametrize(
+    "failure, status",
+    [
+        (WorkerDied("the worker process died"), 503),
+        (RequestRejected(503, "the queue is full"), 503),
+        (RuntimeError("an engine bug"), 503),
+    ],
+)
 def test_engine_failures_are_503_json_or_an_error_event(setup, failure, status):
     engine, client = setup
     engine.fail, engine.fail_after = failure, 0
@@ -135,8 +140,7 @@ def test_unknown_fields_are_ignored_and_logged_once(setup, caplog):
 def test_completions_batch_prompts_n_and_echo(setup, tokenizer):
     engine, client = setup
     engine.script = tokenizer.encode(" world")
-    body = {"model": "m", "prompt": ["Hello", "hello"], "n": 2, "echo": True, "max_tokens": 5,
-            "logprobs": 0}
+    body = {"model": "m", "prompt": ["Hello", "hello"], "n": 2, "echo": True, "max_tokens": 5, "logprobs": 0}
     out = client.post("/v1/completions", json=body).json()
     assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
     assert [c["text"] for c in out["choices"]] == ["Hello world", "Hello world", "hello world", "hello world"]

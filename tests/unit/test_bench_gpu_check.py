@@ -43,8 +43,9 @@ def test_run_case_turns_times_into_rates_against_the_ceiling(gpu_check, monkeypa
 
     x = torch.ones(4)
     ceilings = {"copy_GBps": 1e-9, "matmul_TFLOPs": 1e-12}  # tiny ceilings: any real rate is far above
-    mem = GpuCase("mem", lambda: x * 2, lambda: x * 2, 0.0, 0.0, bytes_moved=1000,
-                  baseline=lambda: x + x, baseline_name="torch")
+    mem = GpuCase(
+        "mem", lambda: x * 2, lambda: x * 2, 0.0, 0.0, bytes_moved=1000, baseline=lambda: x + x, baseline_name="torch"
+    )
     row = gpu_check.run_case(mem, torch.device("cpu"), ceilings, warmup=1, repeats=3)
     assert row.ok.startswith("OK") and row.rate.endswith("GB/s") and row.pct_of_ceiling > 100
     assert row.baseline == "torch" and row.speedup > 0
@@ -82,8 +83,12 @@ def test_the_cpu_smoke_run_checks_every_case_module(gpu_check, tmp_path: Path) -
     import subprocess
 
     out = tmp_path / "smoke.json"
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_check.py"), "--cpu-smoke", "--repeats", "1",
-                           "--json", str(out)], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "gpu_check.py"), "--cpu-smoke", "--repeats", "1", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     rows = report["rows"]

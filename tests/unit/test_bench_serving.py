@@ -23,7 +23,8 @@ def bench():
 
 # the keys and shapes of a real aiperf 0.13.0 export (values from a run of 16 requests at concurrency 4)
 EXPORT = {
-    "schema_version": "1.4", "aiperf_version": "0.13.0",
+    "schema_version": "1.4",
+    "aiperf_version": "0.13.0",
     "request_throughput": {"unit": "requests/sec", "avg": 0.96},
     "request_count": {"unit": "requests", "avg": 16.0},
     "time_to_first_token": {"unit": "ms", "avg": 2062.4, "p50": 2042.1, "p90": 3310.1, "min": 999.2},
@@ -43,8 +44,11 @@ def test_parse_export_reads_the_percentiles(bench) -> None:
 
 
 def test_parse_export_with_errors_and_no_latencies(bench) -> None:
-    data = {"completed_request_count": {"avg": 6.0}, "output_token_throughput": {"avg": 3.0},
-            "error_summary": [{"error_details": {"code": 503}, "count": 2}]}
+    data = {
+        "completed_request_count": {"avg": 6.0},
+        "output_token_throughput": {"avg": 3.0},
+        "error_summary": [{"error_details": {"code": 503}, "count": 2}],
+    }
     r = bench.parse_export(data, concurrency=8)
     assert (r.requests, r.completed) == (8, 6)
     assert r.error_rate_pct == pytest.approx(25.0)
@@ -62,8 +66,9 @@ def test_batching_gain_uses_the_medians_over_rounds(bench) -> None:
 
 def test_table_has_one_row_per_level_and_aligned_columns(bench) -> None:
     results = [bench.LevelResult(c, 8, 8, 0.0, 10.0 * c, 20.0 * c, 5.0, 6.0, 1.5 * c, 0.1) for c in (1, 16, 1)]
-    text = bench.format_table(["concurrency", "runs", "completed", "a", "b", "c", "d", "out", "err"],
-                              bench.level_rows(results))
+    text = bench.format_table(
+        ["concurrency", "runs", "completed", "a", "b", "c", "d", "out", "err"], bench.level_rows(results)
+    )
     lines = text.splitlines()
     assert len(lines) == 2 + 2  # header, rule, levels 1 and 16
     assert lines[2].split()[:3] == ["1", "2", "16/16"]

@@ -18,7 +18,9 @@ CUDA = torch.device("cuda")
 @pytest.fixture
 def real(real_model_dir, monkeypatch):
     args = read_model_args(real_model_dir)
-    monkeypatch.setattr(capacity, "take_snapshot", lambda device, ratio, **kw: MemorySnapshot(20 * GIB, 32 * GIB, "wsl2"))
+    monkeypatch.setattr(
+        capacity, "take_snapshot", lambda device, ratio, **kw: MemorySnapshot(20 * GIB, 32 * GIB, "wsl2")
+    )
     return args, prefill_geometry(args, context_tokens=65536)
 
 
@@ -26,8 +28,9 @@ def test_auto_capacity_fills_what_is_left_in_whole_pages(real):
     args, geo = real
     tokens = capacity.kv_capacity(args, CUDA, 2, 8, 10**9, None, 0.9, 2048, geo)
     kv = kv_geometry(args)
-    keep = PLATFORM_MARGIN_BYTES["wsl2"] + 8 * kv.seq_state_bytes + 2048 * geo.activation_bytes_per_token \
-        + geo.fixed_bytes
+    keep = (
+        PLATFORM_MARGIN_BYTES["wsl2"] + 8 * kv.seq_state_bytes + 2048 * geo.activation_bytes_per_token + geo.fixed_bytes
+    )
     assert tokens % 128 == 0 and 0 <= (20 * GIB - keep) - tokens * kv.bytes_per_token < 128 * kv.bytes_per_token
     assert capacity.kv_capacity(args, CUDA, 2, 8, 4096, None, 0.9, 2048, geo) == 4096  # no more than usable
 
@@ -42,6 +45,7 @@ def test_explicit_num_tokens_is_honoured_or_refused_by_name(real):
 def test_cpu_capacity_is_the_setting_or_the_default():
     from dsv4serve.model.args import args_from_dicts
     from dsv4serve.tiny.spec import TINY_CONFIG
+
     args = args_from_dicts(TINY_CONFIG, expert_dtype_hint="fp4")
     geo = prefill_geometry(args, context_tokens=4096)
     cpu = torch.device("cpu")

@@ -30,6 +30,7 @@ def _calls(parsed) -> list[tuple[str, dict]]:
 
 # --- DeepSeek's examples ----------------------------------------------------------------------
 
+
 def test_readme_parse_example():
     # encoding/README.md "Quick Start".
     parsed = parse_completion("Simple arithmetic.</think>2 + 2 = 4." + EOS, thinking=True)
@@ -45,19 +46,24 @@ CASE1_TOOL_TURN = (
     "</｜DSML｜invoke>\n"
     "</｜DSML｜tool_calls>" + EOS
 )
-CASE1_FINAL_TURN = ("Got the weather data. Let me format a nice response.</think>The weather in Beijing "
-                    "is currently sunny with a temperature of 22°C and 45% humidity." + EOS)
+CASE1_FINAL_TURN = (
+    "Got the weather data. Let me format a nice response.</think>The weather in Beijing "
+    "is currently sunny with a temperature of 22°C and 45% humidity." + EOS
+)
 
 
 def test_official_case_1_tool_turn():
     # test_encoding_dsv4.py test_case_1: the first assistant turn of test_output_1.txt.
     parsed = parse_completion(CASE1_TOOL_TURN, thinking=True, id_factory=_ids())
-    assert parsed.reasoning == ("The user wants to know the weather in Beijing. "
-                                "I should use the get_weather tool.")
+    assert parsed.reasoning == ("The user wants to know the weather in Beijing. I should use the get_weather tool.")
     assert parsed.content == ""
-    assert [c.to_openai() for c in parsed.tool_calls] == [{
-        "id": "call_0", "type": "function",
-        "function": {"name": "get_weather", "arguments": '{"location": "Beijing", "unit": "celsius"}'}}]
+    assert [c.to_openai() for c in parsed.tool_calls] == [
+        {
+            "id": "call_0",
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"location": "Beijing", "unit": "celsius"}'},
+        }
+    ]
 
 
 def test_official_case_1_final_turn():
@@ -102,11 +108,12 @@ def test_vllm_function_calls_block_is_not_accepted():
 
 def test_vllm_streaming_extracts_complete_invokes():
     parser = StreamParser(thinking=False, id_factory=_ids())
-    deltas = [parser.feed(VLLM_SEARCH[i:i + 5]) for i in range(0, len(VLLM_SEARCH), 5)]
+    deltas = [parser.feed(VLLM_SEARCH[i : i + 5]) for i in range(0, len(VLLM_SEARCH), 5)]
     deltas.append(parser.finish())
     calls = [c for d in deltas for c in d.tool_calls]
     assert [(c.index, c.id, c.name, json.loads(c.arguments)) for c in calls] == [
-        (0, "call_0", "search", {"query": "deepseek v4"})]
+        (0, "call_0", "search", {"query": "deepseek v4"})
+    ]
     assert "".join(d.content for d in deltas) == ""
     assert parser.finish_reason("stop") == "tool_calls"
     assert parser.finish_reason("length") == "length"
@@ -114,9 +121,9 @@ def test_vllm_streaming_extracts_complete_invokes():
 
 # --- argument encoding ------------------------------------------------------------------------
 
+
 def _invoke(name: str, *params: tuple[str, str, str]) -> str:
-    body = "".join(f'<｜DSML｜parameter name="{k}" string="{s}">{v}</｜DSML｜parameter>\n'
-                   for k, s, v in params)
+    body = "".join(f'<｜DSML｜parameter name="{k}" string="{s}">{v}</｜DSML｜parameter>\n' for k, s, v in params)
     return f'<｜DSML｜invoke name="{name}">\n{body}</｜DSML｜invoke>\n'
 
 
@@ -125,13 +132,22 @@ def _block(*invokes: str) -> str:
 
 
 def test_string_flag_and_order_are_honoured():
-    text = "ok" + _block(_invoke(
-        "f", ("z", "true", "5"), ("a", "false", "5"), ("m", "false", '{"k": [1, "é"]}'),
-        ("t", "true", 'say "hi"\nbye'), ("b", "false", "true"), ("n", "false", "null")))
+    text = "ok" + _block(
+        _invoke(
+            "f",
+            ("z", "true", "5"),
+            ("a", "false", "5"),
+            ("m", "false", '{"k": [1, "é"]}'),
+            ("t", "true", 'say "hi"\nbye'),
+            ("b", "false", "true"),
+            ("n", "false", "null"),
+        )
+    )
     parsed = parse_completion(text, thinking=False)
     assert parsed.content == "ok"
     assert parsed.tool_calls[0].arguments == (
-        '{"z": "5", "a": 5, "m": {"k": [1, "é"]}, "t": "say \\"hi\\"\\nbye", "b": true, "n": null}')
+        '{"z": "5", "a": 5, "m": {"k": [1, "é"]}, "t": "say \\"hi\\"\\nbye", "b": true, "n": null}'
+    )
 
 
 def test_invalid_json_with_string_false_becomes_a_string():
@@ -144,7 +160,10 @@ def test_several_invokes_in_order_with_fresh_ids():
     text = _block(_invoke("a", ("p", "false", "1")), _invoke("b"), _invoke("c", ("q", "true", "x")))
     parsed = parse_completion(text + EOS, thinking=False, id_factory=_ids())
     assert [(c.index, c.id, c.name, c.arguments) for c in parsed.tool_calls] == [
-        (0, "call_0", "a", '{"p": 1}'), (1, "call_1", "b", "{}"), (2, "call_2", "c", '{"q": "x"}')]
+        (0, "call_0", "a", '{"p": 1}'),
+        (1, "call_1", "b", "{}"),
+        (2, "call_2", "c", '{"q": "x"}'),
+    ]
 
 
 def test_default_ids_are_call_hex():
@@ -155,6 +174,7 @@ def test_default_ids_are_call_hex():
 
 
 # --- modes and edge cases ---------------------------------------------------------------------
+
 
 def test_chat_mode_is_all_content():
     parsed = parse_completion("plain answer" + EOS, thinking=False)
@@ -179,23 +199,21 @@ def test_near_markers_are_released_as_text():
 
 
 def test_stray_think_tags_and_text_after_the_block_are_dropped():
-    parsed = parse_completion("r<think>r2</think>c</think>c2" + _block(_invoke("f")) + "\ntrailing",
-                              thinking=True)
+    parsed = parse_completion("r<think>r2</think>c</think>c2" + _block(_invoke("f")) + "\ntrailing", thinking=True)
     assert (parsed.reasoning, parsed.content) == ("rr2", "cc2")
     assert len(parsed.tool_calls) == 1
 
 
 def test_truncated_output_drops_unfinished_markup():
     assert parse_completion("answer\n\n<｜DSML｜tool_ca", thinking=False).content == "answer"
-    parsed = parse_completion("x" + _block(_invoke("f"))[:-len("</｜DSML｜tool_calls>")], thinking=False)
+    parsed = parse_completion("x" + _block(_invoke("f"))[: -len("</｜DSML｜tool_calls>")], thinking=False)
     assert parsed.content == "x" and len(parsed.tool_calls) == 1
-    parsed = parse_completion('x\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n<｜DSML｜par',
-                              thinking=False)
+    parsed = parse_completion('x\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n<｜DSML｜par', thinking=False)
     assert (parsed.content, parsed.tool_calls) == ("x", [])
 
 
 def test_eos_inside_a_tool_block_ends_it():
-    text = "x" + _block(_invoke("f", ("a", "true", "1")))[:-len("</｜DSML｜tool_calls>")]
+    text = "x" + _block(_invoke("f", ("a", "true", "1")))[: -len("</｜DSML｜tool_calls>")]
     parsed = parse_completion(text + '<｜DSML｜invoke name="g">\n' + EOS + "junk", thinking=False)
     assert (parsed.content, _calls(parsed)) == ("x", [("f", {"a": "1"})])
 
@@ -204,7 +222,7 @@ def test_long_argument_streamed_piece_by_piece():
     value = "word " * 20000
     text = _block(_invoke("write", ("text", "true", value)))
     parser = StreamParser(thinking=False)
-    calls = [c for i in range(0, len(text), 3) for c in parser.feed(text[i:i + 3]).tool_calls]
+    calls = [c for i in range(0, len(text), 3) for c in parser.feed(text[i : i + 3]).tool_calls]
     assert [json.loads(c.arguments) for c in calls] == [{"text": value}]
 
 
@@ -224,9 +242,15 @@ FUZZ_TEXTS = [
     (CASE1_TOOL_TURN, True),
     (CASE1_FINAL_TURN, True),
     ("Let me check. " + VLLM_WEATHER, False),
-    ("思考</think>文本\n\n\n" + _block(
-        _invoke("f", ("城市", "true", "北京 ünï\n</think>"), ("n", "false", "[1, 2.5e3]")),
-        _invoke("g", ("o", "false", '{"a": {"b": null}}'), ("s", "true", "<｜DSML｜x"))) + EOS, True),
+    (
+        "思考</think>文本\n\n\n"
+        + _block(
+            _invoke("f", ("城市", "true", "北京 ünï\n</think>"), ("n", "false", "[1, 2.5e3]")),
+            _invoke("g", ("o", "false", '{"a": {"b": null}}'), ("s", "true", "<｜DSML｜x")),
+        )
+        + EOS,
+        True,
+    ),
     ("no markers at all, just < and \n\n and ｜ bars", False),
     ("r" + _block(_invoke("f", ("a", "true", "1"))) + "ignored after", True),
 ]
@@ -251,8 +275,7 @@ def _stream(text: str, thinking: bool, cuts: list[int]):
 @pytest.mark.parametrize("text, thinking", FUZZ_TEXTS)
 def test_random_cuts_give_the_whole_text_result(text, thinking):
     whole = parse_completion(text, thinking, id_factory=_ids())
-    expected = (whole.reasoning, whole.content,
-                [(c.index, c.id, c.name, c.arguments) for c in whole.tool_calls])
+    expected = (whole.reasoning, whole.content, [(c.index, c.id, c.name, c.arguments) for c in whole.tool_calls])
     for seed in range(300):
         rng = random.Random(seed)
         count = rng.choice([1, 2, 5, len(text) // 3, len(text)])
@@ -266,8 +289,15 @@ def test_random_cuts_give_the_whole_text_result(text, thinking):
 @pytest.mark.parametrize("text, thinking", FUZZ_TEXTS)
 def test_markup_never_reaches_content(text, thinking):
     parsed = parse_completion(text, thinking)
-    for mark in ("<think>", "</think>", "<｜DSML｜tool_calls", "</｜DSML｜", "<｜DSML｜invoke",
-                 "<｜DSML｜parameter", EOS):
+    for mark in (
+        "<think>",
+        "</think>",
+        "<｜DSML｜tool_calls",
+        "</｜DSML｜",
+        "<｜DSML｜invoke",
+        "<｜DSML｜parameter",
+        EOS,
+    ):
         assert mark not in parsed.content
         assert mark not in parsed.reasoning
     for call in parsed.tool_calls:
@@ -281,6 +311,8 @@ def test_fuzz_expected_values():
     assert first.content == "Answer 🙂 with <b>tags</b>\n\nmore\n"
     fifth = parse_completion(*FUZZ_TEXTS[4])
     assert fifth.content == "文本\n\n\n"  # only the blank line right before the block goes
-    assert _calls(fifth) == [("f", {"城市": "北京 ünï\n</think>", "n": [1, 2500.0]}),
-                             ("g", {"o": {"a": {"b": None}}, "s": "<｜DSML｜x"})]
+    assert _calls(fifth) == [
+        ("f", {"城市": "北京 ünï\n</think>", "n": [1, 2500.0]}),
+        ("g", {"o": {"a": {"b": None}}, "s": "<｜DSML｜x"}),
+    ]
     assert parse_completion(*FUZZ_TEXTS[5]).content == FUZZ_TEXTS[5][0]

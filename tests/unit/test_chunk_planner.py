@@ -8,11 +8,18 @@ import pytest
 
 from dsv4serve.config import ConfigError, Setting, Source
 from dsv4serve.model.args import read_model_args
-from dsv4serve.worker.chunk_planner import (GEOMETRY_SAFETY_FACTOR, PLATFORM_MARGIN_BYTES, MemorySnapshot,
-                                            PlannerLimits, PrefillGeometry, alignment_tokens, plan_chunk,
-                                            prefill_geometry, shrink_after_oom)
-from dsv4serve.worker.memory_probe import (SimulatedBudget, detect_platform, measure_activation_bytes,
-                                           take_snapshot)
+from dsv4serve.worker.chunk_planner import (
+    GEOMETRY_SAFETY_FACTOR,
+    PLATFORM_MARGIN_BYTES,
+    MemorySnapshot,
+    PlannerLimits,
+    PrefillGeometry,
+    alignment_tokens,
+    plan_chunk,
+    prefill_geometry,
+    shrink_after_oom,
+)
+from dsv4serve.worker.memory_probe import SimulatedBudget, detect_platform, measure_activation_bytes, take_snapshot
 
 PACKAGE = Path(__file__).resolve().parents[2] / "dsv4serve"
 MIB, GIB = 1024**2, 1024**3
@@ -37,6 +44,7 @@ def cli(n: int) -> Setting:
 
 # ------------------------------------------------------------------------------------- purity
 
+
 def test_same_inputs_same_plan():
     a = plan_chunk(snap(1000), GEO, limits())
     b = plan_chunk(snap(1000), GEO, limits())
@@ -44,8 +52,11 @@ def test_same_inputs_same_plan():
 
 
 def test_only_the_probe_asks_the_device():
-    users = sorted(p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*.py")
-                   if "mem_get_info" in p.read_text(encoding="utf-8"))
+    users = sorted(
+        p.relative_to(PACKAGE).as_posix()
+        for p in PACKAGE.rglob("*.py")
+        if "mem_get_info" in p.read_text(encoding="utf-8")
+    )
     assert users == ["worker/memory_probe.py"]
     for pure in ("worker/chunk_planner.py", "memory_plan.py"):
         text = (PACKAGE / pure).read_text(encoding="utf-8")
@@ -53,6 +64,7 @@ def test_only_the_probe_asks_the_device():
 
 
 # ------------------------------------------------------------------------------------- auto rules
+
 
 def test_auto_is_the_largest_aligned_chunk_that_fits():
     plan = plan_chunk(snap(1000), GEO, limits())
@@ -96,13 +108,16 @@ def test_kv_pool_and_model_len_bind_when_smaller():
 def test_the_chunk_never_grows_with_the_kv_pool_beyond_memory():
     """The seed bug: a chunk cap derived from KV-pool geometry grew with --num-tokens until it OOMed."""
     memory_bound = plan_chunk(snap(13_000), GEO, limits()).effective_tokens
-    chunks = [plan_chunk(snap(13_000), GEO, limits(kv=kv)).effective_tokens
-              for kv in (1_000, 8_192, 65_536, 262_144, 1_048_576, 10**8)]
+    chunks = [
+        plan_chunk(snap(13_000), GEO, limits(kv=kv)).effective_tokens
+        for kv in (1_000, 8_192, 65_536, 262_144, 1_048_576, 10**8)
+    ]
     assert chunks == sorted(chunks) and max(chunks) == memory_bound
     assert all(c * PER_TOKEN + PLATFORM_MARGIN_BYTES["native"] <= snap(13_000).free_bytes for c in chunks)
 
 
 # ------------------------------------------------------------------------------- explicit cap
+
 
 def test_explicit_cap_below_safe_binds_as_user_cap():
     plan = plan_chunk(snap(1000), GEO, limits(cli(300)))
@@ -139,6 +154,7 @@ def test_an_unaligned_cap_is_kept_exactly():
 
 # ----------------------------------------------------------------------------------- OOM learning
 
+
 def test_shrink_after_oom_lowers_the_ceiling():
     plan = plan_chunk(snap(13_000), GEO, limits())
     lowered = shrink_after_oom(plan, plan.effective_tokens)
@@ -159,6 +175,7 @@ def test_shrink_after_oom_below_a_user_cap_still_honours_it_as_a_ceiling():
 
 
 # ------------------------------------------------------------------------------------ geometry
+
 
 def test_alignment_is_one_window_page(real_model_dir, tiny_dir):
     assert alignment_tokens(read_model_args(real_model_dir)) == 128
@@ -181,6 +198,7 @@ def test_geometry_terms_for_the_real_model(real_model_dir):
 
 # ------------------------------------------------------------------------------------ the probe
 
+
 def test_probe_detects_wsl2(tmp_path):
     wsl = tmp_path / "wsl"
     wsl.write_text("Linux version 5.15.153.1-microsoft-standard-WSL2 (root@1) #1 SMP")
@@ -197,7 +215,6 @@ def test_probe_on_cpu_uses_a_simulated_budget():
     with pytest.raises(ValueError):
         take_snapshot("cpu")
     assert measure_activation_bytes(lambda n: None, 4096, device="cpu") is None
-
 
 
 def test_dense_reference_attention_bounds_the_chunk_by_its_square():

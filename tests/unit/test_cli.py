@@ -8,9 +8,22 @@ import sys
 
 import pytest
 
-CONTRACT_FLAGS = ["--model", "--served-model-name", "--host", "--port", "--device", "--max-model-len",
-                  "--max-num-seqs", "--max-queued-requests", "--max-prefill-length", "--memory-ratio",
-                  "--moe-cache-size", "--num-tokens", "--api-key", "--default-thinking"]
+CONTRACT_FLAGS = [
+    "--model",
+    "--served-model-name",
+    "--host",
+    "--port",
+    "--device",
+    "--max-model-len",
+    "--max-num-seqs",
+    "--max-queued-requests",
+    "--max-prefill-length",
+    "--memory-ratio",
+    "--moe-cache-size",
+    "--num-tokens",
+    "--api-key",
+    "--default-thinking",
+]
 REAL_BYTES = 159_609_485_896
 
 
@@ -32,14 +45,31 @@ def test_help_shows_the_contract_flags():
 
 
 def test_plan_on_the_real_config_honours_the_prefill_cap(real_model_dir):
-    out = run(["plan", "--model", str(real_model_dir), "--gpu-memory", "32GiB", "--host-memory", "128GiB",
-               "--platform", "wsl2", "--max-prefill-length", "4096", "--json"])
+    out = run(
+        [
+            "plan",
+            "--model",
+            str(real_model_dir),
+            "--gpu-memory",
+            "32GiB",
+            "--host-memory",
+            "128GiB",
+            "--platform",
+            "wsl2",
+            "--max-prefill-length",
+            "4096",
+            "--json",
+        ]
+    )
     assert out.returncode == 0, out.stderr
     plan = json.loads(out.stdout)
     assert plan["weights"]["total_bytes"] == REAL_BYTES
     assert plan["prefill_chunk"]["requested"] == 4096 and plan["prefill_chunk"]["source"] == "cli"
-    assert plan["settings"]["max_prefill_length"] == {"value": 4096, "source": "cli",
-                                                      "note": plan["prefill_chunk"]["note"]}
+    assert plan["settings"]["max_prefill_length"] == {
+        "value": 4096,
+        "source": "cli",
+        "note": plan["prefill_chunk"]["note"],
+    }
     assert plan["machine"]["gpu_memory_bytes"] == 32 * 1024**3
 
 
@@ -50,12 +80,15 @@ def test_plan_text_report(real_model_dir):
     assert "--max-prefill-length" in out.stdout
 
 
-@pytest.mark.parametrize("args, message", [
-    (["plan", "--model", "/no/such/folder"], "not a folder, not a Hugging Face repo id"),
-    (["plan", "--model", "dsv4-tiny", "--max-model-len", "99999999"], "--max-model-len 99999999 exceeds"),
-    (["--model", "dsv4-tiny", "--device", "cuda"], "--device cuda: no CUDA device"),
-    (["plan"], "--model is required"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["plan", "--model", "/no/such/folder"], "not a folder, not a Hugging Face repo id"),
+        (["plan", "--model", "dsv4-tiny", "--max-model-len", "99999999"], "--max-model-len 99999999 exceeds"),
+        (["--model", "dsv4-tiny", "--device", "cuda"], "--device cuda: no CUDA device"),
+        (["plan"], "--model is required"),
+    ],
+)
 def test_errors_are_one_clear_line(args, message, tiny_cache):
     out = run(args, env={"DSV4SERVE_CACHE_DIR": str(tiny_cache)})
     assert out.returncode == 2
@@ -70,8 +103,7 @@ def test_bad_flag_values_are_rejected_by_the_parser():
 def test_serve_reports_serves_and_stops_cleanly_on_ctrl_c(tiny_cache, tmp_path):
     from tests.e2e.api_server import ServerProcess
 
-    srv = ServerProcess(tiny_cache, tmp_path / "serve.log", "--max-prefill-length", "512",
-                        "--max-model-len", "1024")
+    srv = ServerProcess(tiny_cache, tmp_path / "serve.log", "--max-prefill-length", "512", "--max-model-len", "1024")
     try:
         srv.wait_healthy()
     finally:
@@ -83,8 +115,7 @@ def test_serve_reports_serves_and_stops_cleanly_on_ctrl_c(tiny_cache, tmp_path):
 
 
 def test_offline_hub_model_says_what_to_do(tmp_path):
-    out = run(["plan", "--model", "DeepSeek-V4-Flash"],
-              env={"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"})
+    out = run(["plan", "--model", "DeepSeek-V4-Flash"], env={"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"})
     assert out.returncode == 2
     assert "hf download deepseek-ai/DeepSeek-V4-Flash" in out.stderr and "--model DIR" in out.stderr
 
@@ -99,8 +130,9 @@ def test_hub_model_resolves_from_the_normal_hf_cache(tmp_path, real_model_dir):
     shutil.copy(real_model_dir / "inference" / "config.json", snapshot / "inference" / "config.json")
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(commit)
-    out = run(["plan", "--model", "DeepSeek-V4-Flash", "--json"],
-              env={"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"})
+    out = run(
+        ["plan", "--model", "DeepSeek-V4-Flash", "--json"], env={"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+    )
     assert out.returncode == 0, out.stderr
     plan = json.loads(out.stdout)
     assert plan["model"]["path"] == str(snapshot)

@@ -28,8 +28,9 @@ def _resolve(argv, env=None, machine=CPU):
 
 def test_seed_bug_explicit_prefill_length_is_honoured_on_the_real_config(real_model_dir):
     """The bug this project exists for: an explicit --max-prefill-length must be the effective one."""
-    ns = build_parser("plan").parse_args(["--model", str(real_model_dir), "--max-prefill-length", "4096",
-                                          "--gpu-memory", "32GiB", "--platform", "wsl2"])
+    ns = build_parser("plan").parse_args(
+        ["--model", str(real_model_dir), "--max-prefill-length", "4096", "--gpu-memory", "32GiB", "--platform", "wsl2"]
+    )
     cfg, _, args = resolve_from_cli(ns, _env(), config_only=True, simulate_gpu=True)
     assert args.n_layers == 43
     assert cfg.max_prefill_length.value == 4096
@@ -58,8 +59,9 @@ def test_cli_beats_env_and_env_beats_default():
 
 
 def test_model_rules_never_override_explicit_values():
-    cfg = _resolve(["--model", "x", "--served-model-name", "mine", "--max-model-len", "8192",
-                    "--max-prefill-length", "100000"])
+    cfg = _resolve(
+        ["--model", "x", "--served-model-name", "mine", "--max-model-len", "8192", "--max-prefill-length", "100000"]
+    )
     assert (cfg.served_model_name.value, cfg.served_model_name.source) == ("mine", Source.CLI)
     assert (cfg.max_model_len.value, cfg.max_model_len.source) == (8192, Source.CLI)
     assert (cfg.max_prefill_length.value, cfg.max_prefill_length.source) == (100000, Source.CLI)

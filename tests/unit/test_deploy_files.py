@@ -62,21 +62,27 @@ def compose_default(value: str) -> str:
 
 
 def test_dockerfile_passes_hadolint():
-    out = subprocess.run(["hadolint", "--failure-threshold", "style", str(DOCKERFILE)], capture_output=True,
-                         text=True, timeout=60)
+    out = subprocess.run(
+        ["hadolint", "--failure-threshold", "style", str(DOCKERFILE)], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stdout + out.stderr
 
 
 def test_compose_file_matches_the_compose_spec():
-    out = subprocess.run([sys.executable, "-m", "check_jsonschema", "--builtin-schema", "vendor.compose-spec",
-                          str(COMPOSE)], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "check_jsonschema", "--builtin-schema", "vendor.compose-spec", str(COMPOSE)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
 
 
 def test_base_image_matches_the_cuda_build_of_the_pinned_torch():
     pin = re.search(r'"torch==([^"]+)"', (REPO / "pyproject.toml").read_text(encoding="utf-8")).group(1)
-    base = re.search(r"ARG CUDA_IMAGE=nvidia/cuda:(\d+\.\d+)\.\d+-\w+-ubuntu[\d.]+",
-                     DOCKERFILE.read_text(encoding="utf-8"))
+    base = re.search(
+        r"ARG CUDA_IMAGE=nvidia/cuda:(\d+\.\d+)\.\d+-\w+-ubuntu[\d.]+", DOCKERFILE.read_text(encoding="utf-8")
+    )
     assert base, "the base image must be a pinned nvidia/cuda:X.Y.Z-<flavour>-ubuntuNN.NN tag"
     assert base.group(1) == TORCH_CUDA[pin]
 
@@ -135,8 +141,12 @@ def _ignored(path: str, patterns: list[str]) -> bool:
 def test_every_copy_source_reaches_the_builder_and_nothing_else_does():
     lines = (REPO / ".dockerignore").read_text(encoding="utf-8").splitlines()
     patterns = [ln.strip() for ln in lines if ln.strip() and not ln.startswith("#")]
-    sources = [src for word, rest in dockerfile_instructions() if word == "COPY" and "--from" not in rest
-               for src in rest.split()[:-1]]
+    sources = [
+        src
+        for word, rest in dockerfile_instructions()
+        if word == "COPY" and "--from" not in rest
+        for src in rest.split()[:-1]
+    ]
     assert sources
     for src in sources:
         assert (REPO / src).exists(), src
@@ -149,7 +159,7 @@ def test_every_copy_source_reaches_the_builder_and_nothing_else_does():
 class _Health(http.server.BaseHTTPRequestHandler):
     status = 200
 
-    def do_GET(self):  # noqa: N802 (http.server's name)
+    def do_GET(self):
         self.send_response(self.status if self.path == "/health" else 404)
         self.end_headers()
 
@@ -174,6 +184,7 @@ def test_healthcheck_script_follows_health(status, expected):
 def test_healthcheck_script_fails_when_nothing_listens():
     with http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Health) as server:
         port = server.server_address[1]  # bound, then closed: nothing listens there afterwards
-    out = subprocess.run([sys.executable, str(HEALTHCHECK)], env={"DSV4SERVE_PORT": str(port)},
-                         capture_output=True, timeout=30)
+    out = subprocess.run(
+        [sys.executable, str(HEALTHCHECK)], env={"DSV4SERVE_PORT": str(port)}, capture_output=True, timeout=30
+    )
     assert out.returncode == 1

@@ -17,18 +17,42 @@ import torch
 
 from dsv4serve.container import detect_container
 from dsv4serve.doctor import Check, can_run, format_report
-from dsv4serve.doctor_gpu import (PIN_PROBE_CAP_BYTES, arch_supported, check_driver, check_gpus, check_pinned,
-                                  check_torch)
-from dsv4serve.doctor_host import (DSV4_FLASH_CHECKPOINT_BYTES, DSV4_FLASH_EXPERT_BANK_BYTES, DSV4_FLASH_HUB_FOLDER,
-                                   check_hf_cache, check_host_ram, check_platform)
+from dsv4serve.doctor_gpu import (
+    PIN_PROBE_CAP_BYTES,
+    arch_supported,
+    check_driver,
+    check_gpus,
+    check_pinned,
+    check_torch,
+)
+from dsv4serve.doctor_host import (
+    DSV4_FLASH_CHECKPOINT_BYTES,
+    DSV4_FLASH_EXPERT_BANK_BYTES,
+    DSV4_FLASH_HUB_FOLDER,
+    check_hf_cache,
+    check_host_ram,
+    check_platform,
+)
 from dsv4serve.worker.chunk_planner import MemorySnapshot
 
 GIB = 1024**3
-WSL2_VERSION = ("Linux version 6.6.87.2-microsoft-standard-WSL2 (root@439a258ad544) (gcc (GCC) 11.2.0) "
-                "#1 SMP PREEMPT_DYNAMIC Thu Jun  5 18:30:46 UTC 2025\n")
+WSL2_VERSION = (
+    "Linux version 6.6.87.2-microsoft-standard-WSL2 (root@439a258ad544) (gcc (GCC) 11.2.0) "
+    "#1 SMP PREEMPT_DYNAMIC Thu Jun  5 18:30:46 UTC 2025\n"
+)
 NATIVE_VERSION = "Linux version 6.8.0-45-generic (buildd@lcy02-amd64-075) (gcc 13.2.0) #45-Ubuntu SMP\n"
-NAMES = ["python", "torch", "NVIDIA driver", "triton", "flashinfer", "platform", "host RAM", "pinned memory",
-         "HF cache", "dsv4serve cache"]
+NAMES = [
+    "python",
+    "torch",
+    "NVIDIA driver",
+    "triton",
+    "flashinfer",
+    "platform",
+    "host RAM",
+    "pinned memory",
+    "HF cache",
+    "dsv4serve cache",
+]
 
 
 def doctor(*args: str, tmp_path) -> subprocess.CompletedProcess:
@@ -38,6 +62,7 @@ def doctor(*args: str, tmp_path) -> subprocess.CompletedProcess:
 
 
 # ------------------------------------------------------------------------------------- the real command
+
 
 def test_doctor_json_reports_every_check_and_exits_zero_here(tmp_path):
     out = doctor("--json", tmp_path=tmp_path)
@@ -75,17 +100,25 @@ def test_a_failed_check_is_the_only_thing_that_stops_the_server():
 
 # ------------------------------------------------------------------------------------- WSL2 and Docker
 
-@pytest.mark.parametrize("files, expected", [
-    ({".dockerenv": ""}, ("docker", "/.dockerenv")),
-    ({"run/.containerenv": ""}, ("podman", "/run/.containerenv")),
-    ({"proc/1/cgroup": "12:pids:/docker/3f2a9c\n0::/\n"}, ("docker", "/proc/1/cgroup")),
-    ({"proc/1/cgroup": "11:memory:/kubepods/burstable/pod1/abc\n"}, ("kubernetes", "/proc/1/cgroup")),
-    ({"proc/1/cgroup": "0::/\n", "proc/self/mountinfo":
-      "612 600 8:1 /var/lib/docker/containers/3f2a/hostname /etc/hostname rw - ext4 /dev/sda1 rw\n"},
-     ("docker", "/proc/self/mountinfo")),
-    ({"proc/1/cgroup": "0::/init.scope\n", "proc/self/mountinfo": "22 1 8:1 / / rw - ext4 /dev/sda1 rw\n"}, None),
-    ({}, None),
-])
+
+@pytest.mark.parametrize(
+    "files, expected",
+    [
+        ({".dockerenv": ""}, ("docker", "/.dockerenv")),
+        ({"run/.containerenv": ""}, ("podman", "/run/.containerenv")),
+        ({"proc/1/cgroup": "12:pids:/docker/3f2a9c\n0::/\n"}, ("docker", "/proc/1/cgroup")),
+        ({"proc/1/cgroup": "11:memory:/kubepods/burstable/pod1/abc\n"}, ("kubernetes", "/proc/1/cgroup")),
+        (
+            {
+                "proc/1/cgroup": "0::/\n",
+                "proc/self/mountinfo": "612 600 8:1 /var/lib/docker/containers/3f2a/hostname /etc/hostname rw - ext4 /dev/sda1 rw\n",
+            },
+            ("docker", "/proc/self/mountinfo"),
+        ),
+        ({"proc/1/cgroup": "0::/init.scope\n", "proc/self/mountinfo": "22 1 8:1 / / rw - ext4 /dev/sda1 rw\n"}, None),
+        ({}, None),
+    ],
+)
 def test_container_detection_from_fake_proc_files(tmp_path, files, expected):
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
@@ -94,9 +127,14 @@ def test_container_detection_from_fake_proc_files(tmp_path, files, expected):
     assert (found and (found.runtime, found.evidence)) == expected
 
 
-@pytest.mark.parametrize("version, docker, platform, margin_gib", [
-    (WSL2_VERSION, False, "wsl2", 2.5), (WSL2_VERSION, True, "wsl2", 2.5), (NATIVE_VERSION, False, "native", 0.5),
-])
+@pytest.mark.parametrize(
+    "version, docker, platform, margin_gib",
+    [
+        (WSL2_VERSION, False, "wsl2", 2.5),
+        (WSL2_VERSION, True, "wsl2", 2.5),
+        (NATIVE_VERSION, False, "native", 0.5),
+    ],
+)
 def test_platform_line_names_wsl2_docker_and_the_planner_margin(tmp_path, version, docker, platform, margin_gib):
     (tmp_path / "proc").mkdir()
     (tmp_path / "proc" / "version").write_text(version)
@@ -111,10 +149,13 @@ def test_platform_line_names_wsl2_docker_and_the_planner_margin(tmp_path, versio
 
 # ------------------------------------------------------------------------------------- memory and disk
 
+
 def meminfo(tmp_path, total_gib: int, available_gib: int):
     path = tmp_path / "meminfo"
-    path.write_text(f"MemTotal:       {total_gib * 1024**2} kB\nMemFree:        1024 kB\n"
-                    f"MemAvailable:   {available_gib * 1024**2} kB\n")
+    path.write_text(
+        f"MemTotal:       {total_gib * 1024**2} kB\nMemFree:        1024 kB\n"
+        f"MemAvailable:   {available_gib * 1024**2} kB\n"
+    )
     return path
 
 
@@ -156,14 +197,18 @@ def test_checkpoint_sizes_match_the_real_tensor_list(real_model_dir):
 
 # ------------------------------------------------------------------------------------- torch and the driver
 
-@pytest.mark.parametrize("build, driver, status, words", [
-    (None, None, "ok", "CPU path"),
-    ("13.0", None, "ok", "CPU path"),
-    ("13.0", (13, 0), "ok", "supports CUDA 13.0"),
-    ("13.0", (13, 2), "ok", "supports CUDA 13.2"),
-    ("13.0", (12, 8), "warn", "R580"),
-    (None, (13, 0), "warn", "CPU build"),
-])
+
+@pytest.mark.parametrize(
+    "build, driver, status, words",
+    [
+        (None, None, "ok", "CPU path"),
+        ("13.0", None, "ok", "CPU path"),
+        ("13.0", (13, 0), "ok", "supports CUDA 13.0"),
+        ("13.0", (13, 2), "ok", "supports CUDA 13.2"),
+        ("13.0", (12, 8), "warn", "R580"),
+        (None, (13, 0), "warn", "CPU build"),
+    ],
+)
 def test_driver_against_torchs_cuda_build(build, driver, status, words):
     check = check_driver(build, driver)
     assert check.status == status
@@ -175,9 +220,17 @@ def test_driver_line_shows_the_release_when_nvidia_smi_gave_one():
     assert check.value.startswith("580.95.05, supports CUDA 13.0") and check.data["release"] == "580.95.05"
 
 
-@pytest.mark.parametrize("capability, supported", [
-    ((12, 0), True), ((8, 9), True), ((9, 0), True), ((10, 3), True), ((7, 0), False), ((6, 1), False),
-])
+@pytest.mark.parametrize(
+    "capability, supported",
+    [
+        ((12, 0), True),
+        ((8, 9), True),
+        ((9, 0), True),
+        ((10, 3), True),
+        ((7, 0), False),
+        ((6, 1), False),
+    ],
+)
 def test_gpu_architecture_against_the_torch_arch_list(capability, supported):
     # the arch list of torch 2.13.0's CUDA 13.0 wheel: Turing (sm_75) and newer, no Volta or older
     archs = ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120"]
@@ -195,14 +248,21 @@ def test_torch_check_on_this_machine_matches_the_pin():
 
 # ------------------------------------------------------------------------------------- the CUDA path, faked
 
+
 def fake_cuda_torch(device_error: str) -> SimpleNamespace:
     """A CUDA torch as check_gpus sees it: GPU 0 an RTX 5090, GPU 1 broken the way WSL2 breaks."""
+
     def properties(i: int) -> SimpleNamespace:
         if i == 1:
             raise RuntimeError(device_error)
         return SimpleNamespace(name="NVIDIA GeForce RTX 5090", major=12, minor=0)
-    cuda = SimpleNamespace(is_available=lambda: True, device_count=lambda: 2, get_device_properties=properties,
-                           get_arch_list=lambda: ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120"])
+
+    cuda = SimpleNamespace(
+        is_available=lambda: True,
+        device_count=lambda: 2,
+        get_device_properties=properties,
+        get_arch_list=lambda: ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120"],
+    )
     return SimpleNamespace(__version__="2.13.0", version=SimpleNamespace(cuda="13.0"), cuda=cuda)
 
 
@@ -212,6 +272,7 @@ def test_gpu_lines_on_cuda_report_memory_capability_and_a_broken_device(monkeypa
     def snapshot(device: str, ratio: float) -> MemorySnapshot:
         snapshots.append((device, ratio))
         return MemorySnapshot(29 * GIB, 32 * GIB, "wsl2", None, "measured")
+
     monkeypatch.setattr("dsv4serve.worker.memory_probe.take_snapshot", snapshot)
     checks, largest = check_gpus(fake_cuda_torch("CUDA driver error: device not ready\nmore"))  # type: ignore
     assert largest == 32 * GIB and snapshots == [("cuda:0", 1.0)]
@@ -229,6 +290,7 @@ def test_pinned_budget_on_cuda_is_measured_within_a_cap_and_warns_when_small(mon
     def measure(cap_bytes: int, platform: str) -> PinBudget:
         asked.append(cap_bytes)
         return PinBudget(768 * 1024**2, platform, "the platform refused to pin more after 1.00 GiB")
+
     monkeypatch.setattr("dsv4serve.experts.pinning.measure_pin_budget", measure)
     torch_cuda = fake_cuda_torch("unused")
     small = check_pinned(torch_cuda, "wsl2", 20 * GIB)  # type: ignore[arg-type]
@@ -248,6 +310,7 @@ def test_kernel_line_runs_the_start_up_check_on_cuda(monkeypatch):
     def run_check(kernels, device):
         ran.append((tuple(kernels), str(device)))
         return [Verdict(k, k not in failing, "greedy 45/45" if k not in failing else "ERR -> fix it") for k in kernels]
+
     monkeypatch.setattr("dsv4serve.worker.kernel_check.run_check", run_check)
     fake = fake_cuda_torch("unused")
     fake.device = lambda name: name

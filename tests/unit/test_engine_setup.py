@@ -50,8 +50,11 @@ def test_a_checkpoint_whose_dense_weights_cannot_fit_is_refused_by_name(real_mod
     args = read_model_args(real_model_dir)
     ckpt = SimpleNamespace(args=args, specs=tuple(checkpoint_schema(args)))
     launch = WorkerLaunch("", "", "m", "cpu", 1, 1, 1, False, None, "default", None)
-    with pytest.raises(StartupError, match=r"need 1\d\d\d\.\d GiB dense in fp32, more than .* host memory: on CUDA "
-                                           r"the FP8 GEMM and FP4 MoE kernels load them packed"):
+    with pytest.raises(
+        StartupError,
+        match=r"need 1\d\d\d\.\d GiB dense in fp32, more than .* host memory: on CUDA "
+        r"the FP8 GEMM and FP4 MoE kernels load them packed",
+    ):
         _check_weights_fit(ckpt, KernelBackends.every("torch"), False, False, launch, CPU)
 
 
@@ -69,8 +72,11 @@ def test_packed_weights_that_cannot_fit_the_card_are_refused_with_the_fix(real_m
     ckpt = SimpleNamespace(args=args, specs=tuple(checkpoint_schema(args)))
     every = KernelBackends.every("triton")
     resident = WorkerLaunch("", "", "m", "cuda", 1, 1, 1, False, None, "default", None)
-    with pytest.raises(StartupError, match=r"need 1\d\d\.\d GiB packed as stored, more than the 32\.0 GiB of GPU"
-                                           r".*--moe-cache-size"):
+    with pytest.raises(
+        StartupError,
+        match=r"need 1\d\d\.\d GiB packed as stored, more than the 32\.0 GiB of GPU"
+        r".*--moe-cache-size",
+    ):
         engine_setup._check_weights_fit(ckpt, every, True, False, resident, torch.device("cuda"))
     offloaded = WorkerLaunch("", "", "m", "cuda", 1, 1, 1, False, None, "default", None, moe_cache_size=900)
     engine_setup._check_weights_fit(ckpt, every, True, False, offloaded, torch.device("cuda"))  # ~15 GiB: fits
@@ -93,11 +99,27 @@ def test_auto_expert_slots_on_cuda_are_the_memory_plan_s(real_model_dir, monkeyp
     monkeypatch.setattr(expert_plan, "host_snapshot", lambda: MemorySnapshot(100 * gib, 128 * gib, "native"))
     args = read_model_args(real_model_dir)
     launch = WorkerLaunch("", "", "m", "cuda", 32, 256, args.max_position_embeddings, False, None, "default", None)
-    slots, why = expert_plan.planned_expert_slots(checkpoint_schema(args), args, launch,
-                                                  KernelBackends.every("triton"))
-    plan = subprocess.run([sys.executable, "-m", "dsv4serve", "plan", "--model", str(real_model_dir), "--gpu-memory",
-                           "32GiB", "--host-memory", "128GiB", "--platform", "wsl2", "--json"],
-                          capture_output=True, text=True, check=True)
+    slots, why = expert_plan.planned_expert_slots(checkpoint_schema(args), args, launch, KernelBackends.every("triton"))
+    plan = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dsv4serve",
+            "plan",
+            "--model",
+            str(real_model_dir),
+            "--gpu-memory",
+            "32GiB",
+            "--host-memory",
+            "128GiB",
+            "--platform",
+            "wsl2",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert slots == json.loads(plan.stdout)["memory_plan"]["experts"]["slots"] and "expert-slot cache" in why
 
 

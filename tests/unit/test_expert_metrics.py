@@ -9,8 +9,15 @@ from dsv4serve.api.metrics import Metrics
 from dsv4serve.experts.slot_cache import ExpertCacheStats
 from dsv4serve.ipc.messages import Codec, FromWorker, Stats
 
-BASE = dict(num_running=1, num_waiting=0, kv_usage=0.5, prefill_chunk_tokens=256, oom_recoveries_total=0,
-            prefix_cache_queries_total=10, prefix_cache_hits_total=4)
+BASE = dict(
+    num_running=1,
+    num_waiting=0,
+    kv_usage=0.5,
+    prefill_chunk_tokens=256,
+    oom_recoveries_total=0,
+    prefix_cache_queries_total=10,
+    prefix_cache_hits_total=4,
+)
 
 
 def test_cache_counters_cross_the_process_boundary_and_reach_prometheus():
@@ -18,9 +25,13 @@ def test_cache_counters_cross_the_process_boundary_and_reach_prometheus():
     codec = Codec(FromWorker)
     stats = codec.decode(codec.encode(Stats(**BASE, **counted.stats_fields())))
     text = Metrics(SimpleNamespace(stats=stats, ready_info=None, worker_restarts_total=0)).render().decode()
-    for line in ("dsv4serve:expert_cache_queries_total 40.0", "dsv4serve:expert_cache_hits_total 30.0",
-                 "dsv4serve:expert_cache_h2d_bytes_total 1.3369344e+08", "dsv4serve:expert_cache_stalls_total 6.0",
-                 "dsv4serve:expert_cache_prefetches_total 4.0"):
+    for line in (
+        "dsv4serve:expert_cache_queries_total 40.0",
+        "dsv4serve:expert_cache_hits_total 30.0",
+        "dsv4serve:expert_cache_h2d_bytes_total 1.3369344e+08",
+        "dsv4serve:expert_cache_stalls_total 6.0",
+        "dsv4serve:expert_cache_prefetches_total 4.0",
+    ):
         assert line in text.splitlines()
 
 

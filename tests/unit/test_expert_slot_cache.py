@@ -16,8 +16,10 @@ EXPERT_BYTES = sum(a * b for a, b in SHAPES.values())
 
 def make_bank() -> ExpertBank:
     g = torch.Generator().manual_seed(0)
-    layers = {layer: {p: torch.randint(0, 255, (N_EXPERTS, *s), generator=g, dtype=torch.uint8)
-                      for p, s in SHAPES.items()} for layer in LAYERS}
+    layers = {
+        layer: {p: torch.randint(0, 255, (N_EXPERTS, *s), generator=g, dtype=torch.uint8) for p, s in SHAPES.items()}
+        for layer in LAYERS
+    }
     total = EXPERT_BYTES * N_EXPERTS * len(LAYERS)
     shapes = {p: (s, torch.uint8) for p, s in SHAPES.items()}
     report = BankReport(0, total, 0, PinBudget(0, "native", "test"))

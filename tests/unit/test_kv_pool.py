@@ -76,6 +76,7 @@ def test_a_standalone_pool_grows_and_gives_ids_back():
 def test_an_engine_pool_never_takes_pages_itself():
     pool = KvPool(tiny_args(), torch.float32, num_pages=4, num_slots=1)
     from dsv4serve.model.state import SequenceState
+
     seq = SequenceState(pool, 0, pages=[2])
     pool.reserve(seq, 16)  # covered
     with pytest.raises(RuntimeError, match="scheduler did not assign"):

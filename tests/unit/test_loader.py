@@ -7,9 +7,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from dsv4_kernels import formats as quant
 from dsv4serve.checkpoint.loader import iter_dense, load_dense_state_dict, open_checkpoint
 from dsv4serve.checkpoint.source import CheckpointError
-from dsv4serve.model import quant
 
 
 def test_official_layout_loads_and_dequantizes(tiny_dir):
@@ -54,15 +54,24 @@ def _rewrite_shard(folder, file, edit):
 SHARD1 = "model-00001-of-00003.safetensors"
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda t: t.pop("layers.1.attn.indexer.wq_b.scale"), "missing 1 tensor.*layers.1.attn.indexer.wq_b.scale"),
-    (lambda t: t.update({"layers.0.attn.compressor.ape": torch.zeros(4, 256)}),
-     "unexpected 1 tensor.*layers.0.attn.compressor.ape"),
-    (lambda t: t.update({"layers.0.attn.wkv.weight": torch.zeros(96, 128).to(torch.float8_e4m3fn)}),
-     r"layers.0.attn.wkv.weight has shape \[96, 128\], the config implies \[128, 128\]"),
-    (lambda t: t.update({"layers.1.attn.attn_sink": torch.zeros(4, dtype=torch.bfloat16)}),
-     "layers.1.attn.attn_sink has dtype BF16, the config implies F32"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda t: t.pop("layers.1.attn.indexer.wq_b.scale"), "missing 1 tensor.*layers.1.attn.indexer.wq_b.scale"),
+        (
+            lambda t: t.update({"layers.0.attn.compressor.ape": torch.zeros(4, 256)}),
+            "unexpected 1 tensor.*layers.0.attn.compressor.ape",
+        ),
+        (
+            lambda t: t.update({"layers.0.attn.wkv.weight": torch.zeros(96, 128).to(torch.float8_e4m3fn)}),
+            r"layers.0.attn.wkv.weight has shape \[96, 128\], the config implies \[128, 128\]",
+        ),
+        (
+            lambda t: t.update({"layers.1.attn.attn_sink": torch.zeros(4, dtype=torch.bfloat16)}),
+            "layers.1.attn.attn_sink has dtype BF16, the config implies F32",
+        ),
+    ],
+)
 def test_broken_checkpoints_name_the_tensor(tiny_dir, tmp_path, edit, message):
     folder = _copy(tiny_dir, tmp_path)
     _rewrite_shard(folder, SHARD1, edit)
@@ -111,12 +120,28 @@ def test_progress_counts_every_byte(tiny_dir, monkeypatch):
 def hf_model():
     transformers = pytest.importorskip("transformers")
     cfg = transformers.DeepseekV4Config(
-        vocab_size=300, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
-        head_dim=32, qk_rope_head_dim=8, q_lora_rank=32, o_groups=2, o_lora_rank=16, n_routed_experts=4,
-        num_experts_per_tok=2, sliding_window=8, hc_mult=2, hc_sinkhorn_iters=3, index_n_heads=2,
-        index_head_dim=16, index_topk=2, num_hash_layers=1,
+        vocab_size=300,
+        hidden_size=64,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        head_dim=32,
+        qk_rope_head_dim=8,
+        q_lora_rank=32,
+        o_groups=2,
+        o_lora_rank=16,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=8,
+        hc_mult=2,
+        hc_sinkhorn_iters=3,
+        index_n_heads=2,
+        index_head_dim=16,
+        index_topk=2,
+        num_hash_layers=1,
         layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
-        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16})
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+    )
     torch.manual_seed(0)
     return transformers.DeepseekV4ForCausalLM(cfg)
 
@@ -140,8 +165,10 @@ def test_transformers_layout_matches_transformers_own_weights(hf_model, tmp_path
     assert args.layer_kinds == ("swa", "csa", "hca") and args.n_mtp_layers == 0 and args.dtype == "fp32"
     assert torch.equal(state["embed.weight"], hf["model.embed_tokens.weight"])
     assert torch.equal(state["layers.1.attn.kv_norm.weight"], hf["model.layers.1.self_attn.kv_norm.weight"])
-    assert torch.equal(state["layers.1.attn.indexer.weights_proj.weight"],
-                       hf["model.layers.1.self_attn.compressor.indexer.scorer.weights_proj.weight"])
+    assert torch.equal(
+        state["layers.1.attn.indexer.weights_proj.weight"],
+        hf["model.layers.1.self_attn.compressor.indexer.scorer.weights_proj.weight"],
+    )
     gate_up, down = hf["model.layers.2.mlp.experts.gate_up_proj"], hf["model.layers.2.mlp.experts.down_proj"]
     assert torch.equal(state["layers.2.ffn.experts.3.w1.weight"], gate_up[3, :32])
     assert torch.equal(state["layers.2.ffn.experts.3.w3.weight"], gate_up[3, 32:])
@@ -149,6 +176,7 @@ def test_transformers_layout_matches_transformers_own_weights(hf_model, tmp_path
     assert torch.equal(state["layers.2.ffn.gate.bias"], hf["model.layers.2.mlp.gate.e_score_correction_bias"])
     # and back: the official names convert to exactly transformers' state dict
     from dsv4serve.checkpoint.hf_names import official_state_dict_to_hf
+
     back = official_state_dict_to_hf(state, args.n_layers)
     assert set(back) == set(hf) and all(torch.equal(back[k], hf[k]) for k in hf)
 

@@ -10,8 +10,15 @@ import subprocess
 import pytest
 
 from dsv4serve.config import ConfigError, Setting, Source
-from dsv4serve.memory_plan import (HOST_MARGIN_BYTES, Machine, PlanSettings, kv_bytes, kv_geometry, plan_memory,
-                                   weight_bytes)
+from dsv4serve.memory_plan import (
+    HOST_MARGIN_BYTES,
+    Machine,
+    PlanSettings,
+    kv_bytes,
+    kv_geometry,
+    plan_memory,
+    weight_bytes,
+)
 from dsv4serve.model.args import read_model_args
 from dsv4serve.model.schema import checkpoint_schema
 from dsv4serve.worker.chunk_planner import PLATFORM_MARGIN_BYTES
@@ -28,22 +35,31 @@ def real(real_model_dir):
 
 def settings(args, **explicit) -> PlanSettings:
     """Defaults as resolve.py leaves them; keyword arguments become explicit (cli) values."""
+
     def pick(name, default, default_source=Source.DEFAULT):
         return Setting(explicit[name], Source.CLI) if name in explicit else Setting(default, default_source)
-    return PlanSettings(memory_ratio=pick("memory_ratio", 0.9), num_tokens=pick("num_tokens", None),
-                        moe_cache_size=pick("moe_cache_size", None), max_num_seqs=pick("max_num_seqs", 32),
-                        max_model_len=pick("max_model_len", args.max_position_embeddings, Source.MODEL_RULE),
-                        max_prefill_length=pick("max_prefill_length", None))
+
+    return PlanSettings(
+        memory_ratio=pick("memory_ratio", 0.9),
+        num_tokens=pick("num_tokens", None),
+        moe_cache_size=pick("moe_cache_size", None),
+        max_num_seqs=pick("max_num_seqs", 32),
+        max_model_len=pick("max_model_len", args.max_position_embeddings, Source.MODEL_RULE),
+        max_prefill_length=pick("max_prefill_length", None),
+    )
 
 
 def fits(plan) -> bool:
     """The chunk's activations + the platform margin fit in what is left after weights, slots and KV."""
     c, g = plan.chunk, plan.geometry
-    return c.effective_tokens * c.activation_bytes_per_token + g.fixed_bytes + plan.margin_bytes \
+    return (
+        c.effective_tokens * c.activation_bytes_per_token + g.fixed_bytes + plan.margin_bytes
         <= plan.activation_free_bytes
+    )
 
 
 # ------------------------------------------------------------------------- geometry vs the document
+
 
 def test_kv_bytes_per_token_match_the_model_document(real):
     args, _ = real
@@ -65,6 +81,7 @@ def test_weight_split_matches_the_checkpoint(real):
 
 
 # ------------------------------------------------------------------------------------ users' cards
+
 
 def test_32gb_wsl2_offloads_experts_and_the_chunk_fits(real):
     args, w = real
@@ -138,18 +155,21 @@ def test_tiny_is_all_resident_on_any_card(tiny_dir):
 
 # ---------------------------------------------------------------------------- the seed bug, whole card
 
+
 def test_more_kv_never_means_a_bigger_chunk(real):
     args, w = real
     chunks = []
     for tokens in (65536, 262144, 524288, 1048576):
-        plan = plan_memory(args, w, Machine(32 * GIB, None, "wsl2"),
-                           settings(args, num_tokens=tokens, moe_cache_size=64))
+        plan = plan_memory(
+            args, w, Machine(32 * GIB, None, "wsl2"), settings(args, num_tokens=tokens, moe_cache_size=64)
+        )
         assert fits(plan) and plan.kv_tokens == tokens
         chunks.append(plan.chunk.effective_tokens)
     assert chunks == sorted(chunks, reverse=True) and chunks[0] > chunks[-1]
 
 
 # ------------------------------------------------------------------------------ explicit user values
+
 
 def test_explicit_cap_is_reserved_by_shrinking_the_expert_cache(real):
     args, w = real
@@ -175,21 +195,27 @@ def test_explicit_cap_beyond_the_card_is_refused(real):
 
 def test_explicit_values_are_honoured_or_refused_by_name(real):
     args, w = real
-    plan = plan_memory(args, w, Machine(32 * GIB, None, "native"),
-                       settings(args, num_tokens=100_000, moe_cache_size=300, max_model_len=90_000))
+    plan = plan_memory(
+        args,
+        w,
+        Machine(32 * GIB, None, "native"),
+        settings(args, num_tokens=100_000, moe_cache_size=300, max_model_len=90_000),
+    )
     assert (plan.kv_tokens, plan.expert_slots, plan.max_model_len) == (100_000, 300, 90_000)
     with pytest.raises(ConfigError, match="--moe-cache-size 2000"):
         plan_memory(args, w, Machine(32 * GIB, None, "native"), settings(args, moe_cache_size=2000))
     with pytest.raises(ConfigError, match="--num-tokens 4000000"):
         plan_memory(args, w, Machine(32 * GIB, None, "native"), settings(args, num_tokens=4_000_000))
     with pytest.raises(ConfigError, match="--max-model-len 200000 needs .* --num-tokens 100000"):
-        plan_memory(args, w, Machine(32 * GIB, None, "native"),
-                    settings(args, num_tokens=100_000, max_model_len=200_000))
+        plan_memory(
+            args, w, Machine(32 * GIB, None, "native"), settings(args, num_tokens=100_000, max_model_len=200_000)
+        )
     with pytest.raises(ConfigError, match="--memory-ratio 0.2"):
         plan_memory(args, w, Machine(32 * GIB, None, "native"), settings(args, memory_ratio=0.2))
 
 
 # ------------------------------------------------------------------------------------ the CLI
+
 
 def _run(args):
     exe = shutil.which("dsv4serve") or pytest.fail("dsv4serve is not on PATH")
@@ -197,8 +223,17 @@ def _run(args):
 
 
 def test_plan_cli_prints_and_emits_the_memory_plan(real_model_dir):
-    base = ["plan", "--model", str(real_model_dir), "--gpu-memory", "32GiB", "--host-memory", "128GiB",
-            "--platform", "wsl2"]
+    base = [
+        "plan",
+        "--model",
+        str(real_model_dir),
+        "--gpu-memory",
+        "32GiB",
+        "--host-memory",
+        "128GiB",
+        "--platform",
+        "wsl2",
+    ]
     out = _run(base + ["--max-prefill-length", "4096", "--json"])
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
@@ -210,6 +245,7 @@ def test_plan_cli_prints_and_emits_the_memory_plan(real_model_dir):
     # the resident weights are what the CUDA worker loads (packed FP8 + the tensors it keeps in fp32)
     from dsv4serve.model.backends import KernelBackends
     from dsv4serve.model.packed_load import device_bytes
+
     args = read_model_args(real_model_dir)
     loaded = device_bytes(checkpoint_schema(args), args, KernelBackends.every("triton"), True, experts_resident=False)
     assert mp["resident_weight_bytes"] == loaded.non_expert_bytes

@@ -16,8 +16,10 @@ REAL_COUNT = 69_187
 def _meta_tensors(model_dir):
     with gzip.open(model_dir / "tensors.tsv.gz", "rt") as f:
         rows = [line.rstrip("\n").split("\t") for line in f][1:]
-    return {name: torch.empty(tuple(int(d) for d in shape.split(",")), dtype=TORCH_DTYPES[dtype], device="meta")
-            for name, dtype, shape in rows}
+    return {
+        name: torch.empty(tuple(int(d) for d in shape.split(",")), dtype=TORCH_DTYPES[dtype], device="meta")
+        for name, dtype, shape in rows
+    }
 
 
 def test_every_real_tensor_maps_to_a_planned_parameter(real_model_dir):
@@ -46,8 +48,10 @@ def test_real_config_is_read_as_documented(real_model_dir):
 def test_probe_finds_fp4_experts_without_inference_config(real_model_dir, tmp_path):
     # root config.json alone does not declare the expert format; the I8 tensors do
     (tmp_path / "config.json").write_bytes((real_model_dir / "config.json").read_bytes())
-    from dsv4serve.model.args import ModelConfigError
     import pytest
+
+    from dsv4serve.model.args import ModelConfigError
+
     with pytest.raises(ModelConfigError, match="expert_dtype"):
         read_model_args(tmp_path)
     assert read_model_args(tmp_path, expert_dtype_hint="fp4").expert_dtype == "fp4"

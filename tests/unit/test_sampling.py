@@ -47,6 +47,7 @@ def _assert_frequencies(tokens: torch.Tensor, expected: list[float]) -> None:
 
 # ------------------------------------------------------------------------------ greedy limits
 
+
 def _random_logits(num_rows: int, vocab_size: int, seed: int) -> torch.Tensor:
     return torch.randn(num_rows, vocab_size, generator=torch.Generator().manual_seed(seed)) * 3
 
@@ -55,12 +56,16 @@ def _python_argmax(row: list[float]) -> int:
     return max(range(len(row)), key=lambda i: row[i])
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(temperature=0.0),
-    SamplingParams(temperature=1.0, top_k=1),
-    SamplingParams(temperature=1.0, top_p=1e-6),
-    SamplingParams(temperature=1e-4),  # above the greedy cut-off: sampled, but gaps are >> T
-], ids=["greedy", "top_k=1", "top_p tiny", "temperature->0"])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0, top_k=1),
+        SamplingParams(temperature=1.0, top_p=1e-6),
+        SamplingParams(temperature=1e-4),  # above the greedy cut-off: sampled, but gaps are >> T
+    ],
+    ids=["greedy", "top_k=1", "top_p tiny", "temperature->0"],
+)
 def test_greedy_limits_pick_the_argmax(params: SamplingParams) -> None:
     logits = _random_logits(64, 50, seed=1)
     # the temperature limit needs a clear winner: a gap of 0.01 at T=1e-4 leaves odds of e^-100
@@ -73,13 +78,15 @@ def test_greedy_limits_pick_the_argmax(params: SamplingParams) -> None:
 def test_input_logits_are_not_modified() -> None:
     logits = _random_logits(4, 30, seed=2)
     before = logits.clone()
-    params = SamplingParams(temperature=0.7, top_k=5, top_p=0.8, min_p=0.1, repetition_penalty=1.3,
-                            presence_penalty=0.5, logprobs=3)
+    params = SamplingParams(
+        temperature=0.7, top_k=5, top_p=0.8, min_p=0.1, repetition_penalty=1.3, presence_penalty=0.5, logprobs=3
+    )
     sample(logits, [SamplingRow(params, (1, 2), (3,), 0)] * 4, generator=make_generator(0, "cpu"))
     assert torch.equal(logits, before)
 
 
 # ------------------------------------------------------------------------------ distributions
+
 
 def test_top_k_two_emits_only_the_two_best_in_their_renormalised_ratio() -> None:
     logits = [0.3, 1.2, -0.4, 1.0, 0.1]  # the best two are tokens 1 and 3
@@ -112,8 +119,9 @@ def test_temperature_matches_the_scaled_softmax(temperature: float) -> None:
 
 def test_temperature_two_flattens_and_half_sharpens() -> None:
     logits = [1.0, 0.0, -1.0, 0.5]
-    best_share = {t: (_draw_many(logits, SamplingParams(temperature=t)) == 0).float().mean().item()
-                  for t in (0.5, 1.0, 2.0)}
+    best_share = {
+        t: (_draw_many(logits, SamplingParams(temperature=t)) == 0).float().mean().item() for t in (0.5, 1.0, 2.0)
+    }
     assert best_share[2.0] < best_share[1.0] < best_share[0.5]
 
 
@@ -126,6 +134,7 @@ def test_top_p_applies_to_the_top_k_truncated_distribution() -> None:
 
 
 # ------------------------------------------------------------------------------ penalties
+
 
 def test_penalties_match_hand_computed_logits() -> None:
     logits = torch.tensor([[2.0, -1.0, 0.5, -0.5, 3.0, 0.0]])
@@ -145,8 +154,10 @@ def test_penalties_match_hand_computed_logits() -> None:
 
 def test_penalties_only_touch_rows_that_ask() -> None:
     logits = torch.tensor([[1.0, -1.0, 2.0], [1.0, -1.0, 2.0]])
-    rows = [SamplingRow(SamplingParams(), (0, 1), (2,), None),
-            SamplingRow(SamplingParams(presence_penalty=-1.0), (0, 1), (2,), None)]
+    rows = [
+        SamplingRow(SamplingParams(), (0, 1), (2,), None),
+        SamplingRow(SamplingParams(presence_penalty=-1.0), (0, 1), (2,), None),
+    ]
     apply_penalties(logits, rows)
     assert logits.tolist() == [[1.0, -1.0, 2.0], [1.0, -1.0, 3.0]]  # a negative penalty encourages
 
@@ -170,19 +181,20 @@ def _eos_favoured_logits(n: int) -> torch.Tensor:
 
 def test_min_tokens_masks_eos_and_stop_tokens_until_reached() -> None:
     params = SamplingParams(min_tokens=3, stop_token_ids=(STOP,))
-    early = sample(_eos_favoured_logits(2000), _rows(params, 2000, EOS, outputs=(0, 1)),
-                   generator=make_generator(0, "cpu")).token_ids
+    early = sample(
+        _eos_favoured_logits(2000), _rows(params, 2000, EOS, outputs=(0, 1)), generator=make_generator(0, "cpu")
+    ).token_ids
     assert not bool(((early == EOS) | (early == STOP)).any())
-    done = sample(_eos_favoured_logits(1), _rows(SamplingParams(temperature=0.0, min_tokens=3,
-                                                                stop_token_ids=(STOP,)), 1, EOS,
-                                                 outputs=(0, 1, 3))).token_ids
+    done = sample(
+        _eos_favoured_logits(1),
+        _rows(SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=(STOP,)), 1, EOS, outputs=(0, 1, 3)),
+    ).token_ids
     assert done.tolist() == [EOS]
 
 
 def test_ignore_eos_never_emits_eos_but_keeps_stop_tokens() -> None:
     params = SamplingParams(ignore_eos=True, stop_token_ids=(STOP,))
-    tokens = sample(_eos_favoured_logits(2000), _rows(params, 2000, EOS),
-                    generator=make_generator(0, "cpu")).token_ids
+    tokens = sample(_eos_favoured_logits(2000), _rows(params, 2000, EOS), generator=make_generator(0, "cpu")).token_ids
     assert not bool((tokens == EOS).any())
     assert bool((tokens == STOP).any())
 
@@ -193,6 +205,7 @@ def test_without_ignore_eos_eos_is_sampled() -> None:
 
 
 # ------------------------------------------------------------------------------ seeds
+
 
 def _seeded_run(seed: int, num_companions: int, num_steps: int = 12) -> list[int]:
     """Tokens of one seeded row over several steps, batched after the first of `num_companions`
@@ -233,6 +246,7 @@ def test_seed_without_generator_is_an_error() -> None:
 
 # ------------------------------------------------------------------------------ logprobs
 
+
 def _python_log_softmax(row: list[float]) -> list[float]:
     top = max(row)
     log_norm = top + math.log(sum(math.exp(x - top) for x in row))
@@ -242,9 +256,11 @@ def _python_log_softmax(row: list[float]) -> list[float]:
 def test_logprobs_are_raw_model_logprobs_with_sorted_alternatives() -> None:
     logits = _random_logits(3, 40, seed=5)
     # penalties, temperature and truncation change the draw, never the reported logprobs
-    asks = [SamplingParams(temperature=0.6, top_k=4, repetition_penalty=1.5, logprobs=5),
-            SamplingParams(temperature=0.0, presence_penalty=1.0),
-            SamplingParams(temperature=1.3, min_p=0.05, logprobs=0)]
+    asks = [
+        SamplingParams(temperature=0.6, top_k=4, repetition_penalty=1.5, logprobs=5),
+        SamplingParams(temperature=0.0, presence_penalty=1.0),
+        SamplingParams(temperature=1.3, min_p=0.05, logprobs=0),
+    ]
     rows = [SamplingRow(p, (1, 2, 3), (4, 5), 0) for p in asks]
     out = sample(logits, rows, generator=make_generator(3, "cpu"))
     references = [_python_log_softmax(raw) for raw in logits.tolist()]
@@ -261,9 +277,21 @@ def test_params_cross_the_process_boundary_unchanged() -> None:
     """SamplingParams travel inside AddRequest (msgpack); every field must survive the trip."""
     from dsv4serve.ipc.messages import AddRequest, Codec, ToWorker
 
-    params = SamplingParams(temperature=0.5, top_p=0.9, top_k=3, min_p=0.1, presence_penalty=0.5,
-                            frequency_penalty=-0.5, repetition_penalty=1.2, seed=11, stop_token_ids=(2, 9),
-                            ignore_eos=True, min_tokens=1, max_tokens=8, logprobs=5)
+    params = SamplingParams(
+        temperature=0.5,
+        top_p=0.9,
+        top_k=3,
+        min_p=0.1,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        repetition_penalty=1.2,
+        seed=11,
+        stop_token_ids=(2, 9),
+        ignore_eos=True,
+        min_tokens=1,
+        max_tokens=8,
+        logprobs=5,
+    )
     codec = Codec(ToWorker)
     back = codec.decode(codec.encode(AddRequest("r", [1, 2], params)))
     assert back.sampling == params and isinstance(back.sampling.stop_token_ids, tuple)
@@ -271,35 +299,40 @@ def test_params_cross_the_process_boundary_unchanged() -> None:
 
 # ------------------------------------------------------------------------------ validation
 
+
 def test_defaults_are_valid() -> None:
     SamplingParams().validate()
-    SamplingParams(temperature=0.0, top_k=0, logprobs=20, seed=-1, min_tokens=4, max_tokens=4,
-                   stop_token_ids=(1, 2)).validate(vocab_size=3)
+    SamplingParams(
+        temperature=0.0, top_k=0, logprobs=20, seed=-1, min_tokens=4, max_tokens=4, stop_token_ids=(1, 2)
+    ).validate(vocab_size=3)
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"temperature": -0.1}, "temperature"),
-    ({"temperature": float("nan")}, "temperature"),
-    ({"temperature": float("inf")}, "temperature"),
-    ({"top_p": 0.0}, "top_p"),
-    ({"top_p": 1.01}, "top_p"),
-    ({"top_k": -2}, "top_k"),
-    ({"top_k": 2.5}, "top_k"),
-    ({"min_p": -0.01}, "min_p"),
-    ({"min_p": 1.5}, "min_p"),
-    ({"presence_penalty": 2.5}, "presence_penalty"),
-    ({"frequency_penalty": -3.0}, "frequency_penalty"),
-    ({"repetition_penalty": 0.0}, "repetition_penalty"),
-    ({"seed": 2**63}, "seed"),
-    ({"stop_token_ids": (1, -1)}, "stop_token_ids"),
-    ({"stop_token_ids": [1]}, "stop_token_ids"),
-    ({"ignore_eos": 1}, "ignore_eos"),
-    ({"min_tokens": -1}, "min_tokens"),
-    ({"max_tokens": 0}, "max_tokens"),
-    ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
-    ({"logprobs": 21}, "logprobs"),
-    ({"logprobs": -1}, "logprobs"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.01}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"top_k": 2.5}, "top_k"),
+        ({"min_p": -0.01}, "min_p"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3.0}, "frequency_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"seed": 2**63}, "seed"),
+        ({"stop_token_ids": (1, -1)}, "stop_token_ids"),
+        ({"stop_token_ids": [1]}, "stop_token_ids"),
+        ({"ignore_eos": 1}, "ignore_eos"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"logprobs": -1}, "logprobs"),
+    ],
+)
 def test_validate_names_the_bad_field(kwargs: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs).validate()
@@ -314,9 +347,11 @@ def test_forced_tokens_win_from_the_start_or_after_their_trigger() -> None:
     logits = torch.tensor([[5.0, 0.0, 0.0, -1.0, 0.0]]).repeat(3, 1)
     forced = SamplingParams(temperature=0.0, forced_tokens=(3, 2), logprobs=0)
     after = SamplingParams(temperature=0.7, seed=1, forced_tokens=(3, 2), forced_after=4)
-    rows = [SamplingRow(forced, (), (), None),  # due: forced_tokens[0]
-            SamplingRow(after, (), (0, 4, 3), None, make_generator(1, "cpu")),  # trigger seen, 1 forced so far
-            SamplingRow(after, (), (0, 0), None, make_generator(1, "cpu"))]  # no trigger yet: sampled freely
+    rows = [
+        SamplingRow(forced, (), (), None),  # due: forced_tokens[0]
+        SamplingRow(after, (), (0, 4, 3), None, make_generator(1, "cpu")),  # trigger seen, 1 forced so far
+        SamplingRow(after, (), (0, 0), None, make_generator(1, "cpu")),
+    ]  # no trigger yet: sampled freely
     out = sample(logits, rows)
     assert out.token_ids[:2].tolist() == [3, 2]
     done = sample(logits[:1], [SamplingRow(forced, (), (3, 2), None)])  # all forced tokens out: free again

@@ -10,14 +10,16 @@ EOS = 1
 
 
 def limits(**kw):
-    base = dict(max_running=4, max_waiting=8, kv_capacity_tokens=1024, page_tokens=16, max_model_len=1024,
-                eos_token_id=EOS)
+    base = dict(
+        max_running=4, max_waiting=8, kv_capacity_tokens=1024, page_tokens=16, max_model_len=1024, eos_token_id=EOS
+    )
     return SchedulerLimits(**{**base, **kw})
 
 
 def add(s, rid, n_prompt, max_tokens=4, first=10, **sampling):
-    return s.add(AddRequest(rid, list(range(first, first + n_prompt)),
-                            SamplingParams(max_tokens=max_tokens, **sampling)))
+    return s.add(
+        AddRequest(rid, list(range(first, first + n_prompt)), SamplingParams(max_tokens=max_tokens, **sampling))
+    )
 
 
 def run_step(s, chunk, token=7):
@@ -77,8 +79,7 @@ def test_stop_conditions():
     add(s, "stopid", 3, max_tokens=10, stop_token_ids=(7,))
     add(s, "ignore", 3, max_tokens=3, ignore_eos=True)
     plan = s.schedule(100)
-    done = s.complete(plan, {"len": TokenOut(5), "eos": TokenOut(EOS), "stopid": TokenOut(7),
-                             "ignore": TokenOut(EOS)})
+    done = s.complete(plan, {"len": TokenOut(5), "eos": TokenOut(EOS), "stopid": TokenOut(7), "ignore": TokenOut(EOS)})
     reasons = {r.request_id: r.finish_reason for r in done}
     assert reasons == {"len": None, "eos": "stop", "stopid": "stop", "ignore": None}
     plan, done = run_step(s, 100, token=5)

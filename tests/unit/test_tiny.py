@@ -38,9 +38,14 @@ def test_covers_every_layer_kind(tiny_dir):
 def test_real_tokenizer(tiny_dir):
     tok = Tokenizer.from_file(str(tiny_dir / "tokenizer.json"))
     assert tok.get_vocab_size() <= TINY_CONFIG["vocab_size"]
-    for text, token_id in [("<｜begin▁of▁sentence｜>", 0), ("<｜end▁of▁sentence｜>", 1),
-                           ("<｜User｜>", 128803), ("<｜Assistant｜>", 128804), ("<think>", 128821),
-                           ("</think>", 128822)]:
+    for text, token_id in [
+        ("<｜begin▁of▁sentence｜>", 0),
+        ("<｜end▁of▁sentence｜>", 1),
+        ("<｜User｜>", 128803),
+        ("<｜Assistant｜>", 128804),
+        ("<think>", 128821),
+        ("</think>", 128822),
+    ]:
         assert tok.token_to_id(text) == token_id
     ids = tok.encode("Hello, world").ids
     assert tok.decode(ids) == "Hello, world"
@@ -59,6 +64,7 @@ def test_build_is_atomic_and_reused(tiny_cache, monkeypatch):
 
     def fail(_):
         raise AssertionError("must not rebuild a complete cache")
+
     monkeypatch.setattr(builder, "write_tiny", fail)
     assert ensure_tiny(tiny_cache) == tiny_folder(tiny_cache)
 
@@ -69,6 +75,7 @@ def test_interrupted_build_leaves_nothing(tmp_path, monkeypatch):
     def boom(folder):
         (folder / "partial").write_text("x")
         raise KeyboardInterrupt
+
     monkeypatch.setattr(builder, "write_tiny", boom)
     with pytest.raises(KeyboardInterrupt):
         ensure_tiny(tmp_path)

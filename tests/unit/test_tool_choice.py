@@ -25,16 +25,19 @@ def state():
 
 
 def request(tool_choice) -> ChatCompletionRequest:
-    return ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], tools=TOOLS,
-                                 tool_choice=tool_choice)
+    return ChatCompletionRequest(
+        model="m", messages=[{"role": "user", "content": "hi"}], tools=TOOLS, tool_choice=tool_choice
+    )
 
 
 @pytest.mark.parametrize("opens_reasoning", [False, True])
 def test_a_named_function_forces_its_invoke(state, opens_reasoning):
     named = {"type": "function", "function": {"name": "get_weather"}}
     params = force_tool_call(state, request(named), SamplingParams(), opens_reasoning)
-    assert state.tokenizer.decode(list(params.forced_tokens), skip_special_tokens=False) == \
-        '\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n'
+    assert (
+        state.tokenizer.decode(list(params.forced_tokens), skip_special_tokens=False)
+        == '\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n'
+    )
     assert params.forced_after == (THINK_END_ID if opens_reasoning else None)
 
 

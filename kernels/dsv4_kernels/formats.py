@@ -23,8 +23,7 @@ FP4_MAX = 6.0  # largest e2m1 value
 FP4_BLOCK_K = 32
 
 # code -> value, for the 16 e2m1 codes (bit 3 is the sign)
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
-               -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
 def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
@@ -53,8 +52,9 @@ def _expand_blocks(scale: torch.Tensor, rows: int, cols: int, block_rows: int, b
     return scale.repeat_interleave(block_rows, 0).repeat_interleave(block_cols, 1)[:rows, :cols]
 
 
-def dequant_fp8_block(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = (128, 128),
-                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequant_fp8_block(
+    weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = (128, 128), dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """FP8 e4m3 [out, in] with e8m0 scales [ceil(out/bo), ceil(in/bi)] -> dense [out, in]."""
     if weight.dtype != torch.float8_e4m3fn:
         raise TypeError(f"FP8 weight must be float8_e4m3fn, got {weight.dtype}")
@@ -62,8 +62,10 @@ def dequant_fp8_block(weight: torch.Tensor, scale: torch.Tensor, block: tuple[in
     bo, bi = block
     expected = (-(-out_dim // bo), -(-in_dim // bi))
     if tuple(scale.shape) != expected:
-        raise ValueError(f"FP8 scale shape {tuple(scale.shape)} does not fit weight {tuple(weight.shape)} "
-                         f"with {bo}x{bi} blocks (expected {expected})")
+        raise ValueError(
+            f"FP8 scale shape {tuple(scale.shape)} does not fit weight {tuple(weight.shape)} "
+            f"with {bo}x{bi} blocks (expected {expected})"
+        )
     s = _expand_blocks(e8m0_to_float(scale), out_dim, in_dim, bo, bi)
     return (weight.float() * s).to(dtype)
 
@@ -83,7 +85,7 @@ def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
     return (pairs[..., 0] | (pairs[..., 1] << 4)).view(torch.int8)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _e2m1_table(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """The first n e2m1 values, made once per (dtype, device): on a GPU each torch.tensor(...) from host
     data is a blocking copy, and these run per layer."""
@@ -96,8 +98,10 @@ def dequant_fp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = 
     out_dim, half_k = packed.shape
     k = 2 * half_k
     if tuple(scale.shape) != (out_dim, -(-k // FP4_BLOCK_K)):
-        raise ValueError(f"FP4 scale shape {tuple(scale.shape)} does not fit weight [{out_dim}, {k}] "
-                         f"(expected [{out_dim}, {-(-k // FP4_BLOCK_K)}])")
+        raise ValueError(
+            f"FP4 scale shape {tuple(scale.shape)} does not fit weight [{out_dim}, {k}] "
+            f"(expected [{out_dim}, {-(-k // FP4_BLOCK_K)}])"
+        )
     values = _e2m1_table(16, torch.float32, packed.device)[unpack_fp4(packed).long()]
     s = e8m0_to_float(scale).repeat_interleave(FP4_BLOCK_K, 1)[:, :k]
     return (values * s).to(dtype)

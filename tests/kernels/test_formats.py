@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from dsv4serve.model import quant
+from dsv4_kernels import formats as quant
 
 
 def test_e2m1_table_is_the_mx_spec_table():
@@ -22,7 +22,7 @@ def test_e2m1_table_is_the_mx_spec_table():
 def test_e8m0_bias_127_and_nan():
     raw = torch.tensor([0, 1, 126, 127, 128, 254, 255], dtype=torch.uint8)
     got = quant.e8m0_to_float(raw.view(torch.float8_e8m0fnu))
-    assert got[:6].tolist() == [2.0 ** -127, 2.0 ** -126, 0.5, 1.0, 2.0, 2.0 ** 127]
+    assert got[:6].tolist() == [2.0**-127, 2.0**-126, 0.5, 1.0, 2.0, 2.0**127]
     assert math.isnan(got[6])
     # torch's own e8m0 dtype agrees
     assert torch.equal(got[:6], raw[:6].view(torch.float8_e8m0fnu).float())
@@ -85,6 +85,6 @@ def test_quantizers_roundtrip_representable_values_exactly():
     w8, s8 = quant.quant_fp8_block(w)
     back = quant.dequant_fp8_block(w8, s8)
     scale = quant.e8m0_to_float(s8).repeat_interleave(128, 0).repeat_interleave(128, 1)[:300, :200]
-    assert torch.all((back - w).abs() <= w.abs() * 2.0 ** -4 + scale * 2.0 ** -10)
+    assert torch.all((back - w).abs() <= w.abs() * 2.0**-4 + scale * 2.0**-10)
     assert s8.shape == (3, 2)
     assert torch.all(w8.float().abs().amax() <= quant.FP8_MAX)
