@@ -1,16 +1,19 @@
 """Prefill and decode tokens/s of dsv4serve's model path vs transformers' `generate`, side by side.
 
 Same weights (the built-in dsv4-tiny checkpoint, FP8/FP4 dequantized by our loader, given to
-transformers through `official_state_dict_to_hf`), same prompt, greedy, one thread. Every repeat
-runs each path once, in a rotating order, so load on this shared machine hits all paths alike.
+transformers by tests/model/hf_oracle.py), same prompt, greedy, one thread. Every repeat runs each
+path once, in a rotating order, so load on this shared machine hits all paths alike.
 
   prefill tokens/s = prompt tokens / t(1 new token)                 (the prompt forward + one sample)
   decode tokens/s  = (N - 1) / (t(N new tokens) - t(1 new token))   (prefill cancels out)
 
-Paths: transformers `DeepseekV4ForCausalLM.generate` (fp32); ours with numerics OFF (fp32, the
-same arithmetic, so the same tokens); ours with numerics ON (bf16 with the FP8/FP4 simulation, what
-the server runs for an FP8 checkpoint such as dsv4-tiny). Ratios are taken per repeat (ours / HF of
-the same repeat) and reported as min / median / max.
+Paths: transformers `DeepseekV4ForCausalLM.generate` (fp32), its lightning indexer breaking exact
+score ties toward the earlier entry as ours does (tests/model/hf_oracle.py: DeepSeek's reference
+leaves the order of tied scores to topk's backend, transformers' CPU topk keeps another entry than
+ours, and that alone changes the tokens past a few dozen prompt tokens); ours with numerics OFF
+(fp32, the same arithmetic and tie rule, so the same tokens); ours with numerics ON (bf16 with the
+FP8/FP4 simulation, what the server runs for an FP8 checkpoint such as dsv4-tiny). Ratios are taken
+per repeat (ours / HF of the same repeat) and reported as min / median / max.
 
     python bench/bench_engine_vs_hf.py [--prompt-tokens 128] [--new-tokens 32] [--repeats 5] [--json PATH]
 """
@@ -26,7 +29,6 @@ from pathlib import Path
 
 import torch
 
-from dsv4serve.checkpoint.hf_names import official_state_dict_to_hf
 from dsv4serve.checkpoint.loader import load_dense_state_dict
 from dsv4serve.env import read_environment
 from dsv4serve.model.args import ModelArgs
@@ -34,62 +36,11 @@ from dsv4serve.model.numerics import NUMERICS_OFF, NUMERICS_ON, Numerics
 from dsv4serve.model.transformer import BatchRow, Transformer
 from dsv4serve.tiny.builder import ensure_tiny
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `bench.report`
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: bench.report, tests.model.hf_oracle
 from bench.report import format_table, spread
+from tests.model.hf_oracle import TieStats, hf_config, hf_model
 
-HF_LAYER_TYPE = {
-    "swa": "sliding_attention",
-    "csa": "compressed_sparse_attention",
-    "hca": "heavily_compressed_attention",
-}
 Generate = Callable[[int], list[int]]  # number of new tokens -> the greedy tokens
-
-
-def hf_config(a: ModelArgs):
-    """A transformers DeepseekV4Config describing the same model as `a`."""
-    from transformers import DeepseekV4Config
-
-    rates = {HF_LAYER_TYPE[k]: r for k, r in zip(a.layer_kinds, a.compress_ratios) if r}
-    return DeepseekV4Config(
-        vocab_size=a.vocab_size,
-        hidden_size=a.dim,
-        moe_intermediate_size=a.moe_inter_dim,
-        num_hidden_layers=a.n_layers,
-        num_attention_heads=a.n_heads,
-        head_dim=a.head_dim,
-        qk_rope_head_dim=a.rope_head_dim,
-        q_lora_rank=a.q_lora_rank,
-        o_groups=a.o_groups,
-        o_lora_rank=a.o_lora_rank,
-        n_routed_experts=a.n_routed_experts,
-        n_shared_experts=a.n_shared_experts,
-        num_experts_per_tok=a.n_activated_experts,
-        routed_scaling_factor=a.route_scale,
-        swiglu_limit=a.swiglu_limit,
-        layer_types=[HF_LAYER_TYPE[k] for k in a.layer_kinds[: a.n_layers]],
-        compress_rates=rates,
-        sliding_window=a.window_size,
-        hc_mult=a.hc_mult,
-        hc_sinkhorn_iters=a.hc_sinkhorn_iters,
-        hc_eps=a.hc_eps,
-        rms_norm_eps=a.norm_eps,
-        index_n_heads=a.index_n_heads,
-        index_head_dim=a.index_head_dim,
-        index_topk=a.index_topk,
-        num_hash_layers=a.n_hash_layers,
-        rope_theta=a.rope_theta,
-        compress_rope_theta=a.compress_rope_theta,
-        rope_scaling={
-            "type": "yarn",
-            "factor": a.rope_factor,
-            "original_max_position_embeddings": a.original_seq_len,
-            "beta_fast": a.beta_fast,
-            "beta_slow": a.beta_slow,
-        },
-        max_position_embeddings=a.max_position_embeddings,
-        eos_token_id=None,
-        bos_token_id=a.bos_token_id,
-    )
 
 
 def ours_generate(model: Transformer, prompt: torch.Tensor, n_new: int, num: Numerics) -> list[int]:
@@ -104,8 +55,17 @@ def ours_generate(model: Transformer, prompt: torch.Tensor, n_new: int, num: Num
 
 
 def hf_generate(hf, prompt: torch.Tensor, n_new: int) -> list[int]:
+    # an explicit mask: without one, generate treats every prompt token equal to pad_token_id as padding
+    mask = torch.ones_like(prompt[None])
     with torch.no_grad():
-        ids = hf.generate(prompt[None], max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False, pad_token_id=0)
+        ids = hf.generate(
+            prompt[None],
+            attention_mask=mask,
+            max_new_tokens=n_new,
+            min_new_tokens=n_new,
+            do_sample=False,
+            pad_token_id=0,
+        )
     return ids[0, prompt.shape[0] :].tolist()
 
 
@@ -142,9 +102,9 @@ def summarize(rates: dict[str, dict[str, list[float]]], base: str) -> tuple[dict
     return summary, rows
 
 
-def load_models() -> tuple[ModelArgs, Transformer, object]:
-    """Our model and transformers' model holding the same dsv4-tiny weights."""
-    from transformers import DeepseekV4ForCausalLM
+def load_models() -> tuple[ModelArgs, Transformer, object, TieStats]:
+    """Our model and transformers' model (indexer ties broken as ours, counted in the TieStats) holding
+    the same dsv4-tiny weights."""
     from transformers.utils import logging
 
     logging.set_verbosity_error()
@@ -152,9 +112,19 @@ def load_models() -> tuple[ModelArgs, Transformer, object]:
     state = {k: v for k, v in state.items() if not k.startswith("mtp.")}  # transformers has no MTP
     model = Transformer(args, include_mtp=False).eval()
     model.load_state_dict(state, strict=True)
-    hf = DeepseekV4ForCausalLM(hf_config(args)).eval()
-    hf.load_state_dict(official_state_dict_to_hf(state, args.n_layers), strict=True)
-    return args, model, hf
+    hf, ties = hf_model(hf_config(args), state, args.n_layers, align_ties=True)
+    return args, model, hf, ties
+
+
+def prompt_ties(hf, ties: TieStats, prompt: torch.Tensor) -> dict[str, int]:
+    """Indexer ties in one transformers prefill of `prompt` (no cache): the query rows that choose
+    among more entries than top-k, those tied at the k-th / (k+1)-th score, and those where
+    transformers' own topk would have chosen other entries than the earlier-entry rule."""
+    before = (ties.rows_ranked, ties.boundary_ties, ties.rows_changed)
+    with torch.no_grad():
+        hf(prompt[None], use_cache=False)
+    after = (ties.rows_ranked, ties.boundary_ties, ties.rows_changed)
+    return dict(zip(("rows_ranked", "boundary_ties", "rows_changed"), (b - a for a, b in zip(before, after))))
 
 
 def main() -> None:
@@ -165,8 +135,9 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write the numbers here")
     opts = parser.parse_args()
     torch.set_num_threads(1)
-    args, model, hf = load_models()
+    args, model, hf, tie_stats = load_models()
     prompt = torch.randint(0, args.vocab_size, (opts.prompt_tokens,), generator=torch.Generator().manual_seed(1))
+    ties = prompt_ties(hf, tie_stats, prompt)
     paths: dict[str, Generate] = {
         "transformers": lambda k: hf_generate(hf, prompt, k),
         "ours numerics OFF": lambda k: ours_generate(model, prompt, k, NUMERICS_OFF),
@@ -198,6 +169,7 @@ def main() -> None:
                     "threads": 1,
                     "results": summary,
                     "same_tokens_as_transformers": same,
+                    "indexer_ties_in_prefill": ties,
                 },
                 indent=2,
             )
@@ -207,6 +179,11 @@ def main() -> None:
         f"{opts.repeats} alternating repeats; tokens/s min / median / max; ratio = ours / transformers"
     )
     print("same greedy tokens as transformers: " + ", ".join(f"{n}: {'yes' if s else 'no'}" for n, s in same.items()))
+    print(
+        f"indexer ties in the prompt's prefill (transformers given our earlier-entry rule): {ties['boundary_ties']} "
+        f"of {ties['rows_ranked']} ranked query rows tie at the top-k boundary; transformers' own topk would "
+        f"choose other entries in {ties['rows_changed']}"
+    )
     print(format_table(["path", "phase", "min", "median", "max", "ratio min / med / max"], rows))
 
 

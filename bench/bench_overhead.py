@@ -41,7 +41,7 @@ from dsv4serve.ipc.messages import AddRequest, Codec, FromWorker, RequestOutput,
 from dsv4serve.tiny.builder import ensure_tiny
 from dsv4serve.worker.engine_setup import build_engine
 from dsv4serve.worker.main import EngineLoop
-from dsv4serve.worker.sampling_params import SamplingParams
+from dsv4serve.ipc.sampling import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `bench.report`
 from bench.report import format_table, spread

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # One lent GPU's checks, as one command (the device tool runs it from the repository root).
 #
-# Prepare here, once (the device machine receives the repository alone, not ../shared):
-#   mkdir -p .gpu && cp ../shared/data/DeepSeek-V4-Flash/config.json .gpu/   (.gitignore ignores .gpu/)
-# Run there, with carry [".gpu"] and a timeout_s of 540 (gpu_check stops starting cases after 420 s):
+# Run there, with a timeout_s of 540 (gpu_check stops starting cases after 420 s), nothing to carry:
 #   bash bench/gpu_session.sh
+# The real-dimension cases read DeepSeek-V4-Flash's config.json from tests/data, which is part of the
+# repository the device machine receives; DSV4_REAL_CONFIG_DIR, when set, names another folder.
 # What it needs there is what the device image holds (torch, triton, numpy, tqdm); nothing is
 # installed: the repository and kernels/ go on PYTHONPATH. Results land in $OUT (or /tmp): the table
 # and notes in gpu_check.log, the numbers in gpu_check.json, for bench/RESULTS.md.
@@ -12,8 +12,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-/tmp}"
 export PYTHONPATH="$PWD:$PWD/kernels${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-export DSV4_REAL_CONFIG_DIR="${DSV4_REAL_CONFIG_DIR:-$PWD/.gpu}"
-[ -f "$DSV4_REAL_CONFIG_DIR/config.json" ] || { echo "no $DSV4_REAL_CONFIG_DIR/config.json: see the header"; exit 2; }
+export DSV4_REAL_CONFIG_DIR="${DSV4_REAL_CONFIG_DIR:-$PWD/tests/data/DeepSeek-V4-Flash}"
+[ -f "$DSV4_REAL_CONFIG_DIR/config.json" ] || { echo "no $DSV4_REAL_CONFIG_DIR/config.json"; exit 2; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu_check.log"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/gpu_check.log"
 python3 bench/gpu_check.py --budget-s "${BUDGET_S:-420}" --json "$out/gpu_check.json" 2>&1 | tee -a "$out/gpu_check.log"

@@ -35,6 +35,11 @@ class Setting(Generic[T]):
     source: Source
     note: str = ""  # why the value is what it is, when a rule or measurement set or checked it
 
+    @classmethod
+    def from_wire(cls, sourced: Any) -> Setting[Any]:
+        """A setting as it crossed to the worker (ipc.messages.Sourced: `.value`, `.source` text)."""
+        return cls(sourced.value, Source(sourced.source))
+
 
 class ConfigError(ValueError):
     """A setting that cannot be honoured; the message names the flag, the limit and why."""

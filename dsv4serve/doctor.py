@@ -15,21 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from dataclasses import asdict
+from typing import Any
 
+from dsv4serve.doctor_check import Check
 from dsv4serve.env import Environment
-
-Status = Literal["ok", "warn", "fail"]
-
-
-@dataclass(frozen=True)
-class Check:
-    name: str  # short label: "torch", "gpu 0", "pinned memory"
-    status: Status
-    value: str  # what was found, in words
-    fix: str = ""  # what to do about it (empty when status is ok)
-    data: dict[str, Any] = field(default_factory=dict)  # the same facts for --json
 
 
 def add_doctor_options(parser: argparse.ArgumentParser) -> None:

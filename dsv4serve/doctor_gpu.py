@@ -15,7 +15,7 @@ import subprocess
 from types import ModuleType
 from typing import Any
 
-from dsv4serve.doctor import Check
+from dsv4serve.doctor_check import Check
 from dsv4serve.units import gib
 
 PIN_PROBE_CAP_BYTES = 16 * 1024**3  # enough to see a WSL2 / Docker cap; never more than half the free RAM
@@ -148,7 +148,7 @@ def check_gpus(torch: ModuleType | None) -> tuple[list[Check], int]:
         return [
             Check("GPU", "ok", "no CUDA device visible to torch: the CPU path (PyTorch reference)", data={"count": 0})
         ], 0
-    from dsv4serve.worker.memory_probe import take_snapshot
+    from dsv4serve.memory.probe import take_snapshot
 
     checks, largest, archs = [], 0, torch.cuda.get_arch_list()
     for i in range(torch.cuda.device_count()):

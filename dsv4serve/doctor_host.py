@@ -1,6 +1,6 @@
 """The host half of `dsv4serve doctor`: Python, WSL2 / container, host RAM, the caches and their disks.
 
-The DeepSeek-V4-Flash sizes below are sums over its real tensor list (../shared/data, the same
+The DeepSeek-V4-Flash sizes below are sums over its real tensor list (tests/data, the same
 numbers `dsv4serve plan` prints; tests/unit/test_doctor.py recomputes them from the real config).
 """
 
@@ -12,11 +12,11 @@ import sys
 from pathlib import Path
 
 from dsv4serve.container import detect_container
-from dsv4serve.doctor import Check
+from dsv4serve.doctor_check import Check
 from dsv4serve.env import Environment
+from dsv4serve.memory.chunk_planner import PLATFORM_MARGIN_BYTES
+from dsv4serve.memory.probe import PROC_MEMINFO, detect_platform, host_snapshot
 from dsv4serve.units import gib
-from dsv4serve.worker.chunk_planner import PLATFORM_MARGIN_BYTES
-from dsv4serve.worker.memory_probe import PROC_MEMINFO, detect_platform, host_snapshot
 
 DSV4_FLASH_CHECKPOINT_BYTES = 159_609_485_896  # every tensor, MTP included (~149 GiB)
 DSV4_FLASH_EXPERT_BANK_BYTES = 147_169_738_752  # routed experts of the main layers (~137 GiB)

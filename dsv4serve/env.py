@@ -4,6 +4,8 @@ Every serve option can also come from `DSV4SERVE_<OPTION>` (e.g. DSV4SERVE_MAX_P
 a command-line flag wins over its variable. Other variables:
 - DSV4SERVE_CACHE_DIR: where built-in models such as dsv4-tiny are built [~/.cache/dsv4serve,
   or $XDG_CACHE_HOME/dsv4serve].
+- DSV4SERVE_TESTING_OOM_ABOVE_BYTES (TESTING ONLY): the worker raises a real torch.OutOfMemoryError
+  in any step whose activations would pass this many bytes (tests/e2e: out-of-memory recovery).
 Hugging Face's own variables (HF_HOME, HF_HUB_OFFLINE, HF_TOKEN, ...) are read by huggingface_hub.
 """
 
@@ -21,6 +23,7 @@ PREFIX = "DSV4SERVE_"
 class Environment:
     options: Mapping[str, str]  # option name (max_prefill_length) -> raw text, for DSV4SERVE_* set
     cache_dir: Path
+    testing_oom_above_bytes: int | None = None  # TESTING ONLY: fault injection in the worker
 
 
 def option_env_name(option: str) -> str:
@@ -36,4 +39,16 @@ def read_environment(environ: Mapping[str, str] | None = None, option_names: tup
         cache = Path(env["XDG_CACHE_HOME"]) / "dsv4serve"
     else:
         cache = Path.home() / ".cache" / "dsv4serve"
-    return Environment(options=options, cache_dir=cache)
+    return Environment(
+        options=options, cache_dir=cache, testing_oom_above_bytes=_int(env, PREFIX + "TESTING_OOM_ABOVE_BYTES")
+    )
+
+
+def _int(env: Mapping[str, str], name: str) -> int | None:
+    text = env.get(name, "")
+    if not text:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{name}={text!r}: expected an integer") from None

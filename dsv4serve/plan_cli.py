@@ -12,6 +12,7 @@ from dsv4serve.env import Environment
 from dsv4serve.model.args import ModelArgs
 from dsv4serve.model.schema import TensorSpec, checkpoint_schema
 from dsv4serve.report import format_table, settings_json, settings_rows
+from dsv4serve.resolve_cli import resolve_from_cli
 from dsv4serve.units import gib, parse_bytes
 
 
@@ -49,8 +50,6 @@ def weight_bytes_by_group(args: ModelArgs, specs: list[TensorSpec]) -> dict[str,
 
 
 def build_plan(ns: argparse.Namespace, env: Environment) -> dict[str, Any]:
-    from dsv4serve.cli import resolve_from_cli
-
     # a plan for a GPU is made as if that GPU were present
     cfg, location, args = resolve_from_cli(ns, env, config_only=True, simulate_gpu=ns.gpu_memory is not None)
     specs = checkpoint_schema(args)  # 69K entries for the real model: built once per plan
@@ -108,14 +107,16 @@ def run_plan(ns: argparse.Namespace, env: Environment) -> int:
 def _memory_plan(ns: argparse.Namespace, cfg: Any, args: ModelArgs, specs: list[TensorSpec]):
     if ns.gpu_memory is None:
         return None
-    from dsv4serve.memory_plan import Machine, PlanSettings, plan_memory
+    from dsv4serve.memory.plan import Machine, PlanSettings, plan_memory
+    from dsv4serve.memory.weights import include_mtp, loaded_weight_bytes
     from dsv4serve.model.backends import default_backends, resolve_backends
-    from dsv4serve.model.packed_load import loaded_weight_bytes
 
     machine = Machine(ns.gpu_memory, ns.host_memory, ns.platform)
     # resident weights as the CUDA worker loads them with --kernels, not as the checkpoint stores them
     backends = resolve_backends(cfg.kernels.value, default_backends("cuda"))
-    return plan_memory(args, loaded_weight_bytes(specs, args, backends), machine, PlanSettings.from_config(cfg))
+    return plan_memory(
+        args, loaded_weight_bytes(specs, args, backends), machine, PlanSettings.from_config(cfg), include_mtp(args)
+    )
 
 
 def format_memory_plan(p) -> str:

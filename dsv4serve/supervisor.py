@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import logging
 import multiprocessing as mp
 import threading
@@ -31,10 +32,11 @@ from dsv4serve.ipc.messages import (
     WorkerFailed,
     WorkerLaunch,
 )
-from dsv4serve.worker.main import worker_main
-from dsv4serve.worker.sampling_params import SamplingParams
+from dsv4serve.ipc.sampling import SamplingParams
 
 log = logging.getLogger("dsv4serve.supervisor")
+# the worker's entry point, imported only in the spawned child: the API process never loads torch
+WORKER_MODULE = "dsv4serve.worker.main"
 POLL_S = 0.1
 BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 STABLE_AFTER_S = 30.0  # a worker that lived this long resets the backoff
@@ -113,7 +115,10 @@ class EngineClient:
         channel = ApiChannel(endpoints, folder)
         launch = msgspec.structs.replace(self._launch, to_worker=endpoints.to_worker, from_worker=endpoints.from_worker)
         proc = mp.get_context("spawn").Process(
-            target=worker_main, args=(msgspec.msgpack.encode(launch),), name="dsv4serve-worker", daemon=True
+            target=run_module_main,
+            args=(WORKER_MODULE, msgspec.msgpack.encode(launch)),
+            name="dsv4serve-worker",
+            daemon=True,
         )
         proc.start()
         inc = _Incarnation(proc, channel, time.monotonic())
@@ -262,3 +267,8 @@ class EngineClient:
     @property
     def worker_pid(self) -> int | None:
         return self._current.process.pid if self._current else None
+
+
+def run_module_main(module: str, launch_bytes: bytes) -> None:
+    """The spawned child's target: import `module` (there, not in the parent) and run its worker_main."""
+    importlib.import_module(module).worker_main(launch_bytes)

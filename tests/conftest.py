@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared"
-REAL_MODEL = SHARED / "data" / "DeepSeek-V4-Flash"
+# the published DeepSeek-V4-Flash config and tensor list, without weights (tests/data/.../README.md)
+REAL_MODEL = REPO / "tests" / "data" / "DeepSeek-V4-Flash"
 
 
 @pytest.fixture(scope="session")
@@ -34,7 +34,7 @@ def tiny_dir(tiny_cache: Path) -> Path:
 def real_model_dir() -> Path:
     if not (REAL_MODEL / "config.json").is_file():
         pytest.fail(
-            f"{REAL_MODEL} is missing: the real DeepSeek-V4-Flash config and tensor list live in "
-            "../shared/data beside the repository"
+            f"{REAL_MODEL} is missing: the real DeepSeek-V4-Flash config and tensor list are part of the "
+            "repository (tests/data/DeepSeek-V4-Flash); restore them from git"
         )
     return REAL_MODEL

@@ -17,10 +17,10 @@ import torch
 
 
 def real_config_dir() -> Path:
-    """The folder holding DeepSeek-V4-Flash's config.json: $DSV4_REAL_CONFIG_DIR, else
-    ../shared/data/DeepSeek-V4-Flash beside the repository. A device machine receives the repository
-    alone, so bench/gpu_session.sh points the variable at a copy carried inside it."""
-    default = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "DeepSeek-V4-Flash"
+    """The folder holding DeepSeek-V4-Flash's config.json: $DSV4_REAL_CONFIG_DIR when set (another
+    checkpoint's config), else the copy in tests/data, which travels with the repository to a device
+    machine."""
+    default = Path(__file__).resolve().parents[2] / "tests" / "data" / "DeepSeek-V4-Flash"
     return Path(os.environ.get("DSV4_REAL_CONFIG_DIR") or default)
 
 

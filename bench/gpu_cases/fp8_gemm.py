@@ -1,13 +1,20 @@
-"""FP8 block-scaled projections (dsv4_kernels.fp8_gemm: act quant + GEMM) at DeepSeek-V4-Flash's sizes.
+"""FP8 block-scaled projections (dsv4_kernels.fp8_gemm: activation quantization fused into the GEMM) at
+DeepSeek-V4-Flash's sizes.
 
 Shapes from the real config: wq_b (q_lora_rank -> n_heads * head_dim, the largest attention
-projection) and the shared expert's w1 (dim -> moe_inter_dim); each at decode (m=1, memory-bound)
-and prefill (m=2048, compute-bound). Weights are random e4m3 with random e8m0 block scales, made on
-the device (no CPU quantization pass). Reference: `fp8_linear_ref` (fp64 sum of the exact products,
-rounded once); run and reference differ only by fp32 summation order, then one bf16 rounding, hence
-rtol 2^-7 (one bf16 ulp is 2^-8 relative) and a small atol for outputs near zero.
-Baselines: torch bf16 matmul on the dequantized weight; flashinfer's SM90 block-scaled FP8 GEMM
-(bf16 input, FP8 weight) as a second row when flashinfer is importable.
+projection) and the shared expert's w1 (dim -> moe_inter_dim); each at decode (m = 1, 8: memory-bound),
+m = 64 and a prefill of m = 4096 (compute-bound). Weights are random e4m3 with random e8m0 block scales,
+made on the device (no CPU quantization pass). Reference: `fp8_linear_ref` (fp64 sum of the exact
+products, rounded once); run and reference differ only by fp32 summation order, then one bf16 rounding,
+hence rtol 2^-7 (one bf16 ulp is 2^-8 relative) and a small atol for outputs near zero.
+
+Baselines, one row each: the two-step path the fused kernel replaces (torch `act_quant_fp8_ref`, about
+17 launches, then the same kernel on pre-quantized input), torch bf16 matmul on the dequantized weight,
+and flashinfer's SM90 block-scaled FP8 GEMM (bf16 input, FP8 weight) when flashinfer is importable.
+
+One more case per K checks the in-kernel quantization exactly: with the identity as weight the output
+is the quantize-dequantize of x, which must equal torch's (atol = rtol = 0); on a GPU the e4m3
+rounding is the hardware cast, not the bit method the CPU tests exercise.
 """
 
 from __future__ import annotations
@@ -47,6 +54,15 @@ def flashinfer_linear():
     return fp8_blockscale_gemm_sm90
 
 
+def two_step(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """The path before the fusion: torch quantization, then the kernel on the quantized input."""
+    from dsv4_kernels.fp8_gemm import fp8_gemm
+    from dsv4_kernels.fp8_gemm_ref import act_quant_fp8_ref
+
+    q, q_scale = act_quant_fp8_ref(x)
+    return fp8_gemm(q, q_scale, w, s)
+
+
 def build(device: torch.device, shapes: list[tuple[str, int, int]], ms: tuple[int, ...]) -> list[GpuCase]:
     from dsv4_kernels.formats import dequant_fp8_block, e8m0_to_float
     from dsv4_kernels.fp8_gemm import fp8_linear
@@ -70,23 +86,46 @@ def build(device: torch.device, shapes: list[tuple[str, int, int]], ms: tuple[in
                 rtol=2.0**-7,
                 bytes_moved=nbytes,
                 flops=2 * m * n * k,
-                bound="memory" if m <= 16 else "compute",
+                bound="memory" if m <= 64 else "compute",
             )
             run = partial(fp8_linear, x, w, s)
             name = f"fp8_gemm {label} {n}x{k} m={m}"
-            out.append(
-                GpuCase(name, run, baseline=partial(torch.matmul, x, w_bf16.t()), baseline_name="torch bf16", **common)
-            )
+            baselines = [
+                ("two-step", partial(_on_device, device, two_step, x, w, s)),
+                ("torch bf16", partial(torch.matmul, x, w_bf16.t())),
+            ]
             if fi is not None and device.type == "cuda":
-                out.append(
-                    GpuCase(
-                        name + " [vs flashinfer]",
-                        run,
-                        baseline=partial(fi, x, w, None, s_fp32),
-                        baseline_name="flashinfer sm90",
-                        **common,
-                    )
+                baselines.append(("flashinfer sm90", partial(fi, x, w, None, s_fp32)))
+            for i, (baseline_name, baseline) in enumerate(baselines):
+                case_name = name if i == 0 else f"{name} [vs {baseline_name}]"
+                out.append(GpuCase(case_name, run, baseline=baseline, baseline_name=baseline_name, **common))
+    return out
+
+
+def quant_exact_cases(device: torch.device, ks: list[int], ms: tuple[int, ...]) -> list[GpuCase]:
+    """fp8_linear(x, identity) == the torch quantize-dequantize of x, bit for bit (see the module doc).
+    x spans six decades per row, so blocks hit e4m3 subnormals, and bf16 inputs tie often (1 in 16)."""
+    from dsv4_kernels.formats import quant_fp8_block
+    from dsv4_kernels.fp8_gemm import fp8_linear
+    from dsv4_kernels.fp8_gemm_ref import act_quant_fp8_ref, dequant_act_fp8_ref
+
+    gen = torch.Generator(device=device).manual_seed(1)
+    out: list[GpuCase] = []
+    for k in sorted(set(ks)):
+        eye, eye_scale = quant_fp8_block(torch.eye(k, device=device))  # e4m3 256 times 2^-8: exact
+        for m in ms:
+            x = torch.randn(m, k, device=device, generator=gen) * torch.logspace(-3, 3, k, device=device)
+            x = x.to(torch.bfloat16)
+            out.append(
+                GpuCase(
+                    f"fp8_gemm quant exact K={k} m={m}",
+                    partial(fp8_linear, x, eye, eye_scale),
+                    lambda x=x: dequant_act_fp8_ref(*act_quant_fp8_ref(x)).to(torch.bfloat16),
+                    atol=0.0,
+                    rtol=0.0,
+                    bytes_moved=k * k + 4 * m * k,
                 )
+            )
     return out
 
 
@@ -97,9 +136,10 @@ def _on_device(device: torch.device, fn, *args) -> torch.Tensor:
 
 
 def cases(device: torch.device) -> list[GpuCase]:
-    return build(device, real_shapes(), (1, 2048))
+    shapes = real_shapes()
+    return build(device, shapes, (1, 8, 64, 4096)) + quant_exact_cases(device, [k for _, _, k in shapes], (1, 64))
 
 
 def smoke_cases(device: torch.device) -> list[GpuCase]:
     """Tiny shapes for the CPU interpreter (a ragged N and K included)."""
-    return build(device, [("tiny", 320, 256), ("ragged", 200, 160)], (1, 40))
+    return build(device, [("tiny", 320, 256), ("ragged", 200, 160)], (1, 40)) + quant_exact_cases(device, [160], (1,))

@@ -88,6 +88,25 @@ def _add_info_routes(app: FastAPI) -> None:
         return _model_card(state)
 
 
+def _tokenize(state: AppState, req: TokenizeRequest) -> list[int]:
+    """/tokenize's token ids (run on the text pool, off the event loop)."""
+    if req.prompt is not None:
+        add_special = req.add_special_tokens if req.add_special_tokens is not None else True
+        return state.tokenizer.encode(req.prompt, add_special_tokens=add_special)
+    kwargs = req.chat_template_kwargs or {}
+    try:
+        text = render_prompt(
+            req.messages,
+            req.tools,
+            thinking=kwargs.get("thinking", state.options.default_thinking),
+            reasoning_effort=kwargs.get("reasoning_effort"),
+            add_generation_prompt=req.add_generation_prompt is not False,
+        )
+    except (ChatFormatError, TypeError, ValueError) as exc:
+        raise bad_request(str(exc), "messages") from exc
+    return state.tokenizer.encode(text)
+
+
 def _add_token_routes(app: FastAPI) -> None:
     @app.post("/tokenize")
     async def tokenize(request: Request):
@@ -95,22 +114,7 @@ def _add_token_routes(app: FastAPI) -> None:
         check_model(req.model, state.options.served_model_name)
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of prompt or messages", "prompt")
-        if req.prompt is not None:
-            add_special = req.add_special_tokens if req.add_special_tokens is not None else True
-            tokens = state.tokenizer.encode(req.prompt, add_special_tokens=add_special)
-        else:
-            kwargs = req.chat_template_kwargs or {}
-            try:
-                text = render_prompt(
-                    req.messages,
-                    req.tools,
-                    thinking=kwargs.get("thinking", state.options.default_thinking),
-                    reasoning_effort=kwargs.get("reasoning_effort"),
-                    add_generation_prompt=req.add_generation_prompt is not False,
-                )
-            except (ChatFormatError, TypeError, ValueError) as exc:
-                raise bad_request(str(exc), "messages") from exc
-            tokens = state.tokenizer.encode(text)
+        tokens = await state.off_loop(_tokenize, state, req)
         ready = state.engine.ready_info
         return {
             "count": len(tokens),

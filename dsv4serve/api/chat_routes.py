@@ -16,7 +16,7 @@ from dsv4serve.api.streaming import Reply, new_id, respond
 from dsv4serve.chat import ChatFormatError, prompt_opens_reasoning, render_prompt
 from dsv4serve.chat import tokens as T
 from dsv4serve.chat.tools import forced_call_opening
-from dsv4serve.worker.sampling_params import SamplingParams
+from dsv4serve.ipc.sampling import SamplingParams
 
 router = APIRouter()
 
@@ -65,14 +65,18 @@ def force_tool_call(
     return dataclasses.replace(sampling, forced_tokens=tuple(state.tokenizer.encode(opening)), forced_after=after)
 
 
+def _render_and_encode(state: AppState, req: ChatCompletionRequest) -> tuple[str, list[int]]:
+    prompt = render_chat(state, req)
+    return prompt, state.tokenizer.encode(prompt)
+
+
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request):
     state, req = await read_request(request, ChatCompletionRequest)
     check_chat(req)
     check_model(req.model, state.options.served_model_name)
     ready = state.ready()
-    prompt = render_chat(state, req)
-    prompt_ids = state.tokenizer.encode(prompt)
+    prompt, prompt_ids = await state.off_loop(_render_and_encode, state, req)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     sampling = build_sampling(req, max_tokens, logprobs, ready.vocab_size)

@@ -42,7 +42,7 @@ async def completions(request: Request):
     check_completion(req)
     check_model(req.model, state.options.served_model_name)
     ready = state.ready()
-    prompts = prompt_token_lists(state, req.prompt, ready.vocab_size)
+    prompts = await state.off_loop(prompt_token_lists, state, req.prompt, ready.vocab_size)
     max_tokens = req.max_tokens if "max_tokens" in req.model_fields_set else DEFAULT_MAX_TOKENS
     sampling = build_sampling(req, max_tokens, req.logprobs, ready.vocab_size)
     if req.echo and req.logprobs is not None:  # the echoed prompt carries its logprobs too

@@ -19,11 +19,10 @@ from dataclasses import dataclass, field
 from dsv4serve.api.detokenize import IncrementalDetokenizer
 from dsv4serve.api.errors import APIError
 from dsv4serve.ipc.messages import TokenOut
+from dsv4serve.ipc.sampling import SamplingParams
 from dsv4serve.supervisor import EngineUnavailable, RequestFailed, RequestRejected
-from dsv4serve.worker.sampling_params import SamplingParams
 
 DISCONNECT_POLL_S = 0.5
-# a request the worker ended without a normal finish (it died, or failed the request)
 log = logging.getLogger("dsv4serve.api")
 
 

@@ -95,7 +95,7 @@ EXPERT_CACHE_COUNTERS = (
 class _EngineCollector:
     """Gauges and counters read from the EngineClient at scrape time."""
 
-    def __init__(self, engine):
+    def __init__(self, engine: Engine):
         self._engine = engine
 
     def collect(self):
@@ -134,7 +134,7 @@ class _EngineCollector:
 
 
 class Metrics:
-    def __init__(self, engine):
+    def __init__(self, engine: Engine):
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft = Histogram(

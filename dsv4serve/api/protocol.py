@@ -12,7 +12,7 @@ from typing import Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr
 
 from dsv4serve.api.errors import bad_request
-from dsv4serve.worker.sampling_params import MAX_LOGPROBS
+from dsv4serve.ipc.sampling import MAX_LOGPROBS
 
 
 class _Model(BaseModel):

@@ -6,7 +6,7 @@ import dataclasses
 
 from dsv4serve.api.errors import APIError, bad_request
 from dsv4serve.api.protocol import _Sampling
-from dsv4serve.worker.sampling_params import SamplingParams
+from dsv4serve.ipc.sampling import SamplingParams
 
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 

@@ -6,30 +6,32 @@ import asyncio
 import logging
 import sys
 
-from dsv4serve.config import ServeConfig
-from dsv4serve.ipc.messages import Ready, WorkerLaunch
+from dsv4serve.config import ServeConfig, Setting
+from dsv4serve.ipc.messages import Ready, Sourced, WorkerLaunch
 
 log = logging.getLogger("dsv4serve")
 
 
 def worker_launch(cfg: ServeConfig, model_path) -> WorkerLaunch:
+    """The worker's copy of the frozen config: every setting with its source (ipc.messages.Sourced)."""
+
+    def wire(setting: Setting) -> Sourced:
+        return Sourced(setting.value, setting.source.value)
+
     return WorkerLaunch(
         to_worker="",
         from_worker="",
         model_path=str(model_path),
         device=cfg.device.value,
-        max_num_seqs=cfg.max_num_seqs.value,
-        max_queued_requests=cfg.max_queued_requests.value,
-        max_model_len=cfg.max_model_len.value,
-        max_model_len_explicit=cfg.max_model_len.source.explicit,
-        max_prefill_length=cfg.max_prefill_length.value,
-        max_prefill_length_source=cfg.max_prefill_length.source.value,
-        num_tokens=cfg.num_tokens.value,
-        moe_cache_size=cfg.moe_cache_size.value,
-        memory_ratio=cfg.memory_ratio.value,
+        max_num_seqs=wire(cfg.max_num_seqs),
+        max_queued_requests=wire(cfg.max_queued_requests),
+        max_model_len=wire(cfg.max_model_len),
+        max_prefill_length=wire(cfg.max_prefill_length),
+        num_tokens=wire(cfg.num_tokens),
+        moe_cache_size=wire(cfg.moe_cache_size),
+        memory_ratio=wire(cfg.memory_ratio),
+        kernels=wire(cfg.kernels),
         log_level=cfg.log_level.value,
-        fault_oom_above_bytes=None,
-        kernels=cfg.kernels.value,
     )
 
 

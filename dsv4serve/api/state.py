@@ -2,18 +2,25 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 from fastapi import Request
 
+from dsv4serve.api.engine import Engine
 from dsv4serve.api.errors import APIError, bad_request
 from dsv4serve.api.metrics import Metrics
 from dsv4serve.api.tokenizer import TextTokenizer
+from dsv4serve.ipc.messages import Ready
 
 log = logging.getLogger("dsv4serve.api")
+TEXT_WORKERS = 4  # threads rendering / tokenizing prompts; the tokenizer releases the GIL while it encodes
+R = TypeVar("R")
 
 
 @dataclass
@@ -25,13 +32,22 @@ class ServeOptions:
 
 @dataclass
 class AppState:
-    engine: object  # EngineClient (or a test double with the same surface)
+    engine: Engine  # supervisor.EngineClient, or a test double with the same surface
     tokenizer: TextTokenizer
     options: ServeOptions
     metrics: Metrics
     created: int = 0
     inflight: set[str] = field(default_factory=set)  # engine request ids being generated
     _unknown_seen: set[str] = field(default_factory=set)
+    # prompt rendering and tokenization run here, never on the event loop: a long prompt takes seconds
+    # to tokenize, and meanwhile /health and every stream must keep answering
+    text_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(max_workers=TEXT_WORKERS, thread_name_prefix="dsv4serve-text")
+    )
+
+    async def off_loop(self, fn: Callable[..., R], *args: object) -> R:
+        """fn(*args) on the text pool (a bounded thread pool), awaited without blocking the loop."""
+        return await asyncio.get_running_loop().run_in_executor(self.text_pool, fn, *args)
 
     def abort_all(self) -> None:
         """On shutdown: every running request ends with finish_reason "abort" (not a cut stream)."""
@@ -45,7 +61,7 @@ class AppState:
                 self._unknown_seen.add(name)
                 log.warning("ignoring unknown request field %r (logged once)", name)
 
-    def ready(self):
+    def ready(self) -> Ready:
         """The worker's Ready message; 503 while none is ready."""
         info = self.engine.ready_info
         if not self.engine.healthy or info is None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsv4serve.worker.memory_probe import detect_platform
+from dsv4serve.memory.probe import detect_platform
 
 MIB, GIB = 1024**2, 1024**3
 MIN_BLOCK_BYTES = 256 * MIB

@@ -2,14 +2,20 @@
 
 Every message is a frozen msgspec Struct with a tag; decoding an unknown tag or a malformed field is
 an error, not a guess. Only plain data crosses: token ids, numbers, strings.
+
+This package is a leaf: it imports nothing else of dsv4serve, so the API process can speak to the
+worker without importing torch or the model (tests/unit/test_imports.py holds both).
 """
 
 from __future__ import annotations
 
+from typing import Generic, TypeVar
+
 import msgspec
 
-from dsv4serve.worker.chunk_planner import ChunkPlan  # frozen dataclasses: msgspec carries them
-from dsv4serve.worker.sampling_params import SamplingParams
+from dsv4serve.ipc.sampling import SamplingParams
+
+T = TypeVar("T")
 
 # ------------------------------------------------------------------------------ API -> worker
 
@@ -34,6 +40,19 @@ ToWorker = AddRequest | AbortRequest | Shutdown
 # ------------------------------------------------------------------------------ worker -> API
 
 
+class ChunkReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The chunk planner's decision as it crosses to the API process (memory/chunk_planner.ChunkPlan)."""
+
+    requested: int | None  # the user's --max-prefill-length, None for auto
+    effective_tokens: int
+    binding: str  # which limit bound the chunk: memory, user-cap, kv-pool, context, ...
+    reason: str
+    warning: str | None = None
+    safe_tokens: int = 0  # the memory bound (aligned)
+    activation_bytes_per_token: int = 0
+    alignment_tokens: int = 1
+
+
 class Ready(msgspec.Struct, frozen=True, tag="ready", forbid_unknown_fields=True):
     """What the worker actually allocated, not what was asked for."""
 
@@ -41,7 +60,7 @@ class Ready(msgspec.Struct, frozen=True, tag="ready", forbid_unknown_fields=True
     kv_capacity_tokens: int
     max_running_requests: int
     max_model_len: int
-    chunk: ChunkPlan  # the planner's own frozen dataclass: requested, effective, binding, reason, ...
+    chunk: ChunkReport  # requested, effective, binding, reason, ...
     expert_slots: int | None  # None: every expert resident
     vocab_size: int
     eos_token_id: int
@@ -118,22 +137,33 @@ class Codec:
         return self._decoder.decode(data)
 
 
+class Sourced(msgspec.Struct, Generic[T], frozen=True, forbid_unknown_fields=True):
+    """A setting as resolved (config.Setting on the wire): its value and where it came from, a
+    config.Source value ("default", "env", "cli", "model-rule", "measured")."""
+
+    value: T
+    source: str = "default"
+
+    @property
+    def explicit(self) -> bool:
+        """The user chose this value: the worker honours it exactly or refuses to start."""
+        return self.source in ("env", "cli")
+
+
 class WorkerLaunch(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Everything a worker needs to start, copied from the frozen config (passed as bytes)."""
+    """Everything a worker needs to start, copied from the frozen config (passed as bytes); every
+    setting keeps its source, so the worker knows which values it may plan and which it must honour."""
 
     to_worker: str  # ipc endpoints
     from_worker: str
     model_path: str
-    device: str  # cpu | cuda
-    max_num_seqs: int
-    max_queued_requests: int
-    max_model_len: int
-    max_model_len_explicit: bool
-    max_prefill_length: int | None  # the user's cap; None = planned
-    max_prefill_length_source: str  # a config Source value: explicit caps are honoured, never changed
-    num_tokens: int | None  # the user's KV capacity; None = planned
-    moe_cache_size: int | None = None  # GPU expert slots; None = every routed expert resident
-    memory_ratio: float = 0.9
+    device: str  # cpu | cuda (resolved from --device auto)
+    max_num_seqs: Sourced[int]
+    max_queued_requests: Sourced[int]
+    max_model_len: Sourced[int]
+    max_prefill_length: Sourced[int | None]  # None = planned
+    num_tokens: Sourced[int | None]  # KV capacity; None = planned
+    moe_cache_size: Sourced[int | None] = Sourced(None)  # GPU expert slots; None = planned / all resident
+    memory_ratio: Sourced[float] = Sourced(0.9)
+    kernels: Sourced[str] = Sourced("auto")  # --kernels: the model's kernel backends (model/backends.py)
     log_level: str = "info"
-    fault_oom_above_bytes: int | None = None  # TESTING ONLY (see FaultInjection)
-    kernels: str = "auto"  # --kernels: the model's kernel backends (model/backends.py)

@@ -114,7 +114,9 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """x [N, D] compute dtype (attn_norm output), positions [N] -> [N, D] compute dtype."""
         cos, sin = rope_cos_sin(self.freqs, positions)
-        xq = act_quant(x, num)  # shared by wq_a and wkv
+        # shared by wq_a and wkv; the FP8 GEMM kernel quantizes its input itself (never twice)
+        in_kernel = self.wq_a.quantizes_in_kernel(num) and self.wkv.quantizes_in_kernel(num)
+        xq = x if in_kernel else act_quant(x, num)
         qr = self.q_norm(self.wq_a(xq, num, x_quantized=True))  # [N, q_lora]
         q = self.wq_b(qr, num).unflatten(-1, (self.n_heads, self.head_dim))
         q = q * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + self.eps).to(q.dtype)
@@ -295,7 +297,7 @@ class Attention(nn.Module):
 
     def _project_out(self, o: torch.Tensor, num: Numerics) -> torch.Tensor:
         """o [N, H, d] -> grouped wo_a [N, G, o_lora] -> wo_b [N, D]. The einsum runs in wo_a's dtype: fp32
-        as the dense loader gives it, bf16 as the packed loader holds it (exact; packed_load.HELD_BF16)."""
+        as the dense loader gives it, bf16 as the packed loader holds it (exact; memory/weights.HELD_BF16)."""
         n_tokens = o.shape[0]
         grouped = o.reshape(n_tokens, self.n_groups, -1)
         wo_a = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)

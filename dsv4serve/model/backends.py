@@ -3,7 +3,8 @@
 One field per kernel of kernels/dsv4_kernels: `attention` (paged sparse attention), `indexer`
 (lightning-indexer scores + top-k), `compressor` (the compressor's softmax pooling), `fp8_gemm`
 (projections stored in FP8), `fp4_moe` (the routed experts, MXFP4), `head` (the output head, fp32
-logits from the bf16 weight as stored). The setting travels inside
+logits from the bf16 weight as stored), `hc` (the mHC mixing: hc_pre, hc_post and the HC head, one
+launch each instead of ~120 small torch ops). The setting travels inside
 `Numerics`, the frozen value every model function already receives, so dispatch needs no model
 state beyond the packed weights that `Transformer.use_kernels` prepares.
 
@@ -30,6 +31,7 @@ class KernelBackends:
     fp8_gemm: Backend = "torch"
     fp4_moe: Backend = "torch"
     head: Backend = "torch"
+    hc: Backend = "torch"
 
     def __post_init__(self) -> None:
         for f in fields(self):

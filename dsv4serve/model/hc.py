@@ -3,6 +3,10 @@
 The residual is `hc_mult` streams per token. Each block site mixes them into one sub-layer input
 (`pre`), and writes back `post * out + comb^T @ streams`, where `comb` is Sinkhorn-normalized.
 All mixing runs in fp32; the streams themselves stay in the compute dtype.
+
+With `num.backends.hc == "triton"` each of hc_pre, hc_post and hc_head is one Triton kernel launch
+(dsv4_kernels.hc_mix; its tokens-per-program choice follows `num.batch_invariant`); the torch path
+below, about 120 small ops per hc_pre (80 of them the Sinkhorn rounds), is the reference it matches.
 """
 
 from __future__ import annotations
@@ -40,6 +44,11 @@ def hc_pre(
     num: Numerics,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """h [N, hc, D] -> (x [N, D] in h's dtype, post [N, hc] fp32, comb [N, hc, hc] fp32)."""
+    if num.backends.hc == "triton":
+        from dsv4_kernels import hc_mix  # lazy, as for the other kernels
+
+        block_n = hc_mix.pick_block_n(h.shape[0], num.batch_invariant)
+        return hc_mix.hc_pre(h, fn, scale, base, n_iters, hc_eps, norm_eps, block_n=block_n)
     hc = h.shape[1]
     m = _mixes(h, fn, norm_eps, num)
     scale, base = scale.float(), base.float()
@@ -51,8 +60,14 @@ def hc_pre(
     return x.to(h.dtype), post, comb
 
 
-def hc_post(out: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+def hc_post(
+    out: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, num: Numerics
+) -> torch.Tensor:
     """new[k] = post[k] * out + sum_j comb[j, k] * h[j]; out [N, D], h [N, hc, D] -> [N, hc, D]."""
+    if num.backends.hc == "triton":
+        from dsv4_kernels import hc_mix
+
+        return hc_mix.hc_post(out, h, post, comb)
     mixed = (comb.unsqueeze(-1) * h.float().unsqueeze(2)).sum(dim=1)  # a plain sum: row-invariant
     return (post.unsqueeze(-1) * out.float().unsqueeze(1) + mixed).to(h.dtype)
 
@@ -67,6 +82,11 @@ def hc_head(
     num: Numerics,
 ) -> torch.Tensor:
     """Final collapse of the streams: h [N, hc, D] -> [N, D] in h's dtype (no Sinkhorn, no post)."""
+    if num.backends.hc == "triton":
+        from dsv4_kernels import hc_mix
+
+        block_n = hc_mix.pick_block_n(h.shape[0], num.batch_invariant)
+        return hc_mix.hc_head(h, fn, scale, base, hc_eps, norm_eps, block_n=block_n)
     m = _mixes(h, fn, norm_eps, num)
     pre = in_fp64(torch.sigmoid, m * scale.float() + base.float()) + hc_eps
     return (pre.unsqueeze(-1) * h.float()).sum(dim=1).to(h.dtype)

@@ -21,12 +21,11 @@ kernels/dsv4_kernels/sparse_attention.py, indexer_topk.py read exactly this layo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from dsv4serve.model.args import ModelArgs
-from dsv4serve.model.state import SequenceState
 from dsv4serve.paging import IdAllocator
 
 
@@ -35,6 +34,20 @@ def _grow(t: torch.Tensor, size: int) -> torch.Tensor:
     if t.shape[0] >= size:
         return t
     return torch.cat((t, t.new_zeros((size - t.shape[0],) + tuple(t.shape[1:]))))
+
+
+@dataclass
+class SequenceState:
+    """One request's handle on the pool: its sequence slot, its page table and its length. With the
+    pool's contents this is everything a forward needs from earlier tokens, so a forward is exact at
+    any chunk boundary (dsv4-model.md §2.12). `num_tokens` is the position of the next token to run
+    (MTP layers: `mtp_num_tokens`)."""
+
+    pool: KvPool
+    slot: int  # the window ring and compressor carry of this sequence
+    pages: list[int] = field(default_factory=list)  # physical page of each page_tokens-long token range
+    num_tokens: int = 0
+    mtp_num_tokens: int = 0
 
 
 @dataclass

@@ -46,8 +46,15 @@ class Linear(nn.Module):
         self.weight = None
         self.weight_fp8, self.weight_fp8_scale = w8, scale
 
+    def quantizes_in_kernel(self, num: Numerics) -> bool:
+        """True when `forward` quantizes its input to FP8 inside its one kernel launch (an FP8-stored
+        projection with fp8_gemm on Triton). A caller that feeds only such projections should then pass
+        the raw activations instead of running `act_quant` first: the result is the same (quantizing
+        is idempotent), minus ~15 torch launches."""
+        return self.fp8_stored and num.backends.fp8_gemm == "triton"
+
     def forward(self, x: torch.Tensor, num: Numerics, x_quantized: bool = False) -> torch.Tensor:
-        if self.fp8_stored and num.backends.fp8_gemm == "triton":
+        if self.quantizes_in_kernel(num):
             return self._fp8_kernel(x)
         if self.weight is None:
             raise RuntimeError(
@@ -57,8 +64,8 @@ class Linear(nn.Module):
         return linear(x, self.weight, num, self.fp8_act, x_quantized)
 
     def _fp8_kernel(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., in] -> bf16 [..., out]; the kernel quantizes x per token per 128 channels itself
-        (idempotent on an input the caller quantized already)."""
+        """x [..., in] bf16 -> bf16 [..., out] in one launch: the kernel quantizes x per token per 128
+        channels itself (idempotent on an input the caller quantized already; `x_quantized` is moot)."""
         if self.weight_fp8 is None:
             raise RuntimeError("fp8_gemm=triton needs packed FP8 weights: call Transformer.use_kernels first")
         from dsv4_kernels.fp8_gemm import fp8_linear  # lazy: kernel modules build their kernels on import

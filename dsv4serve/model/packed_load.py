@@ -16,16 +16,13 @@ shards one at a time and placed on `device`:
 Buffers computed in `__init__` (the RoPE frequencies) are recomputed, and the result is checked to
 hold no meta tensor. Host memory stays near one tensor: each is moved to `device` as soon as read.
 
-`device_bytes` gives, from the checkpoint schema alone, the bytes this path allocates on `device`,
-for the engine's fits-check.
+What this path allocates on `device` is computed from the checkpoint schema alone by
+dsv4serve/memory/weights.py (`device_bytes`), from the same placement rules (`spec_kind`, `held_bf16`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from torch import nn
@@ -35,111 +32,14 @@ from dsv4serve.checkpoint.loader import Checkpoint, iter_dense
 from dsv4serve.checkpoint.source import CheckpointError
 from dsv4serve.experts.attach import attach_expert_cache
 from dsv4serve.experts.slot_cache import ExpertSlotCache
-from dsv4serve.memory_plan import WeightBytes, weight_bytes
-from dsv4serve.model.args import ModelArgs
+from dsv4serve.memory.weights import DENSE_DTYPE, held_bf16, model_specs, spec_kind
 from dsv4serve.model.attention import Attention
 from dsv4serve.model.backends import KernelBackends
 from dsv4serve.model.layers import Linear
 from dsv4serve.model.moe import MoE
 from dsv4serve.model.rope import inv_freq
-from dsv4serve.model.schema import DTYPE_BYTES, TORCH_DTYPES, TensorSpec
+from dsv4serve.model.schema import TORCH_DTYPES, TensorSpec
 from dsv4serve.model.transformer import Transformer
-
-# the dtype of every tensor loaded dense: the model's parameters are fp32 (the dense loader's default,
-# which the engine uses), so the torch paths compute exactly as on a dense-loaded model
-DENSE_DTYPE = torch.float32
-# FP8-stored projections that the model runs dense (attention.py: the reference dequantizes wo_a and
-# runs it as a grouped einsum); load_packed checks this list against the modules it fills
-FP8_RUN_DENSE = (".attn.wo_a.weight", ".attn.wo_a.scale")
-# dense tensors held in bf16 instead of DENSE_DTYPE, each exact in bf16 and used at bf16 by the model: the
-# embedding (stored bf16; its rows are looked up, then cast to the compute dtype) and wo_a (FP8 stored:
-# e4m3 times a power of two has at most 4 significant bits, exact in bf16; attention._project_out runs
-# the grouped einsum in the weight's dtype, bf16, as the reference runs its dequantized wo_a). Together
-# 3.7 GiB less than fp32 on DeepSeek-V4-Flash; `_load_dense` checks the exactness of every value. The head
-# (stored bf16) joins them when its kernel is on Triton, which reads it as stored (HEAD_BF16; 0.99 GiB).
-HELD_BF16 = ("embed.weight", ".attn.wo_a.weight")
-HEAD_BF16 = "head.weight"
-
-Kind = Literal["fp8_packed", "fp4_stacked", "dense", "bank"]
-
-
-@dataclass(frozen=True)
-class PackedBytes:
-    """Device bytes of the packed path, split as the memory plan splits the checkpoint's bytes."""
-
-    non_expert_bytes: int  # main model, everything but routed experts (buffers included)
-    routed_expert_bytes: int  # main model's resident routed experts (0 with an expert-slot cache)
-    mtp_bytes: int  # the MTP blocks, their experts included
-
-    @property
-    def total_bytes(self) -> int:
-        return self.non_expert_bytes + self.routed_expert_bytes + self.mtp_bytes
-
-
-def spec_kind(spec: TensorSpec, backends: KernelBackends, experts_resident: bool) -> Kind:
-    """How the packed path places one checkpoint tensor (a `.scale` goes where its weight goes)."""
-    if spec.group == "routed_experts":
-        if not experts_resident:
-            return "bank"
-        return "fp4_stacked" if backends.fp4_moe == "triton" and spec.role in ("fp4_weight", "fp4_scale") else "dense"
-    if (
-        backends.fp8_gemm == "triton"
-        and spec.role in ("fp8_weight", "fp8_scale")
-        and not spec.name.endswith(FP8_RUN_DENSE)
-    ):
-        return "fp8_packed"
-    return "dense"
-
-
-def held_bf16(name: str, backends: KernelBackends) -> bool:
-    """True for a dense tensor the packed path holds in bf16 (HELD_BF16; HEAD_BF16 with head=triton)."""
-    return name == HELD_BF16[0] or name.endswith(HELD_BF16[1:]) or (name == HEAD_BF16 and backends.head == "triton")
-
-
-def model_specs(ckpt_specs: Iterable[TensorSpec], args: ModelArgs, include_mtp: bool) -> list[TensorSpec]:
-    """The checkpoint tensors a model with or without its MTP blocks holds."""
-    return [s for s in ckpt_specs if include_mtp or s.layer is None or s.layer < args.n_layers]
-
-
-def _dense_bytes(spec: TensorSpec, backends: KernelBackends) -> int:
-    """Device bytes of one tensor loaded dense: float tensors in DENSE_DTYPE (bf16 if `held_bf16`) at their
-    dense shape (FP4 packs two values a byte), scales consumed, integers (tid2eid) as the model holds
-    them (int64)."""
-    if spec.role in ("fp8_scale", "fp4_scale"):
-        return 0
-    numel = spec.numel * (2 if spec.role == "fp4_weight" else 1)
-    if spec.role == "index":
-        return numel * torch.empty((), dtype=torch.int64).element_size()
-    dtype = torch.bfloat16 if held_bf16(spec.name, backends) else DENSE_DTYPE
-    return numel * torch.empty((), dtype=dtype).element_size()
-
-
-def device_bytes(
-    specs: Iterable[TensorSpec],
-    args: ModelArgs,
-    backends: KernelBackends,
-    include_mtp: bool,
-    experts_resident: bool = True,
-) -> PackedBytes:
-    """The bytes `load_packed` allocates on the device for these checkpoint specs (headers or schema,
-    no data read); the expert-slot cache's own slots (experts_resident=False) are not included."""
-    split = {"non_expert": 0, "routed": 0, "mtp": 0}
-    for spec in model_specs(specs, args, include_mtp):
-        kind = spec_kind(spec, backends, experts_resident)
-        n = {"bank": 0, "dense": _dense_bytes(spec, backends)}.get(kind, spec.nbytes)
-        part = (
-            "mtp"
-            if spec.layer is not None and spec.layer >= args.n_layers
-            else "routed"
-            if spec.group == "routed_experts"
-            else "non_expert"
-        )
-        split[part] += n
-    freqs_bytes = (args.rope_head_dim // 2) * DTYPE_BYTES["F32"]  # Attention.freqs, one per block
-    n_mtp = args.n_mtp_layers if include_mtp else 0
-    return PackedBytes(
-        split["non_expert"] + args.n_layers * freqs_bytes, split["routed"], split["mtp"] + n_mtp * freqs_bytes
-    )
 
 
 def _check_packable(ckpt: Checkpoint, backends: KernelBackends) -> None:
@@ -265,16 +165,3 @@ def _load_dense(
             setattr(module, leaf, nn.Parameter(value, requires_grad=False))
         else:
             setattr(module, leaf, value)
-
-
-ALL_TRITON = KernelBackends.every("triton")
-
-
-def loaded_weight_bytes(specs: list[TensorSpec], args: ModelArgs, backends: KernelBackends = ALL_TRITON) -> WeightBytes:
-    """The memory plan's weight split (memory_plan.weight_bytes) with the resident non-expert and MTP
-    bytes as the CUDA worker loads them with `backends` (on CUDA by default every kernel on Triton):
-    packed for the Triton kernels, the rest in fp32 or bf16 (held_bf16)."""
-    loaded = device_bytes(specs, args, backends, include_mtp=True, experts_resident=False)
-    return dataclasses.replace(
-        weight_bytes(specs, args), non_expert_bytes=loaded.non_expert_bytes, mtp_bytes=loaded.mtp_bytes
-    )

@@ -17,11 +17,10 @@ from dsv4serve.model.args import ModelArgs
 from dsv4serve.model.attention import Attention, BatchLayout, RowSpan
 from dsv4serve.model.backends import KernelBackends
 from dsv4serve.model.hc import hc_head, hc_post, hc_pre
-from dsv4serve.model.kv_pool import KvPool, LayerCache
+from dsv4serve.model.kv_pool import KvPool, LayerCache, SequenceState
 from dsv4serve.model.layers import Linear, RMSNorm
 from dsv4serve.model.moe import MoE
 from dsv4serve.model.numerics import Numerics, matmul
-from dsv4serve.model.state import SequenceState
 
 log = logging.getLogger(__name__)
 
@@ -73,12 +72,12 @@ class Block(nn.Module):
             h, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, self.hc_iters, self.hc_eps, self.norm_eps, num
         )
         x = self.attn(self.attn_norm(x), positions, spans, layout, cache, num)
-        h = hc_post(x, h, post, comb)
+        h = hc_post(x, h, post, comb, num)
         x, post, comb = hc_pre(
             h, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, self.hc_iters, self.hc_eps, self.norm_eps, num
         )
         x = self.ffn(self.ffn_norm(x), token_ids, num)
-        return hc_post(x, h, post, comb)
+        return hc_post(x, h, post, comb, num)
 
 
 class MTPBlock(Block):

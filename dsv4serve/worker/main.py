@@ -16,7 +16,7 @@ import torch
 from dsv4serve.ipc.channel import Endpoints, WorkerChannel
 from dsv4serve.ipc.messages import AbortRequest, AddRequest, RequestOutput, Shutdown, Stats, WorkerFailed, WorkerLaunch
 from dsv4serve.worker.engine_setup import EngineParts, build_engine
-from dsv4serve.worker.request import Request, Status
+from dsv4serve.worker.step import StepPlan
 
 log = logging.getLogger("dsv4serve.worker")
 STATS_INTERVAL_S = 0.2
@@ -52,14 +52,14 @@ class EngineLoop:
 
     def run(self) -> None:
         while True:
-            busy = bool(self.p.scheduler.running or self.p.scheduler.waiting)
+            busy = self.p.scheduler.has_work
             msg = self.channel.recv(0 if busy else IDLE_POLL_S)
             while msg is not None:
                 if isinstance(msg, Shutdown):
                     return
                 self._handle(msg)
                 msg = self.channel.recv(0)
-            if self.p.scheduler.running or self.p.scheduler.waiting:
+            if self.p.scheduler.has_work:
                 self.step()
             self._maybe_stats(force=not busy)
 
@@ -69,29 +69,22 @@ class EngineLoop:
             if rejected is not None:
                 self.channel.send(rejected)
         else:
-            req = self.p.scheduler.abort(msg.request_id)
-            if req is not None:
-                self._send_output(req)
+            self._send(self.p.scheduler.abort(msg.request_id))
 
     def step(self) -> None:
+        """plan -> runner -> complete: the scheduler plans, the runner runs the plan, the scheduler
+        takes the output (worker/step.py)."""
         sched = self.p.scheduler
         plan = sched.schedule(self.p.chunk.chunk_tokens)
-        while sched.finished_without_step:
-            self._send_output(sched.finished_without_step.pop())
         try:
-            sampled, prompt_lps = self.p.runner.execute(plan, sched.requests)
+            out = self.p.runner.execute(plan)
         except torch.OutOfMemoryError as exc:
             self._recover_from_oom(plan, exc)
             return
-        for rid, entries in prompt_lps.items():
-            req = sched.requests.get(rid)
-            if req is not None and req.prompt_logprobs is not None:
-                for position, tok in entries:
-                    req.prompt_logprobs[position] = tok
-        for req in sched.complete(plan, sampled):
-            self._send_output(req)
+        for message in sched.complete(plan, out):
+            self._send(message)
 
-    def _recover_from_oom(self, plan, exc: Exception) -> None:
+    def _recover_from_oom(self, plan: StepPlan, exc: Exception) -> None:
         """Shrink the chunk, drop the (possibly half-advanced) states of the step, and recompute.
 
         A step of 1-token rows cannot shrink further: its requests end with an error instead of
@@ -100,15 +93,14 @@ class EngineLoop:
         failed = plan.max_prefill_tokens
         ids = [r.request_id for r in plan.rows]
         self.p.runner.drop(ids)
+        for message in self.p.scheduler.reset(plan):  # requests that ended while the step was planned
+            self._send(message)
         if failed <= 1:
             log.error("out of memory even in a step of 1-token rows (%s): failing %d request(s)", exc, len(ids))
             for rid in ids:
-                req = self.p.scheduler.abort(rid)
-                if req is not None:
-                    self._send_output(req, error=f"out of memory on the device even at 1-token steps: {exc}")
+                self._send(self.p.scheduler.abort(rid, f"out of memory on the device even at 1-token steps: {exc}"))
             return
         self.p.chunk.after_oom(failed)
-        self.p.scheduler.reset(plan)
         log.warning(
             "out of memory in a step of %d tokens (%s); prefill chunk lowered to %d tokens (%s); "
             "retrying %d request(s)",
@@ -121,25 +113,9 @@ class EngineLoop:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
-    def _send_output(self, req: Request, error: str | None = None) -> None:
-        first = req.num_sent_tokens == 0
-        new = req.output[req.num_sent_tokens :]
-        req.num_sent_tokens = len(req.output)
-        finished = req.status is Status.FINISHED
-        self.channel.send(
-            RequestOutput(
-                req.request_id,
-                list(new),
-                len(req.prompt_token_ids),
-                req.num_cached_tokens,
-                req.finish_reason if finished else None,
-                error,
-                req.prompt_logprobs if first else None,
-            )
-        )
-        if finished:
-            self.p.scheduler.forget(req.request_id)
-            self.p.runner.forget(req.request_id)
+    def _send(self, message: RequestOutput | None) -> None:
+        if message is not None:
+            self.channel.send(message)
 
     def _maybe_stats(self, force: bool) -> None:
         now = time.monotonic()

@@ -1,4 +1,5 @@
-"""A request as the scheduler sees it: token ids and counters, never a tensor."""
+"""A request as the scheduler sees it: token ids and counters, never a tensor. Only the scheduler
+writes it (worker/step.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from dsv4serve.ipc.messages import TokenOut
-from dsv4serve.worker.sampling_params import SamplingParams
+from dsv4serve.ipc.sampling import SamplingParams
 
 
 class Status(Enum):
@@ -35,6 +36,7 @@ class Request:
     snapshot_at: int = 0  # save the state after this many tokens (the last whole page), 0 = not
     snapshot_key: bytes | None = None
     prompt_logprobs: list[TokenOut | None] | None = None  # by prompt position, when asked for
+    announced: bool = False  # the runner received the request (StepPlan.new_requests)
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -7,29 +7,29 @@ in one batched forward, and samples the rows that reached the end of their token
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from dsv4serve.ipc.messages import TokenLogprob, TokenOut
-from dsv4serve.model.kv_pool import KvPool
+from dsv4serve.ipc.sampling import SamplingParams
+from dsv4serve.model.kv_pool import KvPool, SequenceState
 from dsv4serve.model.numerics import Numerics
-from dsv4serve.model.state import SequenceState
 from dsv4serve.model.transformer import BatchRow, Transformer
-from dsv4serve.worker.request import Request
 from dsv4serve.worker.sampling import SamplingRow, make_generator, sample
-from dsv4serve.worker.scheduler import ScheduledRow, StepPlan
-
-PromptLogprobs = dict[str, list[tuple[int, TokenOut]]]  # request id -> (prompt position, its logprob)
+from dsv4serve.worker.step import EMPTY_OUTPUT, NewRequest, PromptLogprobs, ScheduledRow, StepOutput, StepPlan
 
 
-@dataclass(frozen=True)
-class FaultInjection:
-    """TESTING ONLY: raise a real torch.OutOfMemoryError when a step's prefill activations would pass
-    `oom_above_bytes` (estimated as tokens x `activation_bytes_per_token`)."""
+@dataclass
+class RunnerRequest:
+    """What the runner keeps of a request for its whole life (the scheduler's Request is not read)."""
 
-    oom_above_bytes: int | None = None
-    activation_bytes_per_token: int = 1
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    output_token_ids: list[int] = field(default_factory=list)  # what this runner sampled (penalties)
+    # a seeded request's generator lives as long as the request (not its sequence): a request that is
+    # preempted and recomputed continues the same random sequence
+    generator: torch.Generator | None = None
 
 
 class Runner:
@@ -40,14 +40,16 @@ class Runner:
         numerics: Numerics,
         eos_token_id: int,
         device: torch.device,
-        fault: FaultInjection = FaultInjection(),
+        oom_above_bytes: int | None = None,
+        activation_bytes_per_token: int = 1,
     ):
-        self.model, self.pool, self.numerics, self.device, self.fault = model, pool, numerics, device, fault
+        self.model, self.pool, self.numerics, self.device = model, pool, numerics, device
         self.eos_token_id = eos_token_id
         self.states: dict[str, SequenceState] = {}
-        # a seeded request's generator lives as long as the request (not its state): a request that is
-        # preempted and recomputed continues the same random sequence
-        self.generators: dict[str, torch.Generator] = {}
+        self.requests: dict[str, RunnerRequest] = {}
+        # TESTING ONLY (env.Environment.testing_oom_above_bytes): raise a real torch.OutOfMemoryError when
+        # a step's activations would pass this many bytes (tokens x activation_bytes_per_token)
+        self.oom_above_bytes, self.activation_bytes_per_token = oom_above_bytes, activation_bytes_per_token
 
     def drop(self, request_ids: tuple[str, ...] | list[str]) -> None:
         """Forget the sequences of these requests (preempted, finished or aborted); the scheduler
@@ -55,10 +57,16 @@ class Runner:
         for rid in request_ids:
             self.states.pop(rid, None)
 
-    def forget(self, request_id: str) -> None:
-        """The request is over: free everything the runner kept for it."""
-        self.states.pop(request_id, None)
-        self.generators.pop(request_id, None)
+    def _admit(self, new: tuple[NewRequest, ...]) -> None:
+        for n in new:
+            gen = make_generator(n.sampling.seed, self.device) if n.sampling.seed is not None else None
+            self.requests[n.request_id] = RunnerRequest(n.prompt_token_ids, n.sampling, generator=gen)
+
+    def _forget(self, request_ids: tuple[str, ...]) -> None:
+        """The requests are over: free everything the runner kept for them."""
+        for rid in request_ids:
+            self.states.pop(rid, None)
+            self.requests.pop(rid, None)
 
     def _sequence(self, r: ScheduledRow) -> SequenceState:
         """The row's sequence: a new one (from a copy of a prefix snapshot when the plan says so), with
@@ -77,70 +85,62 @@ class Runner:
         state.pages.extend(r.new_pages)
         return state
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[TokenOut]:
-        rows = []
-        for req in reqs:
-            gen = None
-            if req.sampling.seed is not None:
-                gen = self.generators.get(req.request_id)
-                if gen is None:
-                    gen = self.generators[req.request_id] = make_generator(req.sampling.seed, logits.device)
-            rows.append(SamplingRow(req.sampling, req.prompt_token_ids, req.output_token_ids, self.eos_token_id, gen))
+    def _sample(self, logits: torch.Tensor, request_ids: list[str]) -> list[TokenOut]:
+        reqs = [self.requests[rid] for rid in request_ids]
+        rows = [
+            SamplingRow(r.sampling, r.prompt_token_ids, r.output_token_ids, self.eos_token_id, r.generator)
+            for r in reqs
+        ]
         out = sample(logits, rows)
         tokens = []
         for i, req in enumerate(reqs):
             top = out.row_top(i)
-            tokens.append(
-                TokenOut(
-                    int(out.token_ids[i]),
-                    float(out.logprobs[i]) if req.sampling.logprobs is not None else None,
-                    [TokenLogprob(t, lp) for t, lp in top] if top else None,
-                )
+            tok = TokenOut(
+                int(out.token_ids[i]),
+                float(out.logprobs[i]) if req.sampling.logprobs is not None else None,
+                [TokenLogprob(t, lp) for t, lp in top] if top else None,
             )
+            req.output_token_ids.append(tok.token_id)
+            tokens.append(tok)
         return tokens
 
     def _check_fault(self, plan: StepPlan) -> None:
-        budget = self.fault.oom_above_bytes
-        if budget is not None and plan.num_tokens * self.fault.activation_bytes_per_token > budget:
+        budget = self.oom_above_bytes
+        if budget is not None and plan.num_tokens * self.activation_bytes_per_token > budget:
             raise torch.OutOfMemoryError(
-                f"injected for testing: {plan.num_tokens} tokens x {self.fault.activation_bytes_per_token} "
+                f"injected for testing: {plan.num_tokens} tokens x {self.activation_bytes_per_token} "
                 f"activation bytes > budget {budget} bytes"
             )
 
-    def execute(self, plan: StepPlan, requests: dict[str, Request]) -> tuple[dict[str, TokenOut], PromptLogprobs]:
-        """Run one step: the sampled token of every row that asked for one, and the prompt logprobs
-        (position -> TokenOut) of the rows whose request asked for them."""
+    def _wants_prompt_logprobs(self, row: ScheduledRow) -> bool:
+        req = self.requests[row.request_id]
+        return req.sampling.prompt_logprobs is not None and row.start_position < len(req.prompt_token_ids) - 1
+
+    def execute(self, plan: StepPlan) -> StepOutput:
+        """Run one step: the sampled token of every row that asked for one, and the prompt logprobs of
+        the rows whose request asked for them."""
+        self._admit(plan.new_requests)  # first: a failed step must not lose what the plan announced
         self.drop(plan.dropped)
+        self._forget(plan.finished)
         if not plan.rows:
-            return {}, {}
+            return EMPTY_OUTPUT
         self._check_fault(plan)
         rows = [
             BatchRow(torch.tensor(r.token_ids, dtype=torch.long, device=self.device), self._sequence(r))
             for r in plan.rows
         ]
-        wants = [
-            i
-            for i, r in enumerate(plan.rows)
-            if requests[r.request_id].prompt_logprobs is not None
-            and r.start_position < len(requests[r.request_id].prompt_token_ids) - 1
-        ]
+        wants = [i for i, r in enumerate(plan.rows) if self._wants_prompt_logprobs(r)]
         out = self.model.forward(rows, self.numerics, all_logits=bool(wants))
-        prompt_lps = {
-            plan.rows[i].request_id: self._prompt_logprobs(
-                plan.rows[i], requests[plan.rows[i].request_id], out.logits[i]
-            )
-            for i in wants
-        }
+        prompt_lps = {plan.rows[i].request_id: self._prompt_logprobs(plan.rows[i], out.logits[i]) for i in wants}
         for r in plan.rows:
             if r.snapshot_slot is not None:
                 self.pool.copy_slot(r.slot, r.snapshot_slot)
         picks = [i for i, r in enumerate(plan.rows) if r.sample]
         if not picks:
-            return {}, prompt_lps
+            return StepOutput({}, prompt_lps)
         logits = self._picked_logits(out, picks, len(plan.rows))  # [B, vocab] fp32
-        reqs = [requests[plan.rows[i].request_id] for i in picks]
-        tokens = self._sample(logits, reqs)
-        return {plan.rows[i].request_id: tok for i, tok in zip(picks, tokens)}, prompt_lps
+        ids = [plan.rows[i].request_id for i in picks]
+        return StepOutput(dict(zip(ids, self._sample(logits, ids))), prompt_lps)
 
     @staticmethod
     def _picked_logits(out, picks: list[int], n_rows: int) -> torch.Tensor:
@@ -152,9 +152,9 @@ class Runner:
             return out.last_logits.float()
         return out.last_logits.index_select(0, torch.tensor(picks, device=out.last_logits.device)).float()
 
-    @staticmethod
-    def _prompt_logprobs(row, req: Request, logits: torch.Tensor) -> list[tuple[int, TokenOut]]:
+    def _prompt_logprobs(self, row: ScheduledRow, logits: torch.Tensor) -> PromptLogprobs:
         """logits [T, vocab] of the row's positions -> (prompt position, logprob of that prompt token)."""
+        req = self.requests[row.request_id]
         prompt = req.prompt_token_ids
         n = min(len(row.token_ids), len(prompt) - 1 - row.start_position)  # positions with a next prompt token
         logp = torch.log_softmax(logits[:n].float(), dim=-1)  # [n, vocab]

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsv4serve.worker.sampling_params import SamplingParams
+from dsv4serve.ipc.sampling import SamplingParams
 
 _NEG_INF = float("-inf")
 

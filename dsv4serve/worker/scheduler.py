@@ -18,36 +18,11 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from dsv4serve.ipc.messages import AddRequest, Rejected, TokenOut
+from dsv4serve.ipc.messages import AddRequest, Rejected, RequestOutput
 from dsv4serve.paging import IdAllocator
 from dsv4serve.worker.prefix_index import PrefixEntry, PrefixIndex
 from dsv4serve.worker.request import Request, Status
-
-
-@dataclass(frozen=True)
-class ScheduledRow:
-    request_id: str
-    token_ids: tuple[int, ...]
-    start_position: int
-    sample: bool  # the row reaches the end of its known tokens: sample the next one
-    slot: int  # the request's sequence slot
-    new_pages: tuple[int, ...] = ()  # pages appended to the request's page table from this row on
-    restore_slot: int | None = None  # before the row, copy this prefix snapshot slot into `slot`
-    snapshot_slot: int | None = None  # after the row, copy `slot` into this prefix snapshot slot
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    rows: tuple[ScheduledRow, ...]
-    dropped: tuple[str, ...]  # requests whose sequence the runner must forget (preempted, finished, aborted)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(r.token_ids) for r in self.rows)
-
-    @property
-    def max_prefill_tokens(self) -> int:
-        return max((len(r.token_ids) for r in self.rows), default=0)
+from dsv4serve.worker.step import NewRequest, ScheduledRow, StepOutput, StepPlan
 
 
 @dataclass(frozen=True)
@@ -86,9 +61,10 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._arrivals = 0
-        self._to_drop: list[str] = []
+        self._to_drop: list[str] = []  # preempted, finished or aborted: the runner drops their sequences
+        self._to_forget: list[str] = []  # finished or aborted: the runner forgets them
+        self._finished_now: list[str] = []  # finished while planning the next step
         self._preempted_now = False
-        self.finished_without_step: list[Request] = []  # finished while planning; their outputs must be sent
         self.prefix = PrefixIndex(limits.page_tokens)
         self.prefix_queries_tokens = 0
         self.prefix_hits_tokens = 0
@@ -119,12 +95,19 @@ class Scheduler:
         self.waiting.append(req)
         return None
 
-    def abort(self, request_id: str) -> Request | None:
+    def abort(self, request_id: str, error: str | None = None) -> RequestOutput | None:
+        """End a request now (the client left, or the step failed it): its last output, or None when it
+        is unknown or over already."""
         req = self.requests.get(request_id)
         if req is None or req.status is Status.FINISHED:
             return None
         self._finish(req, "abort")
-        return req
+        return self._output(req, error)
+
+    @property
+    def has_work(self) -> bool:
+        """Requests to run, or finished ones the runner has not been told to forget yet."""
+        return bool(self.running or self.waiting or self._to_forget)
 
     # ------------------------------------------------------------------ planning
     def schedule(self, chunk_tokens: int) -> StepPlan:
@@ -140,7 +123,7 @@ class Scheduler:
             elif not any(r.arrival < req.arrival for r in self.running):
                 # the oldest request cannot grow and nobody can make room: it has reached the pool's end
                 self._finish(req, "length")
-                self.finished_without_step.append(req)
+                self._finished_now.append(req.request_id)
         budget = max(chunk_tokens - len(rows), 1)
         for req in sorted(self.running, key=lambda r: r.arrival):
             if budget <= 0:
@@ -167,8 +150,17 @@ class Scheduler:
             self.running.append(req)
             rows.append(self._row(req, n))
             budget -= n
+        new = tuple(
+            NewRequest(r.request_id, tuple(req.prompt_token_ids), req.sampling)
+            for r in rows
+            if not (req := self.requests[r.request_id]).announced
+        )
+        for n in new:
+            self.requests[n.request_id].announced = True
         dropped, self._to_drop = tuple(self._to_drop), []
-        return StepPlan(tuple(rows), dropped)
+        finished, self._to_forget = tuple(self._to_forget), []
+        finished_now, self._finished_now = tuple(self._finished_now), []
+        return StepPlan(tuple(rows), new, dropped, finished, finished_now)
 
     # ------------------------------------------------------------------ prefix reuse
     def _attach_prefix(self, req: Request) -> None:
@@ -292,8 +284,9 @@ class Scheduler:
             self._to_drop.append(req.request_id)
 
     # ------------------------------------------------------------------ results
-    def reset(self, plan: StepPlan) -> None:
-        """After a failed step: its requests recompute from scratch, its planned snapshots are void."""
+    def reset(self, plan: StepPlan) -> list[RequestOutput]:
+        """After a failed step: its requests recompute from scratch, its planned snapshots are void.
+        Returns the outputs of the requests that ended while the step was planned."""
         for row in plan.rows:
             req = self.requests.get(row.request_id)
             if req is not None and req.status is Status.RUNNING:
@@ -301,24 +294,47 @@ class Scheduler:
             if row.snapshot_slot is not None:
                 key = next(k for k, e in self.prefix.entries.items() if e.slot == row.snapshot_slot)
                 self._free_entry(self.prefix.entries.pop(key))
+        return [self._output(self.requests[rid]) for rid in plan.finished_now if rid in self.requests]
 
-    def complete(self, plan: StepPlan, sampled: dict[str, TokenOut]) -> list[Request]:
-        """Advance after a step; returns the requests that produced output or finished."""
-        touched: list[Request] = []
+    def complete(self, plan: StepPlan, out: StepOutput) -> list[RequestOutput]:
+        """Advance after a step: the only writer of a Request. Returns the outputs to send: every request
+        that produced a token or finished (in this step, or while it was planned)."""
+        touched = [self.requests[rid] for rid in plan.finished_now if rid in self.requests]
         for row in plan.rows:
             if row.snapshot_slot is not None:
                 self.prefix.mark_ready(row.snapshot_slot)
             req = self.requests.get(row.request_id)
             if req is None or req.status is not Status.RUNNING:
                 continue
+            for position, token in out.prompt_logprobs.get(row.request_id, ()):
+                if req.prompt_logprobs is not None:
+                    req.prompt_logprobs[position] = token
             req.num_computed_tokens += len(row.token_ids)
-            if row.sample and row.request_id in sampled:
-                req.output.append(sampled[row.request_id])
+            if row.sample and row.request_id in out.sampled:
+                req.output.append(out.sampled[row.request_id])
                 reason = self._stop_reason(req)
                 if reason:
                     self._finish(req, reason)
                 touched.append(req)
-        return touched
+        return [self._output(req) for req in touched]
+
+    def _output(self, req: Request, error: str | None = None) -> RequestOutput:
+        """The request's new tokens since its last output; a finished request is forgotten with it."""
+        first = req.num_sent_tokens == 0
+        new = req.output[req.num_sent_tokens :]
+        req.num_sent_tokens = len(req.output)
+        finished = req.status is Status.FINISHED
+        if finished:
+            self.requests.pop(req.request_id, None)
+        return RequestOutput(
+            req.request_id,
+            list(new),
+            len(req.prompt_token_ids),
+            req.num_cached_tokens,
+            req.finish_reason if finished else None,
+            error,
+            req.prompt_logprobs if first else None,
+        )
 
     def _stop_reason(self, req: Request) -> str | None:
         s, token = req.sampling, req.output[-1].token_id
@@ -336,12 +352,8 @@ class Scheduler:
         self._release(req)
         req.status = Status.FINISHED
         req.finish_reason = reason
-
-    def forget(self, request_id: str) -> None:
-        """Drop a finished request once its last output was sent."""
-        req = self.requests.get(request_id)
-        if req is not None and req.status is Status.FINISHED:
-            del self.requests[request_id]
+        if req.announced:
+            self._to_forget.append(req.request_id)
 
     @property
     def kv_usage(self) -> float:

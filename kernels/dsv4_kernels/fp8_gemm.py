@@ -1,15 +1,38 @@
-"""FP8 block-scaled GEMM (DeepSeek's `fp8_gemm`, dsv4-model.md §2.10, §3.3) in Triton.
+"""FP8 block-scaled projection (DeepSeek's `act_quant` + `fp8_gemm`, dsv4-model.md §2.10, §3.3) in Triton,
+the activation quantization fused into the GEMM's prologue: one launch per projection.
 
-Contract (reference: `fp8_gemm_ref.fp8_gemm_ref`):
-  a        [M, K]   float8_e4m3fn, row-major (K contiguous): activations quantized per token per 128 K
-  a_scale  [M, ceil(K/128)] fp32 (contiguous), powers of two
+Contract (reference: `fp8_gemm_ref.fp8_linear_ref`, and `fp8_gemm_ref` for the pre-quantized form):
+  x        [M, K]   bf16 or fp32, row-major (K contiguous): the activations, quantized here
   b        [N, K]   float8_e4m3fn, row-major: the weight as the checkpoint stores it
   b_scale  [ceil(N/128), ceil(K/128)] e8m0 (float8_e8m0fnu or uint8), one per 128x128 block
-  out      [M, N]   bf16 = sum_kb (a_kb @ b_kb^T) * a_scale[:, kb] * b_scale[n // 128, kb], fp32 accumulation
+  out      [M, N]   bf16 = sum_kb (q_kb @ b_kb^T) * s[:, kb] * b_scale[n // 128, kb], fp32 accumulation,
+                    where (q, s) = act_quant_fp8_ref(x): e4m3 per token per 128 K, s a power of two
+The pre-quantized form (`fp8_gemm`: e4m3 a [M, K] and fp32 a_scale [M, ceil(K/128)] from the caller)
+is the same kernel with QUANT_A off.
 
-BLOCK_K is 128, the scale block: each K step is one tensor-core product of two fp8 tiles, promoted
-into the fp32 accumulator with its two scales (DeepGEMM's scheme). M, N, K need not be multiples of
-any block (masked loads read zeros there); the wrapper sets EVEN_K when K is a multiple of 128 (every
+BLOCK_K is 128, the scale block: each K step loads one [BM, 128] activation tile, quantizes it (per-row
+amax floored at 1e-4; scale 2^ceil(log2(amax / 448)); q = e4m3(x / scale), round to nearest even) and
+runs one tensor-core product of two fp8 tiles, promoted into the fp32 accumulator with its two scales
+(DeepGEMM's scheme). The bytes are the reference's, by exact methods only:
+- the scale comes from amax's bits: amax = m 2^E (m in [1, 2)) needs 2^(E-8) when m <= 1.75 (448 =
+  1.75 2^8), else 2^(E-7). No log2 nor division (Triton's fp32 `/` is `div.full.f32`, approximate).
+  torch rounds amax / 448 to fp32 first, which never lands on a power of two from above: the fp32
+  amax next above 448 2^e is 2^-23 / 1.75 above it, relatively, more than the half ulp (2^-24) that
+  would round the quotient down to 2^e. So both pick the same power (tested at those neighbours).
+- x / scale is x times the exact power of two 1 / scale; it needs no clamp: |x| <= amax <= 448 scale.
+- e4m3 rounding: on a GPU the fp32 -> e4m3 cast is `cvt.rn.satfinite.e4m3x2.f32` (PTX: round to
+  nearest even), torch's rounding. The interpreter emulates that cast with bit code that rounds half
+  up and loses the carry into the exponent, so there (ROUND_BITS) the value is first rounded to the
+  e4m3 grid (ties to even) with an fp32 add / subtract of 2^(E+20), |v| in [2^E, 2^(E+1)),
+  whose ulp is the e4m3 quantum at |v| (2^-9 in e4m3's subnormal range), and the cast is then exact.
+
+Every N-tile program re-quantizes the same [BM, K] rows. In decode (M <= 32) that is free: the
+projection is bound by reading the weight, and the activation rows (at most 32 x 8 KB) stay in L2; it
+saves the separate quantization (~17 torch launches) and a round trip of x through memory. In a
+large prefill it is ALU work per (row block, N tile) beside the fp8 MMA, the price of one launch.
+
+M, N, K need not be multiples of any block (masked loads read zeros, which also pad the last partial
+activation block, as the reference pads); the wrapper sets EVEN_K when K is a multiple of 128 (every
 model K), which drops the K masks from the loop. e8m0 bytes are decoded by placing them in the fp32
 exponent field (exact; byte 0 decodes to 0 instead of 2^-127 and 255 to inf instead of NaN; neither
 occurs in a checkpoint).
@@ -20,17 +43,58 @@ interpreter truncates fp32->bf16 stores); a GPU build stores bf16 directly.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from dsv4_kernels.fp8_gemm_ref import FP8_BLOCK, act_quant_fp8_ref
+from dsv4_kernels.fp8_gemm_ref import FP8_AMAX_FLOOR, FP8_BLOCK
 from dsv4_kernels.outputs import output_buffer
+
+AMAX_FLOOR = tl.constexpr(FP8_AMAX_FLOOR)
 
 
 def interpreting() -> bool:
     """True when @triton.jit builds interpreter functions (TRITON_INTERPRET=1 at import time)."""
     return not isinstance(fp8_gemm_kernel, triton.runtime.JITFunction)
+
+
+@triton.jit
+def _pow2_scale(amax):
+    """amax fp32 (floored, so normal) -> (s, 1 / s), s = 2^ceil(log2(amax / 448)), from amax's bits."""
+    bits = amax.to(tl.int32, bitcast=True)
+    biased = (bits >> 23) - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)  # 0x600000: mantissa of 1.75
+    return (biased << 23).to(tl.float32, bitcast=True), ((254 - biased) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _round_to_e4m3(v):
+    """fp32 v (|v| <= 448) -> the nearest e4m3 value, ties to even, still fp32 (see the module doc)."""
+    bits = v.to(tl.int32, bitcast=True)
+    mag = bits & 0x7FFFFFFF
+    # 2^(E+20) for |v| in [2^E, 2^(E+1)), E >= -6 (e4m3's smallest normal exponent): its ulp is 2^(E-3)
+    magic = (tl.maximum(mag & 0x7F800000, 121 << 23) + (20 << 23)).to(tl.float32, bitcast=True)
+    rounded = (mag.to(tl.float32, bitcast=True) + magic) - magic
+    return (rounded.to(tl.int32, bitcast=True) | (bits ^ mag)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _a_tile(
+    a_ptrs, a_mask, a_scale_ptrs, mask_m, K_AXIS: tl.constexpr, QUANT_A: tl.constexpr, ROUND_BITS: tl.constexpr
+):
+    """One K block of A as an e4m3 tile (K along K_AXIS) and its per-row fp32 scales [BM]: quantized here
+    from bf16 / fp32 (QUANT_A; a_scale_ptrs unused), else loaded as the caller quantized them."""
+    if QUANT_A:
+        x = tl.load(a_ptrs, mask=a_mask, other=0.0).to(tl.float32)  # fp32 first (the interpreter's bf16 rule)
+        amax = tl.maximum(tl.max(tl.abs(x), axis=K_AXIS), AMAX_FLOOR)
+        scale, inv_scale = _pow2_scale(amax)
+        v = x * tl.expand_dims(inv_scale, K_AXIS)  # |v| <= 448 by the choice of scale
+        if ROUND_BITS:
+            v = _round_to_e4m3(v)
+        return v.to(tl.float8e4nv), scale
+    else:
+        return tl.load(a_ptrs, mask=a_mask, other=0.0), tl.load(a_scale_ptrs, mask=mask_m, other=0.0)
 
 
 @triton.jit
@@ -53,10 +117,13 @@ def fp8_gemm_kernel(
     BLOCK_K: tl.constexpr,
     SWAP_AB: tl.constexpr,
     EVEN_K: tl.constexpr,
+    QUANT_A: tl.constexpr,
+    ROUND_BITS: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] output tile. SWAP_AB computes its transpose, b_tile @ a_tile^T, so that
     N fills the 64-row side of a Hopper wgmma when M is a decode batch (M < 64). EVEN_K (K a multiple
-    of BLOCK_K) drops the K masks, so the tile loads are masked along M / N only."""
+    of BLOCK_K) drops the K masks, so the tile loads are masked along M / N only. QUANT_A: a_ptr holds
+    bf16 / fp32 activations quantized in the loop (a_scale_ptr unused), else e4m3 with fp32 scales."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -64,7 +131,7 @@ def fp8_gemm_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < M
     mask_n = offs_n < N
-    a_scale_ptrs = a_scale_ptr + offs_m * stride_asm
+    a_scale_ptrs = a_scale_ptr + offs_m * stride_asm  # the pre-quantized form's; QUANT_A passes a's pointer
     b_scale_ptrs = b_scale_ptr + (offs_n // BLOCK_K) * stride_bsn
     if SWAP_AB:
         a_ptrs = a_ptr + offs_m[None, :] * stride_am + offs_k[:, None]  # [BK, BM], K-major
@@ -77,9 +144,8 @@ def fp8_gemm_kernel(
                 k_ok = offs_k < K - kb * BLOCK_K
                 a_mask = a_mask & k_ok[:, None]
                 b_mask = b_mask & k_ok[None, :]
-            a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+            a, a_s = _a_tile(a_ptrs, a_mask, a_scale_ptrs + kb, mask_m, 0, QUANT_A, ROUND_BITS)
             b = tl.load(b_ptrs, mask=b_mask, other=0.0)
-            a_s = tl.load(a_scale_ptrs + kb, mask=mask_m, other=0.0)
             b_s_raw = tl.load(b_scale_ptrs + kb, mask=mask_n, other=0)
             b_s = (b_s_raw.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # 2^(byte-127), exact
             acc_t += tl.dot(b, a) * b_s[:, None] * a_s[None, :]
@@ -98,9 +164,8 @@ def fp8_gemm_kernel(
                 k_ok = offs_k < K - kb * BLOCK_K
                 a_mask = a_mask & k_ok[None, :]
                 b_mask = b_mask & k_ok[:, None]
-            a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+            a, a_s = _a_tile(a_ptrs, a_mask, a_scale_ptrs + kb, mask_m, 1, QUANT_A, ROUND_BITS)
             b = tl.load(b_ptrs, mask=b_mask, other=0.0)
-            a_s = tl.load(a_scale_ptrs + kb, mask=mask_m, other=0.0)
             b_s_raw = tl.load(b_scale_ptrs + kb, mask=mask_n, other=0)
             b_s = (b_s_raw.to(tl.int32) << 23).to(tl.float32, bitcast=True)
             acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
@@ -124,28 +189,47 @@ def pick_blocks(m: int) -> tuple[int, int, bool]:
     return 64, 128, False
 
 
-def fp8_gemm(
-    a: torch.Tensor,
-    a_scale: torch.Tensor,
-    b: torch.Tensor,
-    b_scale: torch.Tensor,
-    blocks: tuple[int, int, bool] | None = None,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """See the module contract. Returns bf16 [M, N]. `out` ([M, N], row stride free, dtype
-    `store_dtype()`) receives the kernel's stores (tests pass a NaN-poisoned view)."""
-    m, k = a.shape
-    n, kb_ = b.shape
-    nkb = -(-k // FP8_BLOCK)
-    if a.dtype != torch.float8_e4m3fn or b.dtype != torch.float8_e4m3fn or kb_ != k:
-        raise ValueError(f"need e4m3 a [M, K] and b [N, K], got {a.dtype} {tuple(a.shape)}, {b.dtype} {tuple(b.shape)}")
-    if tuple(a_scale.shape) != (m, nkb) or tuple(b_scale.shape) != (-(-n // FP8_BLOCK), nkb):
-        raise ValueError(f"scale shapes {tuple(a_scale.shape)}, {tuple(b_scale.shape)} do not fit M={m} N={n} K={k}")
+def num_warps(device: torch.device, swap_ab: bool) -> int:
+    """4, or 8 for the unswapped (prefill) tile on a GPU without wgmma (sm_80/89/120): there the MMA
+    operands and the fp32 accumulator all live in registers, and with the activation tile in fp32 for
+    its quantization 4 warps spill (255 registers a thread on sm_120)."""
+    if swap_ab or device.type != "cuda":
+        return 4
+    return 4 if _sm_major(device.index if device.index is not None else torch.cuda.current_device()) in (9, 10) else 8
+
+
+@functools.cache
+def _sm_major(device_index: int) -> int:
+    return torch.cuda.get_device_capability(device_index)[0]
+
+
+def _check_weight(b: torch.Tensor, b_scale: torch.Tensor, k: int) -> None:
+    n = b.shape[0]
+    if b.dtype != torch.float8_e4m3fn or b.dim() != 2 or b.shape[1] != k:
+        raise ValueError(f"need an e4m3 weight [N, {k}], got {b.dtype} {tuple(b.shape)}")
+    if tuple(b_scale.shape) != (-(-n // FP8_BLOCK), -(-k // FP8_BLOCK)):
+        raise ValueError(f"weight scale shape {tuple(b_scale.shape)} does not fit N={n} K={k}")
     if b_scale.dtype not in (torch.float8_e8m0fnu, torch.uint8):
         raise TypeError(f"weight scales must be e8m0 (float8_e8m0fnu or uint8 bytes), got {b_scale.dtype}")
-    a, b = a.contiguous(), b.contiguous()
-    a_scale = a_scale.float().contiguous()
+
+
+def _launch(
+    a: torch.Tensor,
+    a_scale: torch.Tensor | None,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    blocks: tuple[int, int, bool] | None,
+    out: torch.Tensor | None,
+) -> torch.Tensor:
+    """The one kernel launch of both forms; a_scale None: `a` is bf16 / fp32 and quantized in the kernel."""
+    m, k = a.shape
+    n = b.shape[0]
+    quant_a = a_scale is None
+    a = a if a.stride(-1) == 1 else a.contiguous()  # any row stride; K must be contiguous
+    b = b.contiguous()
     b_scale = b_scale.contiguous().view(torch.uint8)
+    if quant_a:
+        a_scale = a  # never read (QUANT_A); a pointer of the right kind for the signature
     bm, bn, swap_ab = blocks or pick_blocks(m)
     out = output_buffer(out, (m, n), store_dtype(), a.device)
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
@@ -159,7 +243,7 @@ def fp8_gemm(
         n,
         k,
         a.stride(0),
-        a_scale.stride(0),
+        0 if quant_a else a_scale.stride(0),
         b.stride(0),
         b_scale.stride(0),
         out.stride(0),
@@ -168,23 +252,49 @@ def fp8_gemm(
         BLOCK_K=FP8_BLOCK,
         SWAP_AB=swap_ab,
         EVEN_K=k % FP8_BLOCK == 0,
+        QUANT_A=quant_a,
+        ROUND_BITS=quant_a and interpreting(),
+        num_warps=num_warps(a.device, swap_ab),
     )
     return out.to(torch.bfloat16)
 
 
-def act_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (e4m3 [M, K], fp32 scales [M, ceil(K/128)]): the per-token, per-128 activation
-    quantization, in torch (the same function as the reference: it is a cheap elementwise pass)."""
-    return act_quant_fp8_ref(x)
+def fp8_linear(
+    x: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    blocks: tuple[int, int, bool] | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [M, K] bf16 / fp32 -> bf16 [M, N]: the whole FP8 projection (`numerics.linear` with fp8_act) in
+    one launch; the kernel quantizes x (idempotent: an input quantized before gives the same bytes).
+    `out` ([M, N], row stride free, dtype `store_dtype()`) receives the kernel's stores."""
+    if x.dtype not in (torch.bfloat16, torch.float32) or x.dim() != 2:
+        raise TypeError(f"fp8_linear takes bf16 or fp32 activations [M, K], got {x.dtype} {tuple(x.shape)}")
+    _check_weight(b, b_scale, x.shape[1])
+    return _launch(x, None, b, b_scale, blocks, out)
 
 
-def fp8_linear(x: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor) -> torch.Tensor:
-    """x [M, K] (bf16/fp32) -> bf16 [M, N]: act quantization + FP8 GEMM, as `numerics.linear`."""
-    q, s = act_quant_fp8(x)
-    return fp8_gemm(q, s, b, b_scale)
+def fp8_gemm(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    blocks: tuple[int, int, bool] | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The pre-quantized form: a e4m3 [M, K] with fp32 scales [M, ceil(K/128)] (as `act_quant_fp8_ref`
+    makes them) -> bf16 [M, N]. `blocks` and `out` as in `fp8_linear`."""
+    m, k = a.shape
+    if a.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"need e4m3 activations [M, K], got {a.dtype}")
+    _check_weight(b, b_scale, k)
+    if tuple(a_scale.shape) != (m, -(-k // FP8_BLOCK)):
+        raise ValueError(f"activation scale shape {tuple(a_scale.shape)} does not fit M={m} K={k}")
+    return _launch(a, a_scale.float().contiguous(), b, b_scale, blocks, out)
 
 
-COMPILE_SIGNATURE = {
+_SIGNATURE = {
     "a_ptr": "*fp8e4nv",
     "a_scale_ptr": "*fp32",
     "b_ptr": "*fp8e4nv",
@@ -203,15 +313,30 @@ COMPILE_SIGNATURE = {
     "BLOCK_K": "constexpr",
     "SWAP_AB": "constexpr",
     "EVEN_K": "constexpr",
+    "QUANT_A": "constexpr",
+    "ROUND_BITS": "constexpr",
 }
+# what the model launches (fp8_linear on the bf16 compute dtype): a_scale_ptr is a's own pointer, unread
+COMPILE_SIGNATURE = {**_SIGNATURE, "a_ptr": "*bf16", "a_scale_ptr": "*bf16"}
+PREQUANT_SIGNATURE = _SIGNATURE
 # multiples of 16 at DeepSeek-V4-Flash's dims (registry.py): N and K of every FP8 projection and the
 # row strides that equal them; not M, nor the scale strides ceil(K/128) (8 for K=1024)
 ALIGNED_INTS = ("N", "K", "stride_am", "stride_bn", "stride_cm")
 
 # (config name, signature, constexprs) for the CPU compile checks (tests/kernels/test_compile.py)
-_K = {"BLOCK_K": 128, "EVEN_K": True}  # every model K is a multiple of 128
+_K = {"BLOCK_K": 128, "EVEN_K": True, "ROUND_BITS": False}  # every model K is a multiple of 128
+_FUSED, _PREQUANT = {**_K, "QUANT_A": True}, {**_K, "QUANT_A": False}
+_PREFILL, _DECODE = {"BLOCK_M": 64, "BLOCK_N": 128, "SWAP_AB": False}, {"BLOCK_M": 16, "BLOCK_N": 128, "SWAP_AB": True}
 COMPILE_CONFIGS = (
-    ("prefill", COMPILE_SIGNATURE, {**_K, "BLOCK_M": 64, "BLOCK_N": 128, "SWAP_AB": False}),
-    ("decode", COMPILE_SIGNATURE, {**_K, "BLOCK_M": 16, "BLOCK_N": 128, "SWAP_AB": True}),
-    ("decode_noswap", COMPILE_SIGNATURE, {**_K, "BLOCK_M": 16, "BLOCK_N": 128, "SWAP_AB": False}),
+    ("prefill", COMPILE_SIGNATURE, {**_FUSED, **_PREFILL}),
+    ("prefill_w8", COMPILE_SIGNATURE, {**_FUSED, **_PREFILL}),
+    ("decode", COMPILE_SIGNATURE, {**_FUSED, **_DECODE}),
+    ("decode_noswap", COMPILE_SIGNATURE, {**_FUSED, **_DECODE, "SWAP_AB": False}),
+    ("prefill_prequant", PREQUANT_SIGNATURE, {**_PREQUANT, **_PREFILL}),
+    ("prefill_prequant_w8", PREQUANT_SIGNATURE, {**_PREQUANT, **_PREFILL}),
+    ("decode_prequant", PREQUANT_SIGNATURE, {**_PREQUANT, **_DECODE}),
 )
+# `num_warps`: the prefill tile launches with 4 warps on sm_90 and 8 on sm_120; the pre-quantized
+# form's wrapper launches it the same way (only the fused form is measured to need 8: see num_warps)
+LAUNCH_OPTIONS = {"prefill_w8": {"num_warps": 8}, "prefill_prequant_w8": {"num_warps": 8}}
+LAUNCH_ARCHS = {"prefill": (90,), "prefill_w8": (120,), "prefill_prequant": (90,), "prefill_prequant_w8": (120,)}

@@ -1,4 +1,4 @@
-"""The output head (dsv4-model.md, step 6: logits = head . y in fp32 with the bf16 weight upcast) in
+"""The output head (dsv4-model.md §2.0 step 6: logits = head . y in fp32 with the bf16 weight upcast) in
 Triton, reading the weight as stored.
 
 Contract (reference: `head_logits_ref.head_logits_ref`):

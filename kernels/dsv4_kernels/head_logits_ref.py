@@ -1,4 +1,4 @@
-"""Torch reference of the output head (dsv4-model.md, step 6): logits = head . y in fp32, the bf16
+"""Torch reference of the output head (dsv4-model.md §2.0 step 6): logits = head . y in fp32, the bf16
 head weight upcast, as DeepSeek's reference computes them (and `Transformer.logits` on torch)."""
 
 from __future__ import annotations

@@ -78,10 +78,10 @@ class KernelSpec:
 
 
 KERNELS: tuple[KernelSpec, ...] = (
-    KernelSpec(
+    KernelSpec(  # one kernel, two forms: bf16 / fp32 activations quantized in the kernel, and pre-quantized
         name="fp8_gemm",
         kernel="dsv4_kernels.fp8_gemm:fp8_gemm_kernel",
-        references=("dsv4_kernels.fp8_gemm_ref:fp8_gemm_ref",),
+        references=("dsv4_kernels.fp8_gemm_ref:fp8_linear_ref", "dsv4_kernels.fp8_gemm_ref:fp8_gemm_ref"),
         test_module="tests/kernels/test_fp8_gemm.py",
         compile_configs="dsv4_kernels.fp8_gemm:COMPILE_CONFIGS",
     ),

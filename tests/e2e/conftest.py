@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dsv4serve.ipc.messages import WorkerLaunch
+from dsv4serve.ipc.messages import Sourced, WorkerLaunch
 from dsv4serve.supervisor import EngineClient
 
 
@@ -29,20 +29,23 @@ class LoopThread:
 
 
 def launch_for(model_dir: Path, **overrides) -> WorkerLaunch:
+    """A launch for dsv4-tiny on the CPU; a plain override value is a setting given on the command line."""
     base = dict(
         to_worker="",
         from_worker="",
         model_path=str(model_dir),
         device="cpu",
-        max_num_seqs=8,
-        max_queued_requests=16,
-        max_model_len=4096,
-        max_model_len_explicit=False,
-        max_prefill_length=None,
-        max_prefill_length_source="default",
-        num_tokens=None,
+        max_num_seqs=Sourced(8),
+        max_queued_requests=Sourced(16),
+        max_model_len=Sourced(4096, "model-rule"),
+        max_prefill_length=Sourced(None),
+        num_tokens=Sourced(None),
     )
-    return WorkerLaunch(**{**base, **overrides})
+    given = {
+        k: v if k in ("device", "model_path", "log_level") or isinstance(v, Sourced) else Sourced(v, "cli")
+        for k, v in overrides.items()
+    }
+    return WorkerLaunch(**{**base, **given})
 
 
 @pytest.fixture

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from dsv4serve.checkpoint.loader import load_dense_state_dict
+from dsv4serve.ipc.sampling import SamplingParams
+from dsv4serve.memory.chunk_planner import prefill_geometry
 from dsv4serve.model.args import read_model_args
 from dsv4serve.model.numerics import NUMERICS_ON
 from dsv4serve.model.transformer import BatchRow, Transformer
 from dsv4serve.supervisor import EngineUnavailable, RequestRejected, WorkerDied
-from dsv4serve.worker.chunk_planner import prefill_geometry
-from dsv4serve.worker.sampling_params import SamplingParams
 
 from .conftest import launch_for, start_client
 
@@ -187,20 +187,15 @@ def test_offloaded_experts_through_a_small_slot_cache_give_the_same_tokens(loop_
         loop_thread.run(client.shutdown())
 
 
-def test_oom_in_a_prefill_chunk_shrinks_the_chunk_and_the_request_completes(loop_thread, tiny_dir, reference_tokens):
-    # fault injection (testing only): a step whose activations pass the budget of 24 tokens (at the
-    # planner's own bytes per token) raises torch.OutOfMemoryError, as a real allocation would
+def test_oom_in_a_prefill_chunk_shrinks_the_chunk_and_the_request_completes(
+    loop_thread, tiny_dir, reference_tokens, monkeypatch
+):
+    # fault injection (testing only, env.py): a step whose activations pass the budget of 24 tokens (at
+    # the planner's own bytes per token) raises torch.OutOfMemoryError, as a real allocation would
     args = read_model_args(tiny_dir)
     per_token = prefill_geometry(args, context_tokens=4096, max_rows=8).activation_bytes_per_token
-    client = start_client(
-        loop_thread,
-        launch_for(
-            tiny_dir,
-            max_prefill_length=32,
-            max_prefill_length_source="cli",
-            fault_oom_above_bytes=24 * per_token + per_token // 2,
-        ),
-    )
+    monkeypatch.setenv("DSV4SERVE_TESTING_OOM_ABOVE_BYTES", str(24 * per_token + per_token // 2))
+    client = start_client(loop_thread, launch_for(tiny_dir, max_prefill_length=32))
     try:
         tokens, _ = loop_thread.run(collect(client, "oom", PROMPT, greedy(8)))
         assert tokens == reference_tokens

@@ -10,7 +10,8 @@ prints the table: `python -m dsv4_kernels.build_report`).
 
 What triton 3.7.1 emits (asserted below):
 - fp8_gemm on sm_90: `wgmma.mma_async ... .e4m3.e4m3` for prefill (m64n128k32) and, with SWAP_AB,
-  for decode (m64n16k32). Without the swap a 16-row tile falls back to `mma.sync ... f16.f16`
+  for decode (m64n16k32), in the fused form (bf16 activations quantized in the kernel) and the
+  pre-quantized one (`*_prequant`). Without the swap a 16-row tile falls back to `mma.sync ... f16.f16`
   (the fp8 tiles are widened to f16 in registers, still exact): that is why decode swaps A and B.
 - fp8_gemm on sm_120: no wgmma there; `mma.sync.aligned.m16n8k32 ... e4m3.e4m3` (native fp8 mma).
 - fp4_moe_gemm: weights are dequantized to bf16 in registers (no FP4 MMA on sm_90) and the tile is
@@ -30,9 +31,13 @@ EXPECTED = {
     ("fp8_gemm", "prefill", 90): "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3",
     ("fp8_gemm", "decode", 90): "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3",
     ("fp8_gemm", "decode_noswap", 90): "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32",
-    ("fp8_gemm", "prefill", 120): "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32",
+    ("fp8_gemm", "prefill_w8", 120): "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32",
     ("fp8_gemm", "decode", 120): "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32",
     ("fp8_gemm", "decode_noswap", 120): "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32",
+    ("fp8_gemm", "prefill_prequant", 90): "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3",
+    ("fp8_gemm", "decode_prequant", 90): "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3",
+    ("fp8_gemm", "prefill_prequant_w8", 120): "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32",
+    ("fp8_gemm", "decode_prequant", 120): "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32",
     # P @ V of 64 heads: [64, BLOCK_N] @ [BLOCK_N, 512] on bf16 operands; 32-key blocks on sm_90, 16 on sm_120
     ("paged_sparse_attention", "decode_csa_bn32", 90): "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16",
     ("paged_sparse_attention", "prefill_csa_bn32", 90): "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16",

@@ -14,6 +14,8 @@ import dsv4_kernels.head_logits
 from dsv4serve.model.backends import KernelBackends, kernel_names, named_kernels
 from dsv4serve.worker.kernel_check import KernelCheckError, check_kernels, run_check
 
+pytestmark = pytest.mark.slow  # the interpreter runs whole models: `pytest -m "not slow"` skips it
+
 CPU = torch.device("cpu")
 HEAD = KernelBackends(head="triton")
 
@@ -66,12 +68,12 @@ def test_the_worker_stops_with_the_flag_named(monkeypatch):
     import dataclasses
 
     from dsv4serve.model.numerics import NUMERICS_ON
-    from dsv4serve.worker.engine_setup import StartupError, _checked_kernels
+    from dsv4serve.worker.model_load import StartupError, checked_numerics
 
     monkeypatch.setattr(dsv4_kernels.head_logits, "head_logits", _garbage_head)
     with pytest.raises(StartupError, match="--kernels head=triton: the Triton kernel check failed"):
-        _checked_kernels(dataclasses.replace(NUMERICS_ON, backends=HEAD), "head=triton", CPU)
-    auto = _checked_kernels(dataclasses.replace(NUMERICS_ON, backends=HEAD), "auto", CPU)
+        checked_numerics(dataclasses.replace(NUMERICS_ON, backends=HEAD), "head=triton", CPU)
+    auto = checked_numerics(dataclasses.replace(NUMERICS_ON, backends=HEAD), "auto", CPU)
     assert auto.backends == KernelBackends() and auto.fp8_act  # the rest of the numerics kept
 
 

@@ -38,6 +38,8 @@ from dsv4serve.model.moe import MoE
 from dsv4serve.model.numerics import NUMERICS_ON, Numerics
 from dsv4serve.model.transformer import BatchRow, Transformer
 
+pytestmark = pytest.mark.slow  # the interpreter runs whole models: `pytest -m "not slow"` skips it
+
 PROMPT_TOKENS = (40, 33)  # two ragged rows
 CHUNKS = ((24, 16), (17, 16))  # each row's prefill chunks, run batched chunk by chunk
 DECODE_STEPS = 3

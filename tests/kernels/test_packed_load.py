@@ -13,15 +13,18 @@ import pytest
 import torch
 
 from dsv4serve.checkpoint.loader import iter_dense, open_checkpoint
-from dsv4serve.memory_plan import weight_bytes
+from dsv4serve.memory.weights import weight_bytes
 from dsv4serve.model.args import read_model_args
 from dsv4serve.model.backends import TORCH, KernelBackends
 from dsv4serve.model.layers import Linear
 from dsv4serve.model.moe import MoE
 from dsv4serve.model.numerics import NUMERICS_ON
-from dsv4serve.model.packed_load import device_bytes, held_bf16, load_packed
+from dsv4serve.memory.weights import device_bytes, held_bf16
+from dsv4serve.model.packed_load import load_packed
 from dsv4serve.model.schema import checkpoint_schema
 from dsv4serve.model.transformer import BatchRow, Transformer
+
+pytestmark = pytest.mark.slow  # the interpreter runs whole models: `pytest -m "not slow"` skips it
 
 PROMPT_TOKENS, DECODE_STEPS = 24, 1  # the interpreter runs a decode step as slowly as the prefill
 ALL_TRITON = KernelBackends.every("triton")

@@ -14,7 +14,7 @@ from dsv4serve.api.tokenizer import TextTokenizer
 from dsv4serve.chat.tools import render_tool_calls
 from dsv4serve.ipc.messages import Ready, RequestOutput, TokenLogprob, TokenOut
 from dsv4serve.supervisor import RequestRejected, WorkerDied
-from dsv4serve.worker.chunk_planner import ChunkPlan
+from dsv4serve.memory.chunk_planner import ChunkPlan
 
 EOS = 1
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]

@@ -98,8 +98,8 @@ def test_the_cpu_smoke_run_checks_every_case_module(gpu_check, tmp_path: Path) -
 
 
 def test_the_real_config_can_travel_with_the_repository(monkeypatch, tmp_path: Path, real_model_dir: Path) -> None:
-    """A device machine receives the repository alone: bench/gpu_session.sh points the cases at a
-    carried copy of config.json through DSV4_REAL_CONFIG_DIR."""
+    """A device machine receives the repository alone: by default the cases read the config in
+    tests/data, which travels with it; DSV4_REAL_CONFIG_DIR (set by bench/gpu_session.sh) overrides it."""
     monkeypatch.syspath_prepend(str(REPO))
     from bench.gpu_cases import real_config_dir
 

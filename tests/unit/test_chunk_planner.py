@@ -8,7 +8,7 @@ import pytest
 
 from dsv4serve.config import ConfigError, Setting, Source
 from dsv4serve.model.args import read_model_args
-from dsv4serve.worker.chunk_planner import (
+from dsv4serve.memory.chunk_planner import (
     GEOMETRY_SAFETY_FACTOR,
     PLATFORM_MARGIN_BYTES,
     MemorySnapshot,
@@ -19,7 +19,7 @@ from dsv4serve.worker.chunk_planner import (
     prefill_geometry,
     shrink_after_oom,
 )
-from dsv4serve.worker.memory_probe import SimulatedBudget, detect_platform, measure_activation_bytes, take_snapshot
+from dsv4serve.memory.probe import SimulatedBudget, detect_platform, measure_activation_bytes, take_snapshot
 
 PACKAGE = Path(__file__).resolve().parents[2] / "dsv4serve"
 MIB, GIB = 1024**2, 1024**3
@@ -57,8 +57,8 @@ def test_only_the_probe_asks_the_device():
         for p in PACKAGE.rglob("*.py")
         if "mem_get_info" in p.read_text(encoding="utf-8")
     )
-    assert users == ["worker/memory_probe.py"]
-    for pure in ("worker/chunk_planner.py", "memory_plan.py"):
+    assert users == ["memory/probe.py"]
+    for pure in ("memory/chunk_planner.py", "memory/plan.py"):
         text = (PACKAGE / pure).read_text(encoding="utf-8")
         assert "import torch" not in text and "torch.cuda" not in text, pure
 

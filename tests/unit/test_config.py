@@ -6,11 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from dsv4serve.cli import build_parser, resolve_from_cli
+from dsv4serve.cli import build_parser
 from dsv4serve.config import ConfigError, ServeConfig, Source, options
 from dsv4serve.env import read_environment
 from dsv4serve.report import format_settings
 from dsv4serve.resolve import MachineFacts, ModelFacts, resolve
+from dsv4serve.resolve_cli import resolve_from_cli
 
 FACTS = ModelFacts(name="DeepSeek-V4-Flash", max_position_embeddings=1_048_576)
 CPU = MachineFacts(cuda_available=False)

@@ -33,7 +33,7 @@ from dsv4serve.doctor_host import (
     check_host_ram,
     check_platform,
 )
-from dsv4serve.worker.chunk_planner import MemorySnapshot
+from dsv4serve.memory.chunk_planner import MemorySnapshot
 
 GIB = 1024**3
 WSL2_VERSION = (
@@ -273,7 +273,7 @@ def test_gpu_lines_on_cuda_report_memory_capability_and_a_broken_device(monkeypa
         snapshots.append((device, ratio))
         return MemorySnapshot(29 * GIB, 32 * GIB, "wsl2", None, "measured")
 
-    monkeypatch.setattr("dsv4serve.worker.memory_probe.take_snapshot", snapshot)
+    monkeypatch.setattr("dsv4serve.memory.probe.take_snapshot", snapshot)
     checks, largest = check_gpus(fake_cuda_torch("CUDA driver error: device not ready\nmore"))  # type: ignore
     assert largest == 32 * GIB and snapshots == [("cuda:0", 1.0)]
     assert checks[0].status == "ok" and checks[0].data["compute_capability"] == "12.0"

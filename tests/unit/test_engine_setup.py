@@ -3,6 +3,7 @@ by name unless the interpreter runs (tests)."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 import torch
 
@@ -10,7 +11,7 @@ from dsv4serve.cli import main as cli_main
 from dsv4serve.model.args import args_from_dicts
 from dsv4serve.model.backends import KernelBackends
 from dsv4serve.tiny.spec import TINY_CONFIG
-from dsv4serve.worker.engine_setup import StartupError, _numerics
+from dsv4serve.worker.model_load import StartupError, worker_numerics
 
 ARGS = args_from_dicts(TINY_CONFIG, expert_dtype_hint="fp4")
 CPU = torch.device("cpu")
@@ -18,17 +19,17 @@ CPU = torch.device("cpu")
 
 def test_auto_is_torch_on_the_cpu_and_triton_on_cuda(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert _numerics(ARGS, "auto", CPU).backends == KernelBackends.every("torch")
-    assert _numerics(ARGS, "auto", torch.device("cuda")).backends == KernelBackends.every("triton")
-    assert _numerics(ARGS, "fp4_moe=torch", torch.device("cuda")).backends.fp4_moe == "torch"
+    assert worker_numerics(ARGS, "auto", CPU).backends == KernelBackends.every("torch")
+    assert worker_numerics(ARGS, "auto", torch.device("cuda")).backends == KernelBackends.every("triton")
+    assert worker_numerics(ARGS, "fp4_moe=torch", torch.device("cuda")).backends.fp4_moe == "torch"
 
 
 def test_triton_on_a_cpu_worker_is_refused_unless_interpreted(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(StartupError, match="--kernels attention=triton: the Triton kernels need a CUDA device"):
-        _numerics(ARGS, "attention=triton", CPU)
+        worker_numerics(ARGS, "attention=triton", CPU)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert _numerics(ARGS, "attention=triton", CPU).backends.attention == "triton"
+    assert worker_numerics(ARGS, "attention=triton", CPU).backends.attention == "triton"
 
 
 def test_a_bad_spec_stops_at_the_command_line(capsys):
@@ -42,44 +43,44 @@ def test_a_bad_spec_stops_at_the_command_line(capsys):
 def test_a_checkpoint_whose_dense_weights_cannot_fit_is_refused_by_name(real_model_dir):
     from types import SimpleNamespace
 
-    from dsv4serve.ipc.messages import WorkerLaunch
+    from dsv4serve.ipc.messages import Sourced, WorkerLaunch
     from dsv4serve.model.args import read_model_args
     from dsv4serve.model.schema import checkpoint_schema
-    from dsv4serve.worker.engine_setup import _check_weights_fit
+    from dsv4serve.worker.model_load import check_weights_fit
 
     args = read_model_args(real_model_dir)
     ckpt = SimpleNamespace(args=args, specs=tuple(checkpoint_schema(args)))
-    launch = WorkerLaunch("", "", "m", "cpu", 1, 1, 1, False, None, "default", None)
+    launch = WorkerLaunch("", "", "m", "cpu", Sourced(1), Sourced(1), Sourced(1), Sourced(None), Sourced(None))
     with pytest.raises(
         StartupError,
         match=r"need 1\d\d\d\.\d GiB dense in fp32, more than .* host memory: on CUDA "
         r"the FP8 GEMM and FP4 MoE kernels load them packed",
     ):
-        _check_weights_fit(ckpt, KernelBackends.every("torch"), False, False, launch, CPU)
+        check_weights_fit(ckpt, KernelBackends.every("torch"), False, False, launch, CPU)
 
 
 def test_packed_weights_that_cannot_fit_the_card_are_refused_with_the_fix(real_model_dir, monkeypatch):
     from types import SimpleNamespace
 
-    from dsv4serve.ipc.messages import WorkerLaunch
+    from dsv4serve.ipc.messages import Sourced, WorkerLaunch
+    from dsv4serve.memory.chunk_planner import MemorySnapshot
     from dsv4serve.model.args import read_model_args
     from dsv4serve.model.schema import checkpoint_schema
-    from dsv4serve.worker import engine_setup
-    from dsv4serve.worker.chunk_planner import MemorySnapshot
+    from dsv4serve.worker import model_load
 
-    monkeypatch.setattr(engine_setup, "take_snapshot", lambda device: MemorySnapshot(30 * 2**30, 32 * 2**30, "wsl2"))
+    monkeypatch.setattr(model_load, "take_snapshot", lambda device: MemorySnapshot(30 * 2**30, 32 * 2**30, "wsl2"))
     args = read_model_args(real_model_dir)
     ckpt = SimpleNamespace(args=args, specs=tuple(checkpoint_schema(args)))
     every = KernelBackends.every("triton")
-    resident = WorkerLaunch("", "", "m", "cuda", 1, 1, 1, False, None, "default", None)
+    resident = WorkerLaunch("", "", "m", "cuda", Sourced(1), Sourced(1), Sourced(1), Sourced(None), Sourced(None))
     with pytest.raises(
         StartupError,
         match=r"need 1\d\d\.\d GiB packed as stored, more than the 32\.0 GiB of GPU"
         r".*--moe-cache-size",
     ):
-        engine_setup._check_weights_fit(ckpt, every, True, False, resident, torch.device("cuda"))
-    offloaded = WorkerLaunch("", "", "m", "cuda", 1, 1, 1, False, None, "default", None, moe_cache_size=900)
-    engine_setup._check_weights_fit(ckpt, every, True, False, offloaded, torch.device("cuda"))  # ~15 GiB: fits
+        model_load.check_weights_fit(ckpt, every, True, False, resident, torch.device("cuda"))
+    offloaded = msgspec.structs.replace(resident, moe_cache_size=Sourced(900, "cli"))
+    model_load.check_weights_fit(ckpt, every, True, False, offloaded, torch.device("cuda"))  # ~15 GiB: fits
 
 
 def test_auto_expert_slots_on_cuda_are_the_memory_plan_s(real_model_dir, monkeypatch):
@@ -88,17 +89,27 @@ def test_auto_expert_slots_on_cuda_are_the_memory_plan_s(real_model_dir, monkeyp
     import subprocess
     import sys
 
-    from dsv4serve.ipc.messages import WorkerLaunch
+    from dsv4serve.ipc.messages import Sourced, WorkerLaunch
+    from dsv4serve.memory import expert_plan
+    from dsv4serve.memory.chunk_planner import MemorySnapshot
     from dsv4serve.model.args import read_model_args
     from dsv4serve.model.schema import checkpoint_schema
-    from dsv4serve.worker import expert_plan
-    from dsv4serve.worker.chunk_planner import MemorySnapshot
 
     gib = 2**30
     monkeypatch.setattr(expert_plan, "take_snapshot", lambda device: MemorySnapshot(30 * gib, 32 * gib, "wsl2"))
     monkeypatch.setattr(expert_plan, "host_snapshot", lambda: MemorySnapshot(100 * gib, 128 * gib, "native"))
     args = read_model_args(real_model_dir)
-    launch = WorkerLaunch("", "", "m", "cuda", 32, 256, args.max_position_embeddings, False, None, "default", None)
+    launch = WorkerLaunch(
+        "",
+        "",
+        "m",
+        "cuda",
+        Sourced(32),
+        Sourced(256),
+        Sourced(args.max_position_embeddings, "model-rule"),
+        Sourced(None),
+        Sourced(None),
+    )
     slots, why = expert_plan.planned_expert_slots(checkpoint_schema(args), args, launch, KernelBackends.every("triton"))
     plan = subprocess.run(
         [
@@ -128,9 +139,11 @@ def test_numerics_on_cuda_are_not_batch_invariant_and_a_bf16_checkpoint_keeps_fp
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     cuda = torch.device("cuda")
-    assert not _numerics(ARGS, "auto", cuda).batch_invariant and _numerics(ARGS, "auto", CPU).batch_invariant
+    assert (
+        not worker_numerics(ARGS, "auto", cuda).batch_invariant and worker_numerics(ARGS, "auto", CPU).batch_invariant
+    )
     bf16 = dataclasses.replace(ARGS, dtype="bf16")
-    auto = _numerics(bf16, "auto", cuda)
+    auto = worker_numerics(bf16, "auto", cuda)
     assert auto.backends.fp8_gemm == auto.backends.fp4_moe == "torch" and auto.backends.attention == "triton"
     with pytest.raises(StartupError, match="fp8_gemm=triton reads FP8"):
-        _numerics(bf16, "fp8_gemm=triton", cuda)
+        worker_numerics(bf16, "fp8_gemm=triton", cuda)

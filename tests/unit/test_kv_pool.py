@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from dsv4serve.memory_plan import kv_geometry
+from dsv4serve.memory.plan import kv_geometry
 from dsv4serve.model.args import args_from_dicts, read_model_args
-from dsv4serve.model.kv_pool import KvPool
+from dsv4serve.model.kv_pool import KvPool, SequenceState
 from dsv4serve.paging import IdAllocator, OutOfIds
 from dsv4serve.tiny.spec import TINY_CONFIG
 
-REAL_CONFIG = Path(__file__).resolve().parents[3] / "shared/data/DeepSeek-V4-Flash/config.json"
+REAL_CONFIG = Path(__file__).resolve().parents[1] / "data/DeepSeek-V4-Flash/config.json"
 
 
 def tiny_args():
@@ -75,7 +75,6 @@ def test_a_standalone_pool_grows_and_gives_ids_back():
 
 def test_an_engine_pool_never_takes_pages_itself():
     pool = KvPool(tiny_args(), torch.float32, num_pages=4, num_slots=1)
-    from dsv4serve.model.state import SequenceState
 
     seq = SequenceState(pool, 0, pages=[2])
     pool.reserve(seq, 16)  # covered

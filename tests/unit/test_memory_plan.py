@@ -10,18 +10,18 @@ import subprocess
 import pytest
 
 from dsv4serve.config import ConfigError, Setting, Source
-from dsv4serve.memory_plan import (
+from dsv4serve.memory.chunk_planner import PLATFORM_MARGIN_BYTES
+from dsv4serve.memory.plan import (
     HOST_MARGIN_BYTES,
     Machine,
     PlanSettings,
     kv_bytes,
     kv_geometry,
     plan_memory,
-    weight_bytes,
 )
+from dsv4serve.memory.weights import weight_bytes
 from dsv4serve.model.args import read_model_args
 from dsv4serve.model.schema import checkpoint_schema
-from dsv4serve.worker.chunk_planner import PLATFORM_MARGIN_BYTES
 
 GIB, MIB, GB = 1024**3, 1024**2, 1000**3
 REAL_BYTES = 159_609_485_896
@@ -243,8 +243,8 @@ def test_plan_cli_prints_and_emits_the_memory_plan(real_model_dir):
     assert mp["chunk"]["effective"] == 4096 and not mp["experts"]["all_resident"]
     assert mp["experts"]["host_memory"]["pin_estimate_bytes"] == 64 * GIB
     # the resident weights are what the CUDA worker loads (packed FP8 + the tensors it keeps in fp32)
+    from dsv4serve.memory.weights import device_bytes
     from dsv4serve.model.backends import KernelBackends
-    from dsv4serve.model.packed_load import device_bytes
 
     args = read_model_args(real_model_dir)
     loaded = device_bytes(checkpoint_schema(args), args, KernelBackends.every("triton"), True, experts_resident=False)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dsv4serve.worker.sampling import SamplingRow, apply_penalties, make_generator, sample
-from dsv4serve.worker.sampling_params import SamplingParams
+from dsv4serve.ipc.sampling import SamplingParams
 
 NUM_DRAWS = 20_000  # rows per distribution check; one sample() call draws them all at once
 

@@ -3,8 +3,9 @@
 import pytest
 
 from dsv4serve.ipc.messages import AddRequest, TokenOut
-from dsv4serve.worker.sampling_params import SamplingParams
+from dsv4serve.ipc.sampling import SamplingParams
 from dsv4serve.worker.scheduler import Scheduler, SchedulerLimits
+from dsv4serve.worker.step import StepOutput
 
 EOS = 1
 
@@ -25,7 +26,7 @@ def add(s, rid, n_prompt, max_tokens=4, first=10, **sampling):
 def run_step(s, chunk, token=7):
     plan = s.schedule(chunk)
     sampled = {r.request_id: TokenOut(token) for r in plan.rows if r.sample}
-    return plan, s.complete(plan, sampled)
+    return plan, s.complete(plan, StepOutput(sampled))
 
 
 def test_long_prefill_is_chunked_and_decodes_wait_at_most_one_chunk():
@@ -33,6 +34,7 @@ def test_long_prefill_is_chunked_and_decodes_wait_at_most_one_chunk():
     add(s, "short", 3, max_tokens=50)
     run_step(s, 64)  # short prefilled, now decoding
     add(s, "long", 300)
+    long = s.requests["long"]
     decode_gaps, since = [], 0
     for _ in range(12):
         plan, _ = run_step(s, 64)
@@ -43,7 +45,7 @@ def test_long_prefill_is_chunked_and_decodes_wait_at_most_one_chunk():
         long_rows = [r for r in plan.rows if r.request_id == "long"]
         assert all(len(r.token_ids) <= 63 for r in long_rows)
     assert max(decode_gaps) == 0  # the decode ran in every step, beside each prompt chunk
-    assert s.requests["long"].num_computed_tokens >= 300  # prompt done (then decoding)
+    assert long.num_computed_tokens >= 300  # prompt done (then decoding)
 
 
 def test_chunks_continue_where_the_last_one_stopped():
@@ -79,7 +81,8 @@ def test_stop_conditions():
     add(s, "stopid", 3, max_tokens=10, stop_token_ids=(7,))
     add(s, "ignore", 3, max_tokens=3, ignore_eos=True)
     plan = s.schedule(100)
-    done = s.complete(plan, {"len": TokenOut(5), "eos": TokenOut(EOS), "stopid": TokenOut(7), "ignore": TokenOut(EOS)})
+    sampled = {"len": TokenOut(5), "eos": TokenOut(EOS), "stopid": TokenOut(7), "ignore": TokenOut(EOS)}
+    done = s.complete(plan, StepOutput(sampled))
     reasons = {r.request_id: r.finish_reason for r in done}
     assert reasons == {"len": None, "eos": "stop", "stopid": "stop", "ignore": None}
     plan, done = run_step(s, 100, token=5)
@@ -108,7 +111,8 @@ def test_full_pool_preempts_the_newest_and_recomputes_it_later():
     assert new in s.waiting and new.num_computed_tokens == 0 and new.output  # preempted, state dropped
     assert len(s.requests["old"].pages) == 3 and not s.prefix.entries  # cached prefixes went first
     produced = len(new.output)
-    while s.requests["old"].finish_reason is None:
+    old = s.requests["old"]
+    while old.finish_reason is None:
         run_step(s, 100)
     fed = []
     while len(new.output) == produced:  # the pool is free again: new recomputes prompt + outputs so far
@@ -130,19 +134,22 @@ def test_reset_after_failed_step_recomputes_from_scratch():
 def test_tiny_chunks_still_make_progress(chunk):
     s = Scheduler(limits())
     add(s, "a", 20, max_tokens=2)
+    req = s.requests["a"]
     for _ in range(40):
         run_step(s, chunk)
-    assert s.requests["a"].finish_reason == "length"
+    assert req.finish_reason == "length"
 
 
 def test_a_request_that_outgrows_the_pool_finishes_instead_of_hanging():
     s = Scheduler(limits(kv_capacity_tokens=32, page_tokens=16, max_model_len=1024))
     add(s, "a", 20, max_tokens=100)
-    for _ in range(30):
-        run_step(s, 100)
     req = s.requests["a"]
+    finished_now = []
+    for _ in range(30):
+        plan, outs = run_step(s, 100)
+        finished_now += [o for o in outs if o.request_id in plan.finished_now]
     assert req.finish_reason == "length" and req.num_tokens == 33 and s.kv_usage == 0
-    assert req in s.finished_without_step
+    assert [o.finish_reason for o in finished_now] == ["length"]  # finished while a step was planned, sent once
 
 
 def test_prefix_reuse_starts_from_the_last_shared_whole_page():
@@ -158,6 +165,7 @@ def test_prefix_reuse_starts_from_the_last_shared_whole_page():
     add(s, "again", 40, max_tokens=1)  # same prompt
     add(s, "longer", 70, max_tokens=1)  # shares the first two pages
     add(s, "other", 40, max_tokens=1, first=900)
+    again, other = s.requests["again"], s.requests["other"]
     plan, _ = run_step(s, 200)
     by_id = {r.request_id: r for r in plan.rows}
     assert by_id["again"].start_position == 32 and by_id["again"].restore_slot == row.snapshot_slot
@@ -168,7 +176,7 @@ def test_prefix_reuse_starts_from_the_last_shared_whole_page():
     assert all(s.pages.refs(p) == 3 for p in first_pages)
     assert not set(by_id["other"].new_pages) & set(first_pages)
     assert len({r.slot for r in plan.rows}) == 3
-    assert s.requests["again"].num_cached_tokens == 32 and s.requests["other"].num_cached_tokens == 0
+    assert again.num_cached_tokens == 32 and other.num_cached_tokens == 0
     assert s.prefix_hits_tokens == 64 and s.prefix_queries_tokens == 40 + 40 + 70 + 40
 
 
@@ -181,11 +189,12 @@ def test_cached_prefixes_are_evicted_before_anyone_is_preempted():
     assert len(entry.pages) == 2 and s.kv_usage == 0  # cached pages are free to take
     assert s.pages.num_free == 4 and s.snapshot_slots.num_free == 3
     add(s, "big", 80, max_tokens=1, first=900)  # needs 5 of the 6 pages: the cached prefix must go
+    big = s.requests["big"]
     plan, _ = run_step(s, 100)
     assert plan.rows[0].request_id == "big" and plan.rows[0].start_position == 0
     assert len(plan.rows[0].token_ids) == 64  # cut at its own last whole page, which it keeps cached
     plan, _ = run_step(s, 100)
-    assert plan.rows[0].start_position == 64 and s.requests["big"].output  # done, never preempted
+    assert plan.rows[0].start_position == 64 and big.output  # done, never preempted
     (entry,) = s.prefix.entries.values()  # "a"'s prefix was evicted for big's fifth page
     assert entry.num_tokens == 64 and s.snapshot_slots.num_free == 3
 

@@ -13,7 +13,7 @@ from dsv4serve.api.protocol import ChatCompletionRequest
 from dsv4serve.api.tokenizer import TextTokenizer
 from dsv4serve.chat.parser import parse_completion
 from dsv4serve.chat.tools import forced_call_opening
-from dsv4serve.worker.sampling_params import SamplingParams
+from dsv4serve.ipc.sampling import SamplingParams
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
 THINK_END_ID = 128822

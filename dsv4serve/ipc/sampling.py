@@ -1,8 +1,7 @@
 """Per-request sampling parameters: plain, frozen, tensor-free, checked by `validate()`.
 
-Field names and meanings follow vLLM's `SamplingParams` (and match `ipc.messages.SamplingSpec`, so
-one converts to the other field by field). Nothing here touches a tensor: the params cross process
-boundaries inside msgspec messages.
+Field names and meanings follow vLLM's `SamplingParams`. Nothing here touches a tensor: the params
+cross process boundaries inside msgspec messages (ipc.messages.AddRequest).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ Rules, in order:
      safe size and the bytes (the OOM recovery may later run smaller chunks, which a cap allows);
    - when one chunk of that size needs more activation memory than the whole card minus the platform
      margin, it can never run on this GPU: ConfigError naming the flag, the limit and why. (The
-     whole-card plan, memory_plan.py, makes the stronger check that knows the weights and KV.)
+     whole-card plan, memory/plan.py, makes the stronger check that knows the weights and KV.)
 
 Platform margins (bytes kept free that the allocator may never plan to use):
 - native 512 MiB: allocator rounding/fragmentation and library workspaces (cuBLAS, Triton) that
@@ -33,11 +33,13 @@ Platform margins (bytes kept free that the allocator may never plan to use):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, replace
 from typing import Literal
 
 from dsv4serve.config import ConfigError, Setting
+from dsv4serve.ipc.messages import ChunkReport
 from dsv4serve.model.args import ModelArgs
 from dsv4serve.resolve import who
 
@@ -87,6 +89,10 @@ class ChunkPlan:
     safe_tokens: int = 0  # the memory bound (aligned)
     activation_bytes_per_token: int = 0  # what the plan used (measured, or estimate x safety)
     alignment_tokens: int = 1
+
+    def report(self) -> ChunkReport:
+        """The plan as it crosses to the API process (ipc.messages.ChunkReport)."""
+        return ChunkReport(**dataclasses.asdict(self))
 
 
 # ----------------------------------------------------------------------------------- geometry

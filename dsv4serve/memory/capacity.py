@@ -15,10 +15,10 @@ from collections.abc import Callable
 
 import torch
 
-from dsv4serve.memory_plan import kv_geometry
+from dsv4serve.memory.chunk_planner import PLATFORM_MARGIN_BYTES, MemorySnapshot, PrefillGeometry, activation_bytes
+from dsv4serve.memory.plan import kv_geometry
+from dsv4serve.memory.probe import host_snapshot, measure_activation_bytes, take_snapshot
 from dsv4serve.model.args import ModelArgs
-from dsv4serve.worker.chunk_planner import PLATFORM_MARGIN_BYTES, MemorySnapshot, PrefillGeometry, activation_bytes
-from dsv4serve.worker.memory_probe import host_snapshot, measure_activation_bytes, take_snapshot
 
 log = logging.getLogger("dsv4serve.worker")
 CPU_KV_CAPACITY_TOKENS = 131072  # the CPU reference path keeps the pool in host memory; a modest default

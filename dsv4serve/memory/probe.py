@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from dsv4serve.worker.chunk_planner import MemorySnapshot, Platform
+from dsv4serve.memory.chunk_planner import MemorySnapshot, Platform
 
 PROC_VERSION = Path("/proc/version")
 PROC_MEMINFO = Path("/proc/meminfo")

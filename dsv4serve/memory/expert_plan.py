@@ -1,21 +1,17 @@
 """How many GPU expert slots the worker gives the routed experts when --moe-cache-size is not set:
-the same whole-card memory plan `dsv4serve plan` prints (memory_plan.plan_memory), for the card
+the same whole-card memory plan `dsv4serve plan` prints (memory/plan.plan_memory), for the card
 measured here, with the weights as this worker loads them. None: every expert stays resident."""
 
 from __future__ import annotations
 
 from dsv4serve.config import Setting, Source
 from dsv4serve.ipc.messages import WorkerLaunch
-from dsv4serve.memory_plan import Machine, PlanSettings, plan_memory
+from dsv4serve.memory.plan import Machine, PlanSettings, plan_memory
+from dsv4serve.memory.probe import host_snapshot, take_snapshot
+from dsv4serve.memory.weights import include_mtp, loaded_weight_bytes
 from dsv4serve.model.args import ModelArgs
 from dsv4serve.model.backends import KernelBackends
-from dsv4serve.model.packed_load import loaded_weight_bytes
 from dsv4serve.model.schema import TensorSpec
-from dsv4serve.worker.memory_probe import host_snapshot, take_snapshot
-
-
-def _setting(value, explicit: bool) -> Setting:
-    return Setting(value, Source.CLI if explicit else Source.DEFAULT)
 
 
 def planned_expert_slots(
@@ -26,13 +22,13 @@ def planned_expert_slots(
     gpu = take_snapshot("cuda")
     machine = Machine(gpu.total_bytes, host_snapshot().total_bytes, gpu.platform)
     settings = PlanSettings(
-        memory_ratio=_setting(launch.memory_ratio, False),
-        num_tokens=_setting(launch.num_tokens, launch.num_tokens is not None),
-        moe_cache_size=_setting(None, False),
-        max_num_seqs=_setting(launch.max_num_seqs, False),
-        max_model_len=Setting(launch.max_model_len, Source.CLI if launch.max_model_len_explicit else Source.MODEL_RULE),
-        max_prefill_length=Setting(launch.max_prefill_length, Source(launch.max_prefill_length_source)),
+        memory_ratio=Setting.from_wire(launch.memory_ratio),
+        num_tokens=Setting.from_wire(launch.num_tokens),
+        moe_cache_size=Setting(None, Source.DEFAULT),
+        max_num_seqs=Setting.from_wire(launch.max_num_seqs),
+        max_model_len=Setting.from_wire(launch.max_model_len),
+        max_prefill_length=Setting.from_wire(launch.max_prefill_length),
     )
-    plan = plan_memory(args, loaded_weight_bytes(specs, args, backends), machine, settings)
+    plan = plan_memory(args, loaded_weight_bytes(specs, args, backends), machine, settings, include_mtp(args))
     note = next((d for d in plan.decisions if d.startswith("routed experts")), "")
     return (None if plan.experts_resident else plan.expert_slots), note

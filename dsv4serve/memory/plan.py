@@ -42,10 +42,7 @@ from fractions import Fraction
 from typing import Any
 
 from dsv4serve.config import ConfigError, Setting
-from dsv4serve.model.args import ModelArgs
-from dsv4serve.model.schema import TensorSpec
-from dsv4serve.resolve import who
-from dsv4serve.worker.chunk_planner import (
+from dsv4serve.memory.chunk_planner import (
     GEOMETRY_SAFETY_FACTOR,
     PLATFORM_MARGIN_BYTES,
     ChunkPlan,
@@ -55,6 +52,9 @@ from dsv4serve.worker.chunk_planner import (
     plan_chunk,
     prefill_geometry,
 )
+from dsv4serve.memory.weights import WeightBytes
+from dsv4serve.model.args import ModelArgs
+from dsv4serve.resolve import who
 
 GIB = 1024**3
 OFFLOAD_CHUNK_TARGET = 4096  # experts offloaded: slots matter for decode; ds4 saw 1K->8K = +24% prefill
@@ -70,30 +70,6 @@ def _g(n: int | float) -> str:
 
 
 # ----------------------------------------------------------------------------------- inputs
-
-
-@dataclass(frozen=True)
-class WeightBytes:
-    non_expert_bytes: int  # main model, everything but routed experts
-    routed_expert_bytes: int  # main model's routed experts
-    mtp_bytes: int  # the whole MTP block (its experts included)
-    expert_bytes: int  # one expert: w1 + w3 + w2 with scales = one slot
-    n_experts: int  # routed experts over all main layers
-
-
-def weight_bytes(specs: list[TensorSpec], args: ModelArgs) -> WeightBytes:
-    non_expert = routed = mtp = 0
-    one: dict[tuple[int, int], int] = {}
-    for s in specs:
-        if s.layer is not None and s.layer >= args.n_layers:
-            mtp += s.nbytes
-        elif s.group == "routed_experts":
-            routed += s.nbytes
-            one[(s.layer, s.expert)] = one.get((s.layer, s.expert), 0) + s.nbytes
-        else:
-            non_expert += s.nbytes
-    per_expert = max(one.values(), default=0)
-    return WeightBytes(non_expert, routed, mtp, per_expert, len(one))
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,162 @@
+"""The worker's model: its device, its numerics and kernel backends, and its weights, loaded where the
+memory plan says they live.
+
+    device = worker_device(launch.device)
+    numerics = worker_numerics(args, kernels, device)     # then, on CUDA, checked_numerics(...)
+    model, expert_cache = load_model(ckpt, launch, numerics, device)
+
+What is loaded is decided once: the MTP block only when speculative decoding uses it
+(memory/weights.include_mtp, the same function `dsv4serve plan` calls), the weights packed as stored
+when the FP8 GEMM and FP4 MoE run on Triton (else dense in fp32), the routed experts behind an expert-slot
+cache when --moe-cache-size (or, on CUDA, the memory plan) says so. Before anything is allocated, the
+bytes are checked against the device from the checkpoint's headers (memory/weights.device_bytes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+import msgspec
+import torch
+
+from dsv4serve.checkpoint.loader import Checkpoint, iter_dense
+from dsv4serve.config import ConfigError
+from dsv4serve.experts.attach import attach_expert_cache, iter_resident_dense
+from dsv4serve.experts.slot_cache import ExpertSlotCache
+from dsv4serve.ipc.messages import WorkerLaunch
+from dsv4serve.memory.expert_plan import planned_expert_slots
+from dsv4serve.memory.probe import host_snapshot, take_snapshot
+from dsv4serve.memory.weights import device_bytes, include_mtp, model_specs
+from dsv4serve.model.args import ModelArgs
+from dsv4serve.model.backends import TORCH, KernelBackends, default_backends, named_kernels, resolve_backends
+from dsv4serve.model.numerics import NUMERICS_OFF, NUMERICS_ON, Numerics
+from dsv4serve.model.packed_load import load_packed
+from dsv4serve.model.transformer import Transformer
+from dsv4serve.worker.kernel_check import KernelCheckError, check_kernels
+
+log = logging.getLogger("dsv4serve.worker")
+
+
+class StartupError(RuntimeError):
+    """The worker cannot honour the settings; the message names the flag, the limit and why."""
+
+
+def worker_device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise StartupError("--device cuda: no CUDA device is visible to torch; run `dsv4serve doctor`")
+    return torch.device(name)
+
+
+def worker_numerics(args: ModelArgs, kernels: str, device: torch.device) -> Numerics:
+    """The checkpoint's numerics with the kernel backends of --kernels (auto: Triton on CUDA; the FP8
+    GEMM and FP4 MoE only for an FP8 checkpoint, whose numerics they need). Batch invariance is off on CUDA: the Triton
+    paths are not batch-invariant anyway, and one launch per token would leave the GPU waiting."""
+    fp8 = args.dtype == "fp8"
+    base = default_backends(device)
+    if not fp8:
+        base = dataclasses.replace(base, fp8_gemm="torch", fp4_moe="torch")
+    try:
+        backends = resolve_backends(kernels, base)
+    except ValueError as exc:
+        raise StartupError(f"--kernels: {exc}") from exc
+    if backends.uses_triton() and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise StartupError(
+            f"--kernels {kernels}: the Triton kernels need a CUDA device (or TRITON_INTERPRET=1, "
+            "for tests); this worker runs on the CPU"
+        )
+    fixed = [k for k in ("fp8_gemm", "fp4_moe") if getattr(backends, k) == "triton"]
+    if fixed and not fp8:
+        raise StartupError(
+            f"--kernels {kernels}: {', '.join(fixed)}=triton reads FP8 / MXFP4 weights as an FP8 "
+            f"checkpoint stores them; this checkpoint is {args.dtype}: choose torch for them"
+        )
+    num: Numerics = NUMERICS_ON if fp8 else NUMERICS_OFF
+    return dataclasses.replace(num, backends=backends, batch_invariant=device.type != "cuda")
+
+
+def checked_numerics(num: Numerics, kernels: str, device: torch.device) -> Numerics:
+    """The backends that passed the start-up kernel check (worker/kernel_check.py). A CUDA worker runs it
+    before any weight is placed: a fallback changes how the head loads."""
+    try:
+        checked = check_kernels(num.backends, device, named_kernels(kernels))
+    except KernelCheckError as exc:
+        raise StartupError(f"--kernels {kernels}: {exc}") from exc
+    return dataclasses.replace(num, backends=checked)
+
+
+def loads_packed(backends: KernelBackends) -> bool:
+    """The FP8 GEMM and FP4 MoE kernels read FP8 / MXFP4 as stored: the weights then load packed."""
+    return backends.fp8_gemm == "triton" and backends.fp4_moe == "triton"
+
+
+def load_model(
+    ckpt: Checkpoint, launch: WorkerLaunch, numerics: Numerics, device: torch.device
+) -> tuple[Transformer, ExpertSlotCache | None, WorkerLaunch]:
+    """The model on `device` (and its expert-slot cache, None when every expert is resident), and the
+    launch with the expert slots it was loaded with (the memory plan's, when --moe-cache-size is auto on
+    CUDA and the weights load packed)."""
+    args, backends = ckpt.args, numerics.backends
+    mtp = include_mtp(args)
+    packed = loads_packed(backends)
+    if packed and launch.moe_cache_size.value is None and device.type == "cuda":
+        launch = _with_planned_expert_slots(ckpt, launch, backends)
+    check_weights_fit(ckpt, backends, packed, mtp, launch, device)
+    slots = launch.moe_cache_size.value
+    if packed:
+        model, cache = load_packed(ckpt, backends, device, mtp, slots)
+    else:
+        ckpt = dataclasses.replace(ckpt, specs=tuple(model_specs(ckpt.specs, args, mtp)))
+        model = Transformer(args, include_mtp=mtp)
+        cache = attach_expert_cache(model, ckpt, slots, device)  # None: all resident
+        if cache is None:
+            weights = iter_dense(ckpt, torch.float32, progress=True)
+        else:
+            weights = iter_resident_dense(ckpt, torch.float32)
+        model.load_state_dict(dict(weights), strict=True)
+        model.to(device)
+    model.eval()
+    model.use_kernels(backends)  # packs what the Triton kernels read (nothing left to do after load_packed)
+    log.info("kernels: %s", backends)
+    return model, cache, launch
+
+
+def _with_planned_expert_slots(ckpt: Checkpoint, launch: WorkerLaunch, backends: KernelBackends) -> WorkerLaunch:
+    """--moe-cache-size auto on CUDA: the whole-card memory plan's expert slots for this card."""
+    try:
+        slots, why = planned_expert_slots(list(ckpt.specs), ckpt.args, launch, backends)
+    except ConfigError as exc:
+        raise StartupError(str(exc)) from exc
+    if slots is None:
+        return launch
+    log.info("expert slots from the memory plan: %d (%s)", slots, why)
+    return msgspec.structs.replace(launch, moe_cache_size=type(launch.moe_cache_size)(slots, "model-rule"))
+
+
+def check_weights_fit(
+    ckpt: Checkpoint, backends: KernelBackends, packed: bool, mtp: bool, launch: WorkerLaunch, device: torch.device
+) -> None:
+    """Refuse, by name and before allocating, weights that cannot fit where they will live: packed as
+    stored for the Triton kernels, else dense in fp32 (FP8 / FP4 dequantized); from the checkpoint's
+    headers (memory/weights.device_bytes); expert slots are not counted."""
+    args = ckpt.args
+    n_experts = args.n_routed_experts * (args.n_all_layers if mtp else args.n_layers)
+    slots = launch.moe_cache_size.value
+    resident = slots is None or slots >= n_experts
+    need = device_bytes(ckpt.specs, args, backends if packed else TORCH, mtp, experts_resident=resident).total_bytes
+    where, have = (
+        ("GPU", take_snapshot("cuda").total_bytes) if device.type == "cuda" else ("host", host_snapshot().free_bytes)
+    )
+    if need > have:
+        held = "packed as stored" if packed else "dense in fp32"
+        fixes = [] if packed else ["on CUDA the FP8 GEMM and FP4 MoE kernels load them packed (--kernels auto)"]
+        if resident:
+            fixes.append(
+                "--moe-cache-size N keeps the routed experts in host memory (`dsv4serve plan --model M "
+                "--gpu-memory <this card>` proposes N)"
+            )
+        raise StartupError(
+            f"the weights need {need / 2**30:.1f} GiB {held}, more than the {have / 2**30:.1f} GiB of "
+            f"{where} memory" + (": " + "; ".join(fixes) if fixes else "")
+        )

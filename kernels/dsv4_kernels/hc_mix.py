@@ -1,0 +1,379 @@
+"""The mHC mixing (dsv4-model.md §2.1) in Triton: hc_pre, hc_post and hc_head, one launch each.
+
+Contract (reference: `hc_mix_ref`; hc = hc_mult, K = hc * D, n_mix = (2 + hc) * hc):
+  hc_pre   h [N, hc, D] bf16 or fp32, fn [n_mix, K] fp32, scale [3], base [n_mix] fp32
+           -> x [N, D] in h's dtype, post [N, hc] fp32, comb [N, hc, hc] fp32, where
+           m = (fn . flat(h)) * rsqrt(mean(flat(h)^2) + norm_eps), pre = sigmoid(m[:hc] s0 + b) + hc_eps,
+           post = 2 sigmoid(m[hc:2hc] s1 + b), comb = Sinkhorn(m[2hc:] s2 + b) (a row softmax + eps, a
+           column normalization, then n_iters - 1 row / column rounds), x = sum_k pre[k] h[k]
+  hc_post  out [N, D], h [N, hc, D], post, comb -> new [N, hc, D] in h's dtype,
+           new[k] = post[k] out + sum_j comb[j, k] h[j]
+  hc_head  like hc_pre with fn [hc, K], scale [1], base [hc], no post and no Sinkhorn: -> x only
+Everything after the loads runs in fp32 (the torch path evaluates sigmoid and softmax in fp64 and
+rounds: tests/kernels/test_hc_mix.py states the tolerance). Launch shapes depend on N only, never on
+the data (CUDA graphs).
+
+One kernel, three forms (MODE), as one launch each:
+- pre / head: a program takes BLOCK_N tokens. It streams their flat rows once, accumulating the sum of
+  squares and the [BLOCK_N, 2 hc'^2] mixes (hc' = hc rounded up to a power of two, at least 4: the
+  comb logits in the first hc'^2 columns, pre and post in the next two rows of hc'), then does the
+  norm, the sigmoids and the 20 Sinkhorn rounds on the [BLOCK_N, hc', hc'] tile in registers, and
+  reads its tokens' streams a second time (32 KiB a token at the real sizes, mostly from L2) for x.
+- post: a program takes BLOCK_D channels of one token: reads out and the hc streams once, writes the
+  hc new streams.
+
+Why this layout: the mixes are a [N, 16384] x [16384, 24] product, memory-bound on h (32 KiB a token)
+but fn (1.5 MiB) is read by every program, from L2. Tokens per program trade fn's L2 traffic against
+spreading the work over the SMs (pick_block_n): one token per program for decode batches (the fn tile
+times the token's row on the FMA units; N programs share fn in L2, and one program's time is its SM
+streaming 1.5 MiB of fn, which no tokens-per-program choice shortens), 16 or 64 tokens per program
+with tl.dot above that, cutting fn's reads to 96 or 24 KiB a token. A bf16 h times fp32 fn goes on
+the tensor cores as three bf16 products, fn = hi + mid + lo split exactly in registers (as
+head_logits does with y): every product is exact and the sum is fp32. fp32 h takes an fp32 "ieee"
+dot. Splitting K over programs would shorten the decode time (each program then streams a slice of
+fn) but needs a second launch or a zeroed semaphore that outlives the call, to merge the partial
+sums: left for when a GPU measures it.
+
+Under the Triton interpreter bf16 tiles are upcast right after the load and the dots run in fp32
+(toolchain.md); its fp32 -> bf16 cast truncates, so the wrapper has the kernel round to nearest even
+by hand first (ROUND_BF16), like torch.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv4_kernels.outputs import output_buffer
+
+MODE_PRE, MODE_HEAD, MODE_POST = 0, 1, 2
+DOT_NONE, DOT_FP32, DOT_BF16X3 = 0, 1, 2  # FMA (one token a program), fp32 tl.dot, three bf16 tl.dots
+MAX_HC = 8
+POST_BLOCK_D = 512
+NUM_WARPS = 4
+NUM_STAGES = 3
+# BLOCK_N -> (BLOCK_K of the mixes loop, BLOCK_D of the x loop): ~4K fp32 values a tile (32 a thread)
+TILES = {1: (128, 1024), 16: (64, 64), 64: (64, 16)}
+
+
+def interpreting() -> bool:
+    """True when @triton.jit builds interpreter functions (TRITON_INTERPRET=1 at import time)."""
+    return not isinstance(hc_mix_kernel, triton.runtime.JITFunction)
+
+
+@triton.jit
+def _round_bf16(v):
+    """fp32 -> the nearest bf16 value (ties to even), still fp32: the interpreter's cast truncates."""
+    bits = v.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _mix_columns(HC: tl.constexpr, HCP: tl.constexpr, MODE: tl.constexpr):
+    """The fn row behind each of the 2 HCP^2 accumulator columns, and whether there is one. Column
+    (half, r, k): half 0 is comb logit (r, k), fn row 2 HC + r HC + k; half 1 row r = 0 is pre k (fn
+    row k), r = 1 post k (fn row HC + k). The head has the pre columns only."""
+    c = tl.arange(0, 2 * HCP * HCP)
+    half = c // (HCP * HCP)
+    r = (c // HCP) % HCP
+    k = c % HCP
+    row = tl.where(half == 0, 2 * HC + r * HC + k, r * HC + k)
+    if MODE == 0:
+        ok = (k < HC) & (((half == 0) & (r < HC)) | ((half == 1) & (r < 2)))
+    else:
+        ok = (k < HC) & (half == 1) & (r == 0)
+    return row, ok
+
+
+@triton.jit
+def _mix_sums(
+    h_ptr, fn_ptr, offs_n, n_ok, D, stride_hn, HC, HCP, MODE, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT
+):
+    """Over the flat rows (K = HC * D) of BLOCK_N tokens: (fn . flat(h) [BLOCK_N, 2 HCP^2], sum of
+    squares [BLOCK_N]), both fp32."""
+    K = HC * D
+    row, col_ok = _mix_columns(HC, HCP, MODE)
+    offs_k = tl.arange(0, BLOCK_K)
+    h_ptrs = h_ptr + offs_n.to(tl.int64)[:, None] * stride_hn + offs_k[None, :]  # [BN, BK]
+    f_ptrs = fn_ptr + row[None, :] * K + offs_k[:, None]  # [BK, columns]: fn^T
+    acc = tl.zeros((BLOCK_N, 2 * HCP * HCP), dtype=tl.float32)
+    sumsq = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = offs_k < K - k0
+        h = tl.load(h_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        f = tl.load(f_ptrs + k0, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        hf = h.to(tl.float32)
+        sumsq += tl.sum(hf * hf, axis=1)
+        if DOT == 2:  # bf16 h: fn = hi + mid + lo exactly, each part times h exact in the fp32 sum
+            hi = f.to(tl.bfloat16)
+            rest = f - hi.to(tl.float32)
+            mid = rest.to(tl.bfloat16)
+            lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+            acc = tl.dot(h, lo, acc)  # the smallest part first
+            acc = tl.dot(h, mid, acc)
+            acc = tl.dot(h, hi, acc)
+        elif DOT == 1:
+            acc = tl.dot(hf, f, acc, input_precision="ieee")
+        else:  # one token: the fp32 products on the FMA units
+            acc += tl.sum(hf[:, :, None] * f[None, :, :], axis=1)
+    return acc, sumsq
+
+
+@triton.jit
+def _sinkhorn(logits, valid, n_iters, eps):
+    """[BN, HCP, HCP] logits (entries outside `valid` ignored, returned 0): a softmax over each row,
+    + eps, a column normalization, then n_iters - 1 rounds of row and column normalization."""
+    z = tl.where(valid, logits, float("-inf"))
+    top = tl.max(z, axis=2)
+    top = tl.where(top == float("-inf"), 0.0, top)  # a padding row
+    e = tl.exp(z - top[:, :, None])
+    total = tl.sum(e, axis=2)
+    total = tl.where(total > 0.0, total, 1.0)
+    comb = tl.where(valid, e / total[:, :, None] + eps, 0.0)
+    comb = comb / (tl.sum(comb, axis=1)[:, None, :] + eps)
+    for _ in range(n_iters - 1):
+        comb = comb / (tl.sum(comb, axis=2)[:, :, None] + eps)
+        comb = comb / (tl.sum(comb, axis=1)[:, None, :] + eps)
+    return comb
+
+
+@triton.jit
+def _collapse(
+    pre, offs_n, n_ok, h_ptr, x_ptr, D, stride_hn, stride_xn, HC, HCP, BLOCK_D: tl.constexpr, ROUND_BF16
+):
+    """x[n] = sum_k pre[n, k] h[n, k] for the program's tokens, BLOCK_D channels at a time."""
+    k = tl.arange(0, HCP)
+    offs_d = tl.arange(0, BLOCK_D)
+    n64 = offs_n.to(tl.int64)
+    h_ptrs = h_ptr + n64[:, None, None] * stride_hn + k[None, :, None] * D + offs_d[None, None, :]
+    rows_ok = n_ok[:, None, None] & (k < HC)[None, :, None]
+    x_ptrs = x_ptr + n64[:, None] * stride_xn + offs_d[None, :]
+    for d0 in range(0, D, BLOCK_D):
+        d_ok = offs_d < D - d0
+        h = tl.load(h_ptrs + d0, mask=rows_ok & d_ok[None, None, :], other=0.0).to(tl.float32)
+        x = tl.sum(h * pre[:, :, None], axis=1)  # [BN, BD]
+        if ROUND_BF16:
+            x = _round_bf16(x)
+        tl.store(x_ptrs + d0, x.to(x_ptr.dtype.element_ty), mask=n_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _pre_or_head(
+    h_ptr, fn_ptr, scale_ptr, base_ptr, x_ptr, post_ptr, comb_ptr,
+    N, D, stride_hn, stride_xn, stride_pn, stride_cn, stride_cj, n_iters, hc_eps, norm_eps,
+    HC, HCP, MODE, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, DOT, ROUND_BF16,
+):  # fmt: skip
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    acc, sumsq = _mix_sums(h_ptr, fn_ptr, offs_n, n_ok, D, stride_hn, HC, HCP, MODE, BLOCK_N, BLOCK_K, DOT)
+    rho = tl.math.rsqrt(sumsq / (HC * D) + norm_eps)
+    m = tl.reshape(acc * rho[:, None], (BLOCK_N, 2, HCP, HCP))
+    half = tl.arange(0, 2)[None, :, None, None]
+    pre_post = tl.sum(tl.where(half == 1, m, 0.0), axis=1)  # [BN, HCP, HCP]: row 0 pre, row 1 post
+    r = tl.arange(0, HCP)[None, :, None]
+    k = tl.arange(0, HCP)
+    k_ok = k < HC
+    pre_m = tl.sum(tl.where(r == 0, pre_post, 0.0), axis=1)  # [BN, HCP]
+    pre_base = tl.load(base_ptr + k, mask=k_ok, other=0.0)
+    pre = tl.where(k_ok[None, :], tl.sigmoid(pre_m * tl.load(scale_ptr) + pre_base[None, :]) + hc_eps, 0.0)
+    _collapse(pre, offs_n, n_ok, h_ptr, x_ptr, D, stride_hn, stride_xn, HC, HCP, BLOCK_D, ROUND_BF16)
+    if MODE == 0:
+        post_m = tl.sum(tl.where(r == 1, pre_post, 0.0), axis=1)
+        post_base = tl.load(base_ptr + HC + k, mask=k_ok, other=0.0)
+        post = 2.0 * tl.sigmoid(post_m * tl.load(scale_ptr + 1) + post_base[None, :])
+        n64 = offs_n.to(tl.int64)
+        tl.store(post_ptr + n64[:, None] * stride_pn + k[None, :], post, mask=n_ok[:, None] & k_ok[None, :])
+        j3 = r
+        k3 = k[None, None, :]
+        valid = (j3 < HC) & (k3 < HC)  # [1, HCP, HCP]
+        comb_base = tl.load(base_ptr + 2 * HC + j3 * HC + k3, mask=valid, other=0.0)
+        comb_m = tl.sum(tl.where(half == 0, m, 0.0), axis=1)
+        comb = _sinkhorn(comb_m * tl.load(scale_ptr + 2) + comb_base, valid, n_iters, hc_eps)
+        c_ptrs = comb_ptr + n64[:, None, None] * stride_cn + j3 * stride_cj + k3
+        tl.store(c_ptrs, comb, mask=n_ok[:, None, None] & valid)
+
+
+@triton.jit
+def _post(
+    x_ptr, h_ptr, post_ptr, comb_ptr, new_ptr,
+    D, stride_hn, stride_xn, stride_pn, stride_cn, stride_cj, stride_yn, stride_yk,
+    HC, HCP, BLOCK_D: tl.constexpr, ROUND_BF16,
+):  # fmt: skip
+    """new[n, :, d0:d0 + BLOCK_D] for token n = program_id(0), d0 = program_id(1) * BLOCK_D."""
+    n = tl.program_id(0).to(tl.int64)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    k = tl.arange(0, HCP)
+    k_ok = k < HC
+    mixed = tl.zeros((HCP, BLOCK_D), dtype=tl.float32)
+    for j in tl.static_range(HC):  # comb is applied transposed: row j of comb weighs stream j
+        h_j = tl.load(h_ptr + n * stride_hn + j * D + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+        comb_j = tl.load(comb_ptr + n * stride_cn + j * stride_cj + k, mask=k_ok, other=0.0)
+        mixed += comb_j[:, None] * h_j[None, :]
+    x = tl.load(x_ptr + n * stride_xn + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+    post = tl.load(post_ptr + n * stride_pn + k, mask=k_ok, other=0.0)
+    new = post[:, None] * x[None, :] + mixed
+    if ROUND_BF16:
+        new = _round_bf16(new)
+    y_ptrs = new_ptr + n * stride_yn + k[:, None] * stride_yk + offs_d[None, :]
+    tl.store(y_ptrs, new.to(new_ptr.dtype.element_ty), mask=k_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def hc_mix_kernel(
+    h_ptr, fn_ptr, scale_ptr, base_ptr, x_ptr, post_ptr, comb_ptr, new_ptr,
+    N, D, stride_hn, stride_xn, stride_pn, stride_cn, stride_cj, stride_yn, stride_yk,
+    n_iters, hc_eps, norm_eps,
+    HC: tl.constexpr, HCP: tl.constexpr, MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_D: tl.constexpr, DOT: tl.constexpr, ROUND_BF16: tl.constexpr,
+):  # fmt: skip
+    """MODE 0 (pre): reads h, fn, scale, base; writes x, post, comb. MODE 1 (head): the same, x only.
+    MODE 2 (post): reads x (the sub-layer output), h, post, comb; writes new. Pointers a form does not
+    use are placeholders."""
+    if MODE == 2:
+        _post(
+            x_ptr, h_ptr, post_ptr, comb_ptr, new_ptr,
+            D, stride_hn, stride_xn, stride_pn, stride_cn, stride_cj, stride_yn, stride_yk,
+            HC, HCP, BLOCK_D, ROUND_BF16,
+        )  # fmt: skip
+    else:
+        _pre_or_head(
+            h_ptr, fn_ptr, scale_ptr, base_ptr, x_ptr, post_ptr, comb_ptr,
+            N, D, stride_hn, stride_xn, stride_pn, stride_cn, stride_cj, n_iters, hc_eps, norm_eps,
+            HC, HCP, MODE, BLOCK_N, BLOCK_K, BLOCK_D, DOT, ROUND_BF16,
+        )  # fmt: skip
+
+
+def pick_block_n(n: int, batch_invariant: bool = False) -> int:
+    """Tokens per hc_pre / hc_head program, from a bandwidth estimate (unmeasured: bench/gpu_cases/hc_mix.py):
+    one for decode batches (each program's time is its SM streaming fn's 1.5 MiB from L2 anyway, and N
+    programs spread that over N SMs), 16 up to 2048 tokens (fn read from L2 once per 16 tokens, 128
+    programs at 2048), 64 beyond (24 KiB of fn a token; a wave of the SMs from ~8K tokens). Batch-invariant
+    numerics take one always: a token's sums then never depend on the tokens beside it."""
+    if batch_invariant or n <= 64:
+        return 1
+    return 16 if n <= 2048 else 64
+
+
+def _hcp(hc: int) -> int:
+    """hc rounded up to a power of two, at least 4 (the 2 hcp^2 mixes columns are a tl.dot's N >= 16)."""
+    return max(4, triton.next_power_of_2(hc))
+
+
+def _dot_kind(h: torch.Tensor, block_n: int) -> int:
+    if block_n == 1:
+        return DOT_NONE
+    return DOT_BF16X3 if h.dtype == torch.bfloat16 and not interpreting() else DOT_FP32
+
+
+def _streams(h: torch.Tensor) -> torch.Tensor:
+    """h [N, hc, D] bf16 / fp32 with each token's hc * D values contiguous (a copy only when not)."""
+    if h.dim() != 3 or h.dtype not in (torch.bfloat16, torch.float32) or not 1 <= h.shape[1] <= MAX_HC:
+        raise ValueError(f"need h [N, hc <= {MAX_HC}, D] bf16 or fp32, got {h.dtype} {tuple(h.shape)}")
+    return h if h.stride(2) == 1 and h.stride(1) == h.shape[2] else h.contiguous()
+
+
+def _mix_params(
+    h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, n_mix: int, n_scales: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fn [n_mix, hc * D], scale [n_scales], base [n_mix], as contiguous fp32."""
+    k = h.shape[1] * h.shape[2]
+    if tuple(fn.shape) != (n_mix, k) or tuple(scale.shape) != (n_scales,) or tuple(base.shape) != (n_mix,):
+        raise ValueError(
+            f"need fn [{n_mix}, {k}], scale [{n_scales}], base [{n_mix}] for h {tuple(h.shape)}, got "
+            f"{tuple(fn.shape)}, {tuple(scale.shape)}, {tuple(base.shape)}"
+        )
+    return tuple(t.detach().float().contiguous() for t in (fn, scale, base))  # type: ignore[return-value]
+
+
+def _launch_mix(h, fn, scale, base, x, post, comb, n_iters, hc_eps, norm_eps, mode, block_n) -> None:
+    n, hc, d = h.shape
+    block_k, block_d = TILES[block_n]
+    hc_mix_kernel[(triton.cdiv(n, block_n),)](
+        h, fn, scale, base, x, post, comb, x,
+        n, d, h.stride(0), x.stride(0), post.stride(0), comb.stride(0), comb.stride(1), 0, 0,
+        n_iters, hc_eps, norm_eps,
+        HC=hc, HCP=_hcp(hc), MODE=mode, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_D=block_d,
+        DOT=_dot_kind(h, block_n), ROUND_BF16=interpreting() and h.dtype == torch.bfloat16,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+    )  # fmt: skip
+
+
+def hc_pre(
+    h: torch.Tensor,
+    fn: torch.Tensor,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    n_iters: int,
+    hc_eps: float,
+    norm_eps: float,
+    block_n: int | None = None,
+    x_out: torch.Tensor | None = None,
+    post_out: torch.Tensor | None = None,
+    comb_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """See the module contract: (x [N, D] in h's dtype, post [N, hc] fp32, comb [N, hc, hc] fp32).
+    The *_out buffers (unit last stride) receive the stores (tests pass NaN-poisoned views)."""
+    h = _streams(h)
+    n, hc, d = h.shape
+    fn, scale, base = _mix_params(h, fn, scale, base, (2 + hc) * hc, 3)
+    x = output_buffer(x_out, (n, d), h.dtype, h.device)
+    post = output_buffer(post_out, (n, hc), torch.float32, h.device)
+    comb = output_buffer(comb_out, (n, hc, hc), torch.float32, h.device)
+    if n and n_iters < 1:
+        raise ValueError(f"n_iters must be >= 1, got {n_iters}")
+    if n:
+        _launch_mix(h, fn, scale, base, x, post, comb, n_iters, hc_eps, norm_eps, MODE_PRE, block_n or pick_block_n(n))
+    return x, post, comb
+
+
+def hc_head(
+    h: torch.Tensor,
+    fn: torch.Tensor,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    hc_eps: float,
+    norm_eps: float,
+    block_n: int | None = None,
+    x_out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """See the module contract: x [N, D] in h's dtype."""
+    h = _streams(h)
+    n, hc, d = h.shape
+    fn, scale, base = _mix_params(h, fn, scale, base, hc, 1)
+    x = output_buffer(x_out, (n, d), h.dtype, h.device)
+    if n:  # post and comb are placeholders the head form never touches
+        _launch_mix(h, fn, scale, base, x, fn, fn.view(1, -1, 1), 1, hc_eps, norm_eps, MODE_HEAD, block_n or pick_block_n(n))
+    return x
+
+
+def hc_post(
+    out: torch.Tensor,
+    h: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    new_out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """See the module contract: new [N, hc, D] in h's dtype."""
+    h = _streams(h)
+    n, hc, d = h.shape
+    if tuple(out.shape) != (n, d) or tuple(post.shape) != (n, hc) or tuple(comb.shape) != (n, hc, hc):
+        raise ValueError(
+            f"need out [{n}, {d}], post [{n}, {hc}], comb [{n}, {hc}, {hc}] for h {tuple(h.shape)}, got "
+            f"{tuple(out.shape)}, {tuple(post.shape)}, {tuple(comb.shape)}"
+        )
+    out = out if out.stride(-1) == 1 else out.contiguous()
+    post = post.float() if post.stride(-1) == 1 else post.float().contiguous()
+    comb = comb.float() if comb.stride(-1) == 1 else comb.float().contiguous()
+    new = output_buffer(new_out, (n, hc, d), h.dtype, h.device)
+    if n:
+        hc_mix_kernel[(n, triton.cdiv(d, POST_BLOCK_D))](
+            h, post, post, post, out, post, comb, new,
+            n, d, h.stride(0), out.stride(0), post.stride(0), comb.stride(0), comb.stride(1),
+            new.stride(0), new.stride(1), 1, 0.0, 0.0,
+            HC=hc, HCP=_hcp(hc), MODE=MODE_POST, BLOCK_N=1, BLOCK_K=16, BLOCK_D=POST_BLOCK_D, DOT=DOT_NONE,
+            ROUND_BF16=interpreting() and h.dtype == torch.bfloat16, num_warps=NUM_WARPS,
+        )  # fmt: skip
+    return new
