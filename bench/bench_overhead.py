@@ -37,11 +37,11 @@ from dsv4serve.api.generation import ChoiceEvent
 from dsv4serve.api.streaming import Reply, sse
 from dsv4serve.api.tokenizer import TextTokenizer
 from dsv4serve.env import read_environment
-from dsv4serve.ipc.messages import AddRequest, Codec, FromWorker, RequestOutput, TokenOut, WorkerLaunch
+from dsv4serve.ipc.messages import AddRequest, Codec, FromWorker, RequestOutput, Sourced, TokenOut, WorkerLaunch
+from dsv4serve.ipc.sampling import SamplingParams
 from dsv4serve.tiny.builder import ensure_tiny
 from dsv4serve.worker.engine_setup import build_engine
 from dsv4serve.worker.main import EngineLoop
-from dsv4serve.ipc.sampling import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `bench.report`
 from bench.report import format_table, spread
@@ -105,13 +105,11 @@ def launch_for(model_path: Path, max_running: int) -> WorkerLaunch:
         from_worker="",
         model_path=str(model_path),
         device="cpu",
-        max_num_seqs=max_running,
-        max_queued_requests=max_running,
-        max_model_len=4096,
-        max_model_len_explicit=False,
-        max_prefill_length=None,
-        max_prefill_length_source="default",
-        num_tokens=None,
+        max_num_seqs=Sourced(max_running, "cli"),
+        max_queued_requests=Sourced(max_running, "cli"),
+        max_model_len=Sourced(4096, "cli"),
+        max_prefill_length=Sourced(None),
+        num_tokens=Sourced(None),
         log_level="warning",
     )
 

@@ -29,7 +29,10 @@ def _add_serve_options(parser: argparse.ArgumentParser) -> None:
             "help": f"{opt.help} (env {option_env_name(name)})",
             "metavar": opt.metavar,
         }
-        if opt.choices:
+        if opt.switch:
+            kwargs.update(action="store_const", const=True)
+            del kwargs["metavar"]
+        elif opt.choices:
             kwargs["choices"] = opt.choices
             kwargs["type"] = str
         else:

@@ -76,6 +76,15 @@ def kernel_spec(text: str) -> str:
     return text.strip()
 
 
+def boolean(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("on", "true", "1", "yes"):
+        return True
+    if lowered in ("off", "false", "0", "no"):
+        return False
+    raise ValueError(f"must be on or off, got {text!r}")
+
+
 def on_off(text: str) -> bool:
     lowered = text.strip().lower()
     if lowered not in ("on", "off"):
@@ -91,6 +100,7 @@ class Option:
     choices: tuple[str, ...] | None = None
     metavar: str | None = None
     secret: bool = False  # shown as 'set' / 'not set' in reports
+    switch: bool = False  # a flag without a value (--batch-invariant); its variable takes on/off/true/false/1/0
 
     def flag(self, name: str) -> str:
         return "--" + name.replace("_", "-")
@@ -135,7 +145,7 @@ class ServeConfig:
     )
     kernels: Setting[str] = option(
         "Triton or torch per kernel (attention, indexer, compressor, fp8_gemm, "
-        "fp4_moe, head): auto = Triton on CUDA, torch on CPU; e.g. all=triton,fp4_moe=torch",
+        "fp4_moe, head, hc): auto = Triton on CUDA, torch on CPU; e.g. all=triton,fp4_moe=torch",
         parse=kernel_spec,
         default="auto",
         metavar="SPEC",
@@ -143,10 +153,40 @@ class ServeConfig:
     api_key: Setting[str | None] = option(
         "Bearer token required on /v1/*, /tokenize, /detokenize", metavar="K", secret=True
     )
+    max_request_bytes: Setting[int | None] = option(
+        "largest request body accepted: past it a 413, refused while the body streams in "
+        "[auto: 4 MiB + 48 bytes per token of max_model_len]",
+        parse=positive_int,
+        metavar="B",
+    )
     default_thinking: Setting[bool] = option(
         "thinking mode when a request does not say", parse=on_off, default=True, choices=("on", "off")
     )
+    batch_invariant: Setting[bool] = option(
+        "every row's arithmetic independent of what shares its batch: bitwise-reproducible replies, slower "
+        "(projections one token at a time)",
+        parse=boolean,
+        default=False,
+        switch=True,
+    )
+    enforce_eager: Setting[bool] = option(
+        "no CUDA graphs (debugging); by default the decode step is captured per batch size on CUDA",
+        parse=boolean,
+        default=False,
+        switch=True,
+    )
     log_level: Setting[str] = option("log verbosity", default="info", choices=("debug", "info", "warning", "error"))
+
+
+# --max-request-bytes by default: room for the longest prompt the context holds, at a generous 48 bytes a
+# token (a token is ~4 characters of text; JSON escapes write a character as up to 12 bytes, "\ud83d\ude00"),
+# plus 4 MiB for tool schemas and the rest of the body: ~4.1 MB at 2K context, ~52 MB at 1M
+REQUEST_BYTES_BASE = 4 * 2**20
+REQUEST_BYTES_PER_TOKEN = 48
+
+
+def default_max_request_bytes(max_model_len: int) -> int:
+    return REQUEST_BYTES_BASE + REQUEST_BYTES_PER_TOKEN * max_model_len
 
 
 def options() -> dict[str, Option]:
@@ -160,6 +200,6 @@ def display(name: str, setting: Setting[Any]) -> str:
         return "set" if setting.value else "not set"
     if setting.value is None:
         return "auto"
-    if isinstance(setting.value, bool) and opt.choices == ("on", "off"):
+    if isinstance(setting.value, bool) and (opt.choices == ("on", "off") or opt.switch):
         return "on" if setting.value else "off"
     return str(setting.value)

@@ -1,4 +1,8 @@
-"""`dsv4serve plan`: what the server would do with a model, from its config alone (no weights, no GPU)."""
+"""`dsv4serve plan`: what the server would do with a model, from its config alone (no weights loaded).
+
+The plan is for a GPU of --gpu-memory when given; otherwise for the device `serve` would use here: GPU 0
+as measured (dsv4serve/memory/probe.py), or, with no GPU, the CPU and its measured RAM. The output says
+which, and always holds the prefill chunk with the limit that binds it."""
 
 from __future__ import annotations
 
@@ -6,9 +10,13 @@ import argparse
 import json
 import sys
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any
 
+from dsv4serve.config import ConfigError
 from dsv4serve.env import Environment
+from dsv4serve.memory.capacity import CPU_KV_CAPACITY_TOKENS
+from dsv4serve.memory.plan import Machine
 from dsv4serve.model.args import ModelArgs
 from dsv4serve.model.schema import TensorSpec, checkpoint_schema
 from dsv4serve.report import format_table, settings_json, settings_rows
@@ -49,15 +57,55 @@ def weight_bytes_by_group(args: ModelArgs, specs: list[TensorSpec]) -> dict[str,
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
+@dataclass(frozen=True)
+class PlanTarget:
+    """The machine a plan is for, and how it was found."""
+
+    machine: Machine
+    device: str  # cuda | cpu: which kernels' weight formats the plan counts
+    description: str
+
+
+def plan_target(ns: argparse.Namespace) -> PlanTarget:
+    """--gpu-memory as given; else GPU 0 as measured; else the CPU with its measured RAM."""
+    from dsv4serve.memory.probe import detect_platform, host_snapshot, take_snapshot
+
+    if ns.gpu_memory is not None:
+        machine = Machine(ns.gpu_memory, ns.host_memory, ns.platform)
+        return PlanTarget(machine, "cuda", f"a GPU of {gib(ns.gpu_memory)} (--gpu-memory, {ns.platform})")
+    host = host_snapshot()
+    host_bytes = ns.host_memory or host.total_bytes
+    import torch
+
+    if torch.cuda.is_available():
+        gpu = take_snapshot("cuda:0")
+        name = torch.cuda.get_device_name(0)
+        machine = Machine(gpu.total_bytes, host_bytes, gpu.platform)
+        text = f"GPU 0 as measured: {name}, {gib(gpu.total_bytes)} ({gib(gpu.free_bytes)} free)"
+        return PlanTarget(machine, "cuda", f"{text}, host RAM {gib(host_bytes)}")
+    text = (
+        f"the CPU: no GPU here; host RAM as measured {gib(host.total_bytes)} ({gib(host.free_bytes)} available) "
+        "holds the weights, the KV cache and the activations"
+    )
+    return PlanTarget(Machine(host.total_bytes, None, detect_platform()), "cpu", text)
+
+
 def build_plan(ns: argparse.Namespace, env: Environment) -> dict[str, Any]:
+    target = plan_target(ns)
     # a plan for a GPU is made as if that GPU were present
-    cfg, location, args = resolve_from_cli(ns, env, config_only=True, simulate_gpu=ns.gpu_memory is not None)
+    cfg, location, args = resolve_from_cli(ns, env, config_only=True, simulate_gpu=target.device == "cuda")
     specs = checkpoint_schema(args)  # 69K entries for the real model: built once per plan
     weights = weight_bytes_by_group(args, specs)
     chunk = cfg.max_prefill_length
-    memory = _memory_plan(ns, cfg, args, specs)
     prefill = {"requested": chunk.value, "source": chunk.source.value, "note": chunk.note}
-    if memory is not None:
+    try:
+        memory = _memory_plan(target, cfg, args, specs)
+    except ConfigError as exc:
+        if ns.gpu_memory is not None:  # the machine the user named cannot hold it: an error, as before
+            raise
+        memory, prefill["effective"], prefill["binding"] = None, None, "none"
+        prefill["reason"] = f"no memory plan: this machine cannot serve the model ({exc})"
+    else:
         c = memory.chunk
         prefill.update(effective=c.effective_tokens, binding=c.binding, reason=c.reason, warning=c.warning)
     return {
@@ -68,11 +116,17 @@ def build_plan(ns: argparse.Namespace, env: Environment) -> dict[str, Any]:
             "mtp_layers": args.n_mtp_layers,
             "layer_kinds": list(args.layer_kinds),
         },
-        "machine": {"gpu_memory_bytes": ns.gpu_memory, "host_memory_bytes": ns.host_memory, "platform": ns.platform},
+        "machine": {
+            "plan_for": target.description,
+            "device": target.device,
+            "gpu_memory_bytes": target.machine.gpu_bytes,
+            "host_memory_bytes": target.machine.host_bytes,
+            "platform": target.machine.platform,
+        },
         "weights": {"total_bytes": sum(weights.values()), "by_kind_bytes": weights},
         "prefill_chunk": prefill,
         "memory_plan": memory.to_json() if memory is not None else None,
-        "memory_plan_text": format_memory_plan(memory) if memory is not None else None,
+        "memory_plan_text": format_memory_plan(memory, target.device) if memory is not None else None,
         "settings": settings_json(cfg),
         "settings_rows": settings_rows(cfg),
     }
@@ -92,35 +146,32 @@ def run_plan(ns: argparse.Namespace, env: Environment) -> int:
     print(f"model {plan['model']['name']}: {plan['model']['layers']} layers + {plan['model']['mtp_layers']} MTP")
     print("\nweights\n" + format_table(rows, ("kind", "bytes", "size")))
     print("\neffective settings\n" + format_table(plan["settings_rows"], ("flag", "value", "source", "note")))
+    print(f"\nplan for {plan['machine']['plan_for']}")
     if plan["memory_plan_text"]:
         print("\n" + plan["memory_plan_text"])
     else:
         c = plan["prefill_chunk"]
-        print(f"\nprefill chunk: {c['requested'] if c['requested'] else 'auto'} ({c['source']}): {c['note']}")
-        print(
-            "memory plan: give --gpu-memory SIZE (and --platform) to plan for a GPU; `serve` measures the "
-            "free memory after start-up"
-        )
+        print(f"\nprefill chunk: requested {c['requested'] or 'auto'} ({c['source']}), bound by none: {c['reason']}")
+    if plan["machine"]["device"] == "cpu" and plan["settings"]["num_tokens"]["value"] is None:
+        print(f"(the CPU worker keeps at most {CPU_KV_CAPACITY_TOKENS:,} KV tokens unless --num-tokens asks for more)")
     return 0
 
 
-def _memory_plan(ns: argparse.Namespace, cfg: Any, args: ModelArgs, specs: list[TensorSpec]):
-    if ns.gpu_memory is None:
-        return None
-    from dsv4serve.memory.plan import Machine, PlanSettings, plan_memory
+def _memory_plan(target: PlanTarget, cfg: Any, args: ModelArgs, specs: list[TensorSpec]):
+    from dsv4serve.memory.plan import PlanSettings, plan_memory
     from dsv4serve.memory.weights import include_mtp, loaded_weight_bytes
     from dsv4serve.model.backends import default_backends, resolve_backends
 
-    machine = Machine(ns.gpu_memory, ns.host_memory, ns.platform)
-    # resident weights as the CUDA worker loads them with --kernels, not as the checkpoint stores them
-    backends = resolve_backends(cfg.kernels.value, default_backends("cuda"))
-    return plan_memory(
-        args, loaded_weight_bytes(specs, args, backends), machine, PlanSettings.from_config(cfg), include_mtp(args)
-    )
+    # resident weights as the worker on that device loads them with --kernels, not as the checkpoint stores them
+    backends = resolve_backends(cfg.kernels.value, default_backends(target.device))
+    settings = PlanSettings.from_config(cfg)
+    return plan_memory(args, loaded_weight_bytes(specs, args, backends), target.machine, settings, include_mtp(args))
 
 
-def format_memory_plan(p) -> str:
-    """The plan as a person reads it: what stays on the GPU, slots, KV, and the chunk with its binding."""
+def format_memory_plan(p, device: str = "cuda") -> str:
+    """The plan as a person reads it: what stays on the GPU (or in RAM), slots, KV, and the chunk with its
+    binding."""
+    where = "ram" if device == "cpu" else "gpu"
     e = p.expert_slots * p.expert_slot_bytes
     rows = [
         ("non-expert weights", p.resident_weight_bytes),
@@ -130,17 +181,18 @@ def format_memory_plan(p) -> str:
         ("free for prefill activations", p.activation_free_bytes),
     ]
     table = format_table(
-        [{"gpu": n, "size": gib(b)} for n, b in rows]
+        [{where: n, "size": gib(b)} for n, b in rows]
         + [
             {
-                "gpu": f"budget ({p.machine.platform} margin {gib(p.margin_bytes)} inside free)",
+                where: f"budget ({p.machine.platform} margin {gib(p.margin_bytes)} inside free)",
                 "size": gib(p.budget_bytes),
             }
         ],
-        ("gpu", "size"),
+        (where, "size"),
     )
     c, g = p.chunk, p.geometry
-    lines = ["memory plan (" + gib(p.machine.gpu_bytes) + f" GPU, {p.machine.platform})", table, ""]
+    memory = "host RAM, CPU" if device == "cpu" else "GPU"
+    lines = [f"memory plan ({gib(p.machine.gpu_bytes)} {memory}, {p.machine.platform})", table, ""]
     lines += [f"- {d}" for d in p.decisions]
     lines += [
         "",

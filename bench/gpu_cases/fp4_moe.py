@@ -11,6 +11,12 @@ w2: rtol 2^-6, and atol 0.1 for outputs of order one summed over six experts.
 Baseline: torch bf16 matmuls per used expert on weights dequantized once (a plain grouped loop).
 flashinfer's fused MoE kernels take other weight layouts (and its MXFP4 paths target Blackwell), so
 it is not a baseline here.
+
+The expert-slot cache's cases (`slot_cases`): decode (T = 1 and 8) with every expert held twice, in
+device slots and in a pinned host bank, and a slot map that sends 0%, 50% or 100% of the used experts
+to the bank: the kernel then reads those in place over PCIe (zero-copy, unified virtual addressing).
+The rate is the GB/s of expert weights read (slots from HBM, misses over PCIe: expect the PCIe link's
+~50 GB/s to dominate as soon as one expert misses); the result must equal the reference as above.
 """
 
 from __future__ import annotations
@@ -129,10 +135,50 @@ def build(device: torch.device, d: MoeDims, tokens: tuple[int, ...]) -> list[Gpu
     return out
 
 
+def slot_cases(
+    device: torch.device, d: MoeDims, tokens: tuple[int, ...], miss_fractions: tuple[float, ...]
+) -> list[GpuCase]:
+    """fp4_moe with slots (device) + bank (pinned host on CUDA): `miss_fractions` of the used experts
+    unmapped, so the kernel reads them from the bank."""
+    from dsv4_kernels.fp4_moe import ExpertSlots, fp4_moe
+
+    gen = torch.Generator(device=device).manual_seed(1)
+    w1, s1 = random_fp4(d.experts, d.inter, d.dim, 118, device, gen)
+    w3, s3 = random_fp4(d.experts, d.inter, d.dim, 118, device, gen)
+    w2, s2 = random_fp4(d.experts, d.dim, d.inter, 121, device, gen)
+    on_device = (w1, s1, w3, s3, w2, s2)  # slot e holds expert e
+    bank = tuple(t.cpu().pin_memory() if device.type == "cuda" else t.clone() for t in on_device)
+    expert_bytes = sum(t[0].numel() for t in on_device)
+    out = []
+    for t in tokens:
+        x = (2 * torch.randn(t, d.dim, device=device, generator=gen)).to(torch.bfloat16)
+        ids = torch.rand(t, d.experts, device=device, generator=gen).argsort(dim=1)[:, : d.topk].contiguous()
+        weights = 2.5 * torch.rand(t, d.topk, device=device, generator=gen)
+        used = ids.unique()
+        for miss in miss_fractions:
+            slot_of = torch.arange(d.experts, dtype=torch.int32, device=device)
+            slot_of[used[: round(miss * used.numel())]] = -1
+            slots = ExpertSlots(slot_of, on_device)
+            out.append(
+                GpuCase(
+                    f"fp4_moe slots+bank T={t} {miss:.0%} misses (PCIe)",
+                    partial(fp4_moe, x, *bank, weights, ids, d.limit, slots=slots),
+                    partial(_reference, device, x, *on_device, weights, ids, d.limit),
+                    atol=0.1,
+                    rtol=2.0**-6,
+                    bytes_moved=int(used.numel()) * expert_bytes,  # the expert weights read
+                    bound="memory",
+                )
+            )
+    return out
+
+
 def cases(device: torch.device) -> list[GpuCase]:
-    return build(device, real_dims(), (1, 2048))
+    dims = real_dims()
+    return build(device, dims, (1, 2048)) + slot_cases(device, dims, (1, 8), (0.0, 0.5, 1.0))
 
 
 def smoke_cases(device: torch.device) -> list[GpuCase]:
     """Tiny shapes for the CPU interpreter: 8 experts, top-2, D=128, I=64."""
-    return build(device, MoeDims(128, 64, 8, 2, 10.0), (1, 24))
+    dims = MoeDims(128, 64, 8, 2, 10.0)
+    return build(device, dims, (1, 24)) + slot_cases(device, dims, (1,), (0.0, 0.5, 1.0))

@@ -6,15 +6,18 @@ import secrets
 import time
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from dsv4serve import __version__
 from dsv4serve.api import chat_routes, completion_routes
-from dsv4serve.api.errors import APIError, bad_request, error_body, error_response, install_error_handlers
+from dsv4serve.api.anthropic import routes as anthropic_routes
+from dsv4serve.api.errors import APIError, bad_request, error_response, error_response_for, install_error_handlers
+from dsv4serve.api.limits import BodyLimitMiddleware
 from dsv4serve.api.metrics import Metrics
 from dsv4serve.api.openapi import install_openapi
 from dsv4serve.api.protocol import DetokenizeRequest, TokenizeRequest
+from dsv4serve.api.responses import routes as responses_routes
 from dsv4serve.api.sampling import check_model
 from dsv4serve.api.state import AppState, ServeOptions, get_state, read_request
 from dsv4serve.api.tokenizer import TextTokenizer
@@ -24,21 +27,25 @@ PROTECTED_EXACT = ("/tokenize", "/detokenize")
 
 
 class ApiKeyMiddleware:
-    """Bearer token on /v1/*, /tokenize and /detokenize (pure ASGI: streams pass through untouched)."""
+    """The key on /v1/*, /tokenize and /detokenize, as `Authorization: Bearer K` or (Anthropic's SDK and
+    Claude Code) `x-api-key: K` (pure ASGI: streams pass through untouched)."""
 
     def __init__(self, app, api_key: str):
         self.app = app
-        self._expected = f"Bearer {api_key}".encode()
+        self._bearer = f"Bearer {api_key}".encode()
+        self._key = api_key.encode()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or not _protected(scope["path"]):
             return await self.app(scope, receive, send)
-        given = dict(scope.get("headers") or []).get(b"authorization", b"")
-        if secrets.compare_digest(given, self._expected):
+        headers = dict(scope.get("headers") or [])
+        bearer_ok = secrets.compare_digest(headers.get(b"authorization", b""), self._bearer)
+        if bearer_ok or secrets.compare_digest(headers.get(b"x-api-key", b""), self._key):
             return await self.app(scope, receive, send)
-        response = JSONResponse(
-            error_body(401, "invalid or missing API key (Authorization: Bearer ...)"),
-            status_code=401,
+        response = error_response_for(
+            scope["path"],
+            401,
+            "invalid or missing API key (Authorization: Bearer ... or x-api-key: ...)",
             headers={"WWW-Authenticate": "Bearer"},
         )
         await response(scope, receive, send)
@@ -145,7 +152,11 @@ def create_app(engine, tokenizer: TextTokenizer, options: ServeOptions) -> FastA
     _add_token_routes(app)
     app.include_router(chat_routes.router)
     app.include_router(completion_routes.router)
-    if options.api_key:
+    app.include_router(anthropic_routes.router)
+    app.include_router(responses_routes.router)
+    if options.max_request_bytes is not None:
+        app.add_middleware(BodyLimitMiddleware, max_bytes=options.max_request_bytes)
+    if options.api_key:  # added last: outermost, so a request without the key is refused before its body is read
         app.add_middleware(ApiKeyMiddleware, api_key=options.api_key)
     return app
 

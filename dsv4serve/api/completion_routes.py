@@ -10,7 +10,14 @@ from dsv4serve.api.choices import TextChoice
 from dsv4serve.api.errors import bad_request
 from dsv4serve.api.generation import ChoiceSpec
 from dsv4serve.api.protocol import CompletionRequest, check_completion
-from dsv4serve.api.sampling import build_sampling, check_context, check_model, stop_strings, with_seed
+from dsv4serve.api.sampling import (
+    build_sampling,
+    check_context,
+    check_model,
+    check_prompt_chars,
+    stop_strings,
+    with_seed,
+)
 from dsv4serve.api.state import AppState, read_request
 from dsv4serve.api.streaming import Reply, new_id, respond
 
@@ -18,8 +25,8 @@ router = APIRouter()
 DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for text completions
 
 
-def prompt_token_lists(state: AppState, prompt, vocab_size: int) -> list[list[int]]:
-    """Every prompt of the request as token ids (a batch gives several)."""
+def prompt_token_lists(state: AppState, prompt, vocab_size: int, max_model_len: int) -> list[list[int]]:
+    """Every prompt of the request as token ids (a batch gives several); run off the event loop."""
     if isinstance(prompt, str):
         prompt = [prompt]
     if not prompt:
@@ -27,6 +34,9 @@ def prompt_token_lists(state: AppState, prompt, vocab_size: int) -> list[list[in
     if all(isinstance(p, int) for p in prompt):
         prompt = [prompt]
     out = []
+    for p in prompt:
+        if isinstance(p, str):
+            check_prompt_chars(len(p), max_model_len, state.tokenizer.max_token_chars)
     for p in prompt:
         ids = state.tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p)
         bad = [t for t in ids if not 0 <= t < vocab_size]
@@ -42,7 +52,7 @@ async def completions(request: Request):
     check_completion(req)
     check_model(req.model, state.options.served_model_name)
     ready = state.ready()
-    prompts = await state.off_loop(prompt_token_lists, state, req.prompt, ready.vocab_size)
+    prompts = await state.off_loop(prompt_token_lists, state, req.prompt, ready.vocab_size, ready.max_model_len)
     max_tokens = req.max_tokens if "max_tokens" in req.model_fields_set else DEFAULT_MAX_TOKENS
     sampling = build_sampling(req, max_tokens, req.logprobs, ready.vocab_size)
     if req.echo and req.logprobs is not None:  # the echoed prompt carries its logprobs too

@@ -47,6 +47,7 @@ class ChoiceEvent:
     num_cached_tokens: int = 0
     num_output_tokens: int = 0  # so far
     prompt_logprobs: list[TokenOut | None] | None = None  # with the first event, when asked for
+    stop_str: str | None = None  # the stop string that ended the choice (Anthropic's stop_sequence)
 
 
 class StopStrings:
@@ -57,6 +58,7 @@ class StopStrings:
         self._include = include
         self._hold = max((len(s) for s in self._stops), default=1) - 1
         self._pending = ""
+        self.matched: str | None = None  # the stop string found, once found
 
     def push(self, text: str) -> tuple[str, bool]:
         """(text that is safe to emit, whether a stop string was found)."""
@@ -71,6 +73,7 @@ class StopStrings:
         if best is not None:
             end = best[0] + (len(best[1]) if self._include else 0)
             out, self._pending = self._pending[:end], ""
+            self.matched = best[1]
             return out, True
         keep = min(self._hold, len(self._pending))
         cut = len(self._pending) - keep
@@ -140,6 +143,7 @@ async def run_choice(app_state, spec: ChoiceSpec) -> AsyncIterator[ChoiceEvent]:
                     out.num_cached_tokens,
                     num_out,
                     out.prompt_logprobs,
+                    stops.matched,
                 )
                 if reason is not None:
                     break  # a stop string: closing the generator aborts the engine request

@@ -12,6 +12,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from dsv4serve.api.engine import Engine
+
 P = "dsv4serve:"
 # vLLM's buckets
 TTFT_BUCKETS = (
@@ -84,11 +86,11 @@ E2E_BUCKETS = (
 )
 
 EXPERT_CACHE_COUNTERS = (
-    ("expert_cache_queries", "Routed-expert lookups in the GPU expert-slot cache."),
-    ("expert_cache_hits", "Expert-slot cache lookups that found the expert on the GPU."),
-    ("expert_cache_h2d_bytes", "Expert weight bytes copied host -> device (misses and prefetches)."),
-    ("expert_cache_stalls", "Times the compute waited for an expert copy to finish."),
-    ("expert_cache_prefetches", "Experts copied ahead for the next layer during prefill."),
+    ("expert_cache_queries", "Routed-expert uses (step, layer, expert) with the GPU expert-slot cache."),
+    ("expert_cache_hits", "Routed-expert uses read from a GPU slot (the rest read the host bank in place)."),
+    ("expert_cache_h2d_bytes", "Expert weight bytes copied host -> device into slots (promotions)."),
+    ("expert_cache_stalls", "Times the compute waited for expert copies or staged an unpinned layer."),
+    ("expert_cache_prefetches", "Experts promoted into GPU slots between steps."),
 )
 
 

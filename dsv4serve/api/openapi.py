@@ -11,13 +11,18 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic.json_schema import models_json_schema
 
+from dsv4serve.api.anthropic.protocol import MessagesRequest
 from dsv4serve.api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from dsv4serve.api.responses.protocol import ResponsesRequest
 
 BODIES = {
     ("/v1/chat/completions", "post"): ChatCompletionRequest,
     ("/v1/completions", "post"): CompletionRequest,
     ("/tokenize", "post"): TokenizeRequest,
     ("/detokenize", "post"): DetokenizeRequest,
+    ("/v1/messages", "post"): MessagesRequest,
+    ("/v1/messages/count_tokens", "post"): MessagesRequest,
+    ("/v1/responses", "post"): ResponsesRequest,
 }
 REF = "#/components/schemas/{model}"
 

@@ -14,6 +14,8 @@ from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr
 from dsv4serve.api.errors import bad_request
 from dsv4serve.ipc.sampling import MAX_LOGPROBS
 
+MAX_TEMPERATURE = 2.0  # OpenAI's documented range is [0, 2]
+
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="allow")
@@ -58,6 +60,8 @@ class _Sampling(_Model):
     include_stop_str_in_output: bool | None = False
     skip_special_tokens: bool | None = True
     user: str | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as JSON keys are: text) -> bias in [-100, 100]
+    allowed_token_ids: list[StrictInt] | None = None
 
 
 class ChatCompletionRequest(_Sampling):
@@ -107,10 +111,30 @@ def check_common(req: _Sampling) -> None:
         raise bad_request(f"n must be at least 1, got {req.n}", "n")
     if req.n is not None and req.n > 128:
         raise bad_request(f"n must be at most 128, got {req.n}", "n")
+    if req.temperature is not None and not 0.0 <= req.temperature <= MAX_TEMPERATURE:  # NaN fails too
+        raise bad_request(f"temperature must be in [0, 2], got {req.temperature!r}", "temperature")
+    stops = [req.stop] if isinstance(req.stop, str) else req.stop or []
+    if any(s == "" for s in stops):
+        raise bad_request("stop must not contain an empty string", "stop")
+
+
+def logit_bias_pairs(logit_bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias object as (token id, bias) pairs; a key that is not an integer is a 400
+    (the range of ids and values is checked with the vocabulary, in SamplingParams.validate)."""
+    pairs = []
+    for key, value in (logit_bias or {}).items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise bad_request(f"logit_bias keys must be token ids (integers), got {key!r}", "logit_bias") from None
+        pairs.append((token_id, float(value)))
+    return tuple(pairs)
 
 
 def check_chat(req: ChatCompletionRequest) -> None:
     check_common(req)
+    if req.tools is not None and not req.tools:
+        raise bad_request("tools must not be an empty list (leave it out instead)", "tools")
     if req.top_logprobs is not None:
         if not req.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")

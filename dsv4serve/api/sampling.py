@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from dsv4serve.api.errors import APIError, bad_request
-from dsv4serve.api.protocol import _Sampling
+from dsv4serve.api.protocol import _Sampling, logit_bias_pairs
 from dsv4serve.ipc.sampling import SamplingParams
 
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
@@ -36,6 +36,8 @@ def build_sampling(req: _Sampling, max_tokens: int | None, logprobs: int | None,
             min_tokens=req.min_tokens or 0,
             max_tokens=max_tokens,
             logprobs=logprobs,
+            logit_bias=logit_bias_pairs(req.logit_bias),
+            allowed_token_ids=tuple(req.allowed_token_ids) if req.allowed_token_ids is not None else None,
         )
         params.validate(vocab_size)
     except ValueError as exc:
@@ -69,6 +71,19 @@ def check_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len:
             f"input, {max_tokens} for the completion). Please reduce the length of the input "
             "or of max_tokens.",
             "max_tokens",
+        )
+
+
+def check_prompt_chars(num_chars: int, max_model_len: int, max_token_chars: int) -> None:
+    """The cheap early reject, before tokenizing: a token stands for at most `max_token_chars` characters,
+    so a prompt of more than (max_model_len - 1) x max_token_chars characters has max_model_len tokens
+    or more (check_context's 400, decided from the length alone)."""
+    if num_chars > (max_model_len - 1) * max_token_chars:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, your request has "
+            f"{num_chars} characters of input, which is at least {-(-num_chars // max_token_chars)} tokens. "
+            "Please reduce the length of the input messages.",
+            "messages",
         )
 
 

@@ -6,7 +6,8 @@ import asyncio
 import logging
 import sys
 
-from dsv4serve.config import ServeConfig, Setting
+from dsv4serve.api.tokenizer import tokenizer_file
+from dsv4serve.config import ServeConfig, Setting, default_max_request_bytes
 from dsv4serve.ipc.messages import Ready, Sourced, WorkerLaunch
 
 log = logging.getLogger("dsv4serve")
@@ -31,8 +32,22 @@ def worker_launch(cfg: ServeConfig, model_path) -> WorkerLaunch:
         moe_cache_size=wire(cfg.moe_cache_size),
         memory_ratio=wire(cfg.memory_ratio),
         kernels=wire(cfg.kernels),
+        batch_invariant=wire(cfg.batch_invariant),
+        enforce_eager=wire(cfg.enforce_eager),
         log_level=cfg.log_level.value,
+        tokenizer_path=str(tokenizer_file(model_path)),
     )
+
+
+def request_bytes_limit(cfg: ServeConfig, ready: Ready) -> int:
+    """--max-request-bytes, or its default from the max_model_len the worker allocated."""
+    return cfg.max_request_bytes.value or default_max_request_bytes(ready.max_model_len)
+
+
+def _limit_source(cfg: ServeConfig) -> str:
+    if cfg.max_request_bytes.value:
+        return f"--max-request-bytes, {cfg.max_request_bytes.source.value}"
+    return "default: 4 MiB + 48 bytes x max_model_len"
 
 
 def format_ready(ready: Ready) -> str:
@@ -47,6 +62,7 @@ def format_ready(ready: Ready) -> str:
         f"  max running requests   {ready.max_running_requests}",
         f"  max model len          {ready.max_model_len} tokens",
         f"  expert slots           {slots}",
+        *([f"  decode graphs          {ready.decode_graphs}"] if ready.decode_graphs else []),
         *([f"  expert bank            {ready.expert_bank}"] if ready.expert_bank else []),
         f"  prefill chunk          requested {requested}, effective {chunk.effective_tokens} tokens, "
         f"bound by {chunk.binding}: {chunk.reason}",
@@ -91,7 +107,13 @@ async def _serve_async(cfg: ServeConfig, model_path) -> int:
             print(f"dsv4serve: error: {exc}", file=sys.stderr)
             return 1
         print(format_ready(ready), file=sys.stderr, flush=True)
-        options = ServeOptions(cfg.served_model_name.value, cfg.default_thinking.value, cfg.api_key.value)
+        options = ServeOptions(
+            cfg.served_model_name.value,
+            cfg.default_thinking.value,
+            cfg.api_key.value,
+            request_bytes_limit(cfg, ready),
+        )
+        print(f"  max request bytes      {options.max_request_bytes} ({_limit_source(cfg)})", file=sys.stderr)
         app = create_app(engine, tokenizer, options)
         config = uvicorn.Config(
             app, host=cfg.host.value, port=cfg.port.value, log_level=cfg.log_level.value, timeout_graceful_shutdown=5

@@ -20,6 +20,7 @@ from dsv4serve.ipc.messages import Ready
 
 log = logging.getLogger("dsv4serve.api")
 TEXT_WORKERS = 4  # threads rendering / tokenizing prompts; the tokenizer releases the GIL while it encodes
+PARSE_ON_LOOP_BYTES = 256 * 1024  # bodies from this size on are parsed off the event loop
 R = TypeVar("R")
 
 
@@ -28,6 +29,7 @@ class ServeOptions:
     served_model_name: str
     default_thinking: bool = True
     api_key: str | None = None
+    max_request_bytes: int | None = None  # None: no limit (tests); `serve` always sets one
 
 
 @dataclass
@@ -73,9 +75,8 @@ def get_state(request: Request) -> AppState:
     return request.app.state.dsv4
 
 
-async def read_json(request: Request) -> dict:
+def parse_json(raw: bytes) -> dict:
     """The body as a JSON object; anything else is a 400 (never a 422)."""
-    raw = await request.body()
     try:
         body = json.loads(raw)
         # a lone surrogate (`"\ud800"`) decodes, but no tokenizer can take it
@@ -85,6 +86,15 @@ async def read_json(request: Request) -> dict:
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     return body
+
+
+async def read_json(request: Request) -> dict:
+    """The body as a JSON object; a large one is parsed on the text pool (tens of ms for a few MB, which
+    the event loop must not stall for)."""
+    raw = await request.body()
+    if len(raw) < PARSE_ON_LOOP_BYTES:
+        return parse_json(raw)
+    return await get_state(request).off_loop(parse_json, raw)
 
 
 M = TypeVar("M")

@@ -7,18 +7,17 @@ usage, errors mid-stream (an error event, then [DONE]) and client disconnects.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from dsv4serve.api.errors import APIError, error_body, error_response
+from dsv4serve.api.errors import APIError, error_body
 from dsv4serve.api.generation import ChoiceEvent, ChoiceSpec, fan_in
 
 DONE = "data: [DONE]\n\n"
@@ -78,20 +77,34 @@ class Reply:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, **fields}
 
 
-async def complete(state, request, reply: Reply, specs: list[ChoiceSpec]) -> JSONResponse:
-    usage = Usage()
+async def collect(state, request, specs: list[ChoiceSpec], on_event: Callable[[ChoiceEvent], None]) -> None:
+    """Run the choices to their end, handing each event to `on_event`; an engine error is raised (the
+    route's error handler answers it in the API's envelope)."""
     async with contextlib.aclosing(fan_in(state, specs, request)) as events:
         async for item in events:
             if isinstance(item, APIError):
-                return error_response(item.status, item.message, item.param, item.code)
-            usage.add(item, reply.prompt_of[item.index])
-            reply.choices[item.index].on_event(item)
+                raise item
+            on_event(item)
+
+
+async def complete(state, request, reply: Reply, specs: list[ChoiceSpec]) -> JSONResponse:
+    usage = Usage()
+
+    def on_event(item: ChoiceEvent) -> None:
+        usage.add(item, reply.prompt_of[item.index])
+        reply.choices[item.index].on_event(item)
+
+    await collect(state, request, specs, on_event)
     body = reply.envelope(reply.object, choices=[c.result() for c in reply.choices], usage=usage.to_dict())
     return JSONResponse(body)
 
 
-async def stream(state, request, reply: Reply, specs: list[ChoiceSpec], include_usage: bool, continuous_usage: bool):
-    """A StreamingResponse; an engine error before the first output is answered as plain JSON."""
+StreamBody = Callable[[ChoiceEvent, AsyncIterator], AsyncIterator[str]]
+
+
+async def open_stream(state, request, specs: list[ChoiceSpec], body: StreamBody):
+    """A StreamingResponse of body(first event, the rest); an engine error before the first output is
+    raised instead (answered as plain JSON, with its status, by the error handler)."""
     events = fan_in(state, specs, request)
     try:
         first = await events.__anext__()
@@ -99,11 +112,35 @@ async def stream(state, request, reply: Reply, specs: list[ChoiceSpec], include_
         return JSONResponse({}, status_code=499)
     if isinstance(first, APIError):
         await events.aclose()
-        return error_response(first.status, first.message, first.param, first.code)
-    body = _stream_body(reply, first, events, include_usage, continuous_usage)
+        raise first
     return StreamingResponse(
-        body, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        body(first, events),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
+
+
+async def chain(first: ChoiceEvent, events: AsyncIterator) -> AsyncIterator[ChoiceEvent | APIError]:
+    """The first event, then the rest, ending after an engine error; the events are closed at the end."""
+    try:
+        item = first
+        while True:
+            yield item
+            if isinstance(item, APIError):
+                return
+            try:
+                item = await events.__anext__()
+            except StopAsyncIteration:
+                return
+    finally:
+        await events.aclose()
+
+
+async def stream(state, request, reply: Reply, specs: list[ChoiceSpec], include_usage: bool, continuous_usage: bool):
+    def body(first: ChoiceEvent, events: AsyncIterator) -> AsyncIterator[str]:
+        return _stream_body(reply, chain(first, events), include_usage, continuous_usage)
+
+    return await open_stream(state, request, specs, body)
 
 
 async def respond(state, request, reply: Reply, specs: list[ChoiceSpec], req: Any):
@@ -117,17 +154,16 @@ async def respond(state, request, reply: Reply, specs: list[ChoiceSpec], req: An
 
 
 async def _stream_body(
-    reply: Reply, first: ChoiceEvent, events: AsyncIterator, include_usage: bool, continuous_usage: bool
+    reply: Reply, items: AsyncIterator[ChoiceEvent | APIError], include_usage: bool, continuous_usage: bool
 ) -> AsyncIterator[str]:
     chunk_obj = reply.object + ".chunk" if reply.object == "chat.completion" else reply.object
     usage = Usage()
-    try:
+    async with contextlib.aclosing(items):
         for choice in reply.choices:
             opening = choice.start()
             if opening is not None:
                 yield sse(reply.envelope(chunk_obj, choices=[opening]))
-        item = first
-        while True:
+        async for item in items:
             if isinstance(item, APIError):
                 yield sse(error_body(item.status, item.message, item.param, item.code))
                 break
@@ -138,14 +174,7 @@ async def _stream_body(
                 if continuous_usage:
                     chunk["usage"] = usage.to_dict(item.index, reply.prompt_of[item.index])
                 yield sse(chunk)
-            try:
-                item = await events.__anext__()
-            except StopAsyncIteration:
-                if include_usage:
-                    yield sse(reply.envelope(chunk_obj, choices=[], usage=usage.to_dict()))
-                break
+        else:
+            if include_usage:
+                yield sse(reply.envelope(chunk_obj, choices=[], usage=usage.to_dict()))
         yield DONE
-    except asyncio.CancelledError:
-        raise
-    finally:
-        await events.aclose()

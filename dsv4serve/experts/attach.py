@@ -61,14 +61,7 @@ def attach_expert_cache(
     if pin is None:  # never probe past the RAM the bank may fill
         pin = measure_pin_budget(min(bank_bytes(expert_specs(ckpt, layers)), ram_bytes))
     bank = load_expert_bank(ckpt, layers, pin, ram_bytes, progress)
-    main = [m.layer_id for m in moes[: len(model.layers)]]
-    cache = ExpertSlotCache(
-        bank,
-        slots,
-        device,
-        next_layer=dict(zip(main, main[1:])),
-        hash_routers={m.layer_id: m.gate for m in moes if m.gate.hash},
-    )
+    cache = ExpertSlotCache(bank, slots, device, first_layer=moes[0].layer_id)  # a step starts at layer 0
     for m in moes:
         m.use_expert_cache(cache)
     log.info(

@@ -9,8 +9,14 @@ a GPU slot unchanged. Nothing is dequantized: the bank is the checkpoint's ~137 
 
 Whole layers, in order, are placed in three tiers: pinned while they fit the measured pin budget
 (pinning.py), then pageable RAM while they fit `ram_bytes` (host RAM minus a margin), and the rest
-stays in the checkpoint's memory-mapped shards, read on a miss through the OS page cache (a 128 GiB
-machine cannot hold all 137 GiB). `report` says which tier holds how much, and why.
+stays in the checkpoint's memory-mapped shards, read through the OS page cache (a 128 GiB machine
+cannot hold all 137 GiB). `report` says which tier holds how much, and why.
+
+On CUDA the FP4 kernel reads an expert outside the device slots in place from its pinned layer
+tensors (experts/slot_cache.py). A layer outside the pinned tier must be staged into a pinned
+one-layer area first (experts/staging.py); when the bank does not fit the pin budget whole, one
+layer's bytes of the budget are kept for that area (`BankReport.staging_bytes`) and the pinned tier
+gets the rest.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ class BankReport:
     pageable_bytes: int
     mapped_bytes: int  # left in the shards (mmap)
     pin: PinBudget
+    staging_bytes: int = 0  # of the pin budget, kept for the staging area of the unpinned layers
 
     @property
     def bank_bytes(self) -> int:
@@ -61,8 +68,9 @@ class BankReport:
 
     def describe(self) -> str:
         """One line for the log and the startup report."""
+        staging = f" ({_gib(self.staging_bytes)} of it kept to stage unpinned layers)" if self.staging_bytes else ""
         return (
-            f"expert bank {_gib(self.bank_bytes)}: {self.mode}; pin budget {_gib(self.pin.budget_bytes)} on "
+            f"expert bank {_gib(self.bank_bytes)}: {self.mode}; pin budget {_gib(self.pin.budget_bytes)}{staging} on "
             f"{self.pin.platform}: {self.pin.reason}"
         )
 
@@ -76,6 +84,12 @@ class ExpertBank:
     n_experts: int  # routed experts per layer
     expert_bytes: int  # one expert, all six parts: one slot
     report: BankReport
+    pinned: frozenset[int] = frozenset()  # the layers held in pinned memory (CUDA)
+
+    def device_readable(self, layer: int, device: torch.device) -> bool:
+        """True when a kernel on `device` can read `layer`'s stacked tensors in place: pinned on CUDA, in
+        RAM on the CPU (the mapped shards hold no stacked tensor)."""
+        return layer in self.pinned if device.type == "cuda" else layer in self.layers
 
     def expert(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
         """One expert's six packed parts: views into RAM, or read from the mapped shard."""
@@ -136,12 +150,17 @@ def load_expert_bank(
     shapes: PartShapes = {_part(s): (s.shape, _dtype(s)) for s in specs[layers[0]]}
     ram: dict[int, dict[str, torch.Tensor]] = {}
     mapped: dict[int, dict[tuple[int, str], str]] = {}
+    layer_sizes = [sum(s.nbytes for s in layer_specs) for layer_specs in specs.values()]
+    staging = 0 if sum(layer_sizes) <= pin.budget_bytes or not torch.cuda.is_available() else max(layer_sizes)
+    pin_room = max(0, pin.budget_bytes - staging)
     pinned = pageable = left = 0
+    pinned_layers = []
     for layer, layer_specs in specs.items():
         size = sum(s.nbytes for s in layer_specs)
         in_ram = ram_bytes is None or pinned + pageable + size <= ram_bytes
-        if in_ram and torch.cuda.is_available() and pinned + size <= pin.budget_bytes:
+        if in_ram and torch.cuda.is_available() and pinned + size <= pin_room:
             pinned, pin_it = pinned + size, True
+            pinned_layers.append(layer)
         elif in_ram:
             pageable, pin_it = pageable + size, False
         else:
@@ -157,7 +176,8 @@ def load_expert_bank(
             bar.update(s.nbytes)
         ram[layer] = parts
     bar.close()
-    report = BankReport(pinned, pageable, left, pin)
+    report = BankReport(pinned, pageable, left, pin, staging)
     log.info("%s", report.describe())
     expert_bytes = report.bank_bytes // (len(layers) * n_experts)
-    return ExpertBank(ram, mapped, ckpt.source if mapped else None, shapes, n_experts, expert_bytes, report)
+    source = ckpt.source if mapped else None
+    return ExpertBank(ram, mapped, source, shapes, n_experts, expert_bytes, report, frozenset(pinned_layers))

@@ -1,43 +1,52 @@
-"""The GPU expert-slot cache: N slots, each holding one routed expert (of any layer), packed MXFP4.
+"""The expert-slot cache: S device slots holding the hottest routed experts of every MoE layer; the FP4
+kernel reads the rest in place from the host bank, so a step never waits for an expert copy.
 
-    cache.layer_experts(layer, experts, token_ids) -> iterator of (expert, slot parts)
+    cache = ExpertSlotCache(bank, n_slots, device, first_layer)
+    cache.kernel_sources(layer, ids)     the Triton path: slots, slot map, bank tensors, usage row
+    cache.layer_experts(layer, experts)  the torch path (the oracle): each expert's packed parts
+    cache.begin_step()                   a step boundary (else the step's first MoE layer is one)
 
-A mapping (layer, expert) -> slot with LRU replacement. A miss copies the expert's packed bytes from
-the host bank into a slot; on CUDA the copy runs on a side stream and records an event that the
-compute stream waits on before the slot is read (before overwriting a slot the side stream waits
-for the compute work already queued, which includes the slot's previous reader). On CPU the "device"
-is host memory and copies are synchronous: the same mapping, eviction and accounting run in tests.
+State, on the device: the slots stacked per part (`w1` int8 [S, I, D/2], `w1_scale` uint8 [S, I, D/32],
+... as the bank stacks a layer), `slot_of_expert` int32 [L, E] (-1: not in a slot; L = the MoE layers
+in `layers` order) and `usage` int64 [L, E + 1] (cumulative: steps that routed to each expert, and
+in column E the layer's hits; the FP4 path's moe_align adds to it in its own launch). The kernel's
+second weight source is the layer's bank tensors (kernels/dsv4_kernels/fp4_moe.py): on CUDA pinned host
+memory read through unified virtual addressing, so a step has no host sync, no copy issued by the
+host, and stays capturable in a CUDA graph.
 
-While a multi-token forward (prefill) computes layer l, the experts layer l+1 will probably need are
-prefetched into spare slots (double buffering): exactly for a hash-routed layer (its tid2eid table
-and the token ids decide), otherwise the set that layer used last time. A prefetch only takes slots
-beyond what layer l needs and never evicts an expert layer l still needs.
+Residency changes only between steps (`begin_step`): the usage counters reach the host late and
+without a wait (transfers.LaggedCounts); their growth feeds decayed-frequency scores
+(residency.py), which pick the experts to promote; a side stream copies them into their slots behind
+the compute already queued, then the slot map (transfers.SlotCopier), and the compute stream waits
+on that one event before the step's first MoE layer. On the CPU the same logic runs synchronously.
+A fresh cache fills every slot at once, each layer an equal share (residency.initial_keys).
 
-The slots are stacked per part (`w1` int8 [S, I, D/2], `w1_scale` uint8 [S, I, D/32], ...): on CUDA,
-kernels/dsv4_kernels/fp4_moe.py can consume them as its [E, ...] expert tensors with routed ids
-mapped to slot ids; the CPU reference path dequantizes one lent slot at a time (model/moe.py).
+A layer whose bank tensors the device cannot read in place (pageable or mapped on CUDA, mapped on the
+CPU) takes the staging path (staging.py), the one host sync, counted.
 
-Counted: queries and hits (lookups by the compute), bytes moved host->device, stalls (CUDA: the
-compute had to wait for a copy not yet finished; CPU: a miss served synchronously), prefetches and
-evictions.
+Stats (ExpertCacheStats; the worker exports the first five): `queries` the (step, layer, expert)
+uses, and `hits` those read from a slot, both from the usage counters, so on CUDA a step or two late;
+`h2d_bytes` expert bytes copied host -> device (promotions; the torch path's bank reads on CUDA), not
+the zero-copy reads of the bank by the kernel ((queries - hits) x expert_bytes at most); `stalls` the
+waits: step boundaries whose promotion copies were still running when the compute reached them (CPU:
+every boundary with copies, which run synchronously) plus every staging-path sync; `prefetches` the
+experts promoted into slots ahead of the steps that use them; `evictions` promotions that replaced
+an expert. The initial fill at load is not counted.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
 from dsv4serve.experts.bank import ExpertBank
+from dsv4serve.experts.residency import PromotionPolicy, decayed, initial_keys, plan_promotions
+from dsv4serve.experts.staging import LayerStaging
+from dsv4serve.experts.transfers import LaggedCounts, Parts, SlotCopier
 
-Key = tuple[int, int]  # (layer, expert)
-
-
-class HashRouter(Protocol):
-    tid2eid: torch.Tensor  # [vocab, k] int64
+PART_ORDER = ("w1", "w1_scale", "w3", "w3_scale", "w2", "w2_scale")  # the FP4 kernel's argument order
 
 
 @dataclass
@@ -48,6 +57,8 @@ class ExpertCacheStats:
     stalls: int = 0
     prefetches: int = 0
     evictions: int = 0
+    staged_layers: int = 0  # staging-path syncs (each also a stall)
+    staged_bytes: int = 0  # expert bytes copied on the host into the staging area
 
     def stats_fields(self) -> dict[str, int]:
         """The fields of ipc.messages.Stats these counters fill."""
@@ -60,127 +71,158 @@ class ExpertCacheStats:
         }
 
 
+@dataclass(frozen=True)
+class KernelSources:
+    """What the FP4 kernel reads for one layer: tensors in PART_ORDER."""
+
+    bank: tuple[torch.Tensor, ...]  # [E, ...]: experts outside the slots (pinned bank or staging area)
+    slots: tuple[torch.Tensor, ...]  # [S, ...]
+    slot_of_expert: torch.Tensor  # [E] int32 on the device
+    usage: torch.Tensor  # [E + 1] int64 on the device: the layer's usage row
+
+
 class ExpertSlotCache:
     def __init__(
         self,
         bank: ExpertBank,
         n_slots: int,
         device: torch.device,
-        next_layer: dict[int, int] | None = None,
-        hash_routers: dict[int, HashRouter] | None = None,
+        first_layer: int | None = None,
+        policy: PromotionPolicy | None = None,
     ):
         if n_slots < 1:
             raise ValueError(f"an expert-slot cache needs at least one slot, got {n_slots}")
         self.bank, self.n_slots, self.device = bank, n_slots, device
+        self.policy = policy or PromotionPolicy()
+        self.layers = sorted([*bank.layers, *bank.mapped])
+        self._row = {layer: i for i, layer in enumerate(self.layers)}
+        self._first_layer = self.layers[0] if first_layer is None else first_layer
+        n_rows, n_experts = len(self.layers), bank.n_experts
         self.slots = {
             part: torch.empty((n_slots, *shape), dtype=dtype, device=device)
             for part, (shape, dtype) in bank.part_shapes.items()
         }  # part -> [S, ...]
+        self.slot_of_expert = torch.full((n_rows, n_experts), -1, dtype=torch.int32, device=device)
+        self.usage = torch.zeros((n_rows, n_experts + 1), dtype=torch.int64, device=device)
+        self._map_host = torch.full((n_rows, n_experts), -1, dtype=torch.int32, pin_memory=device.type == "cuda")
+        self._slot_keys = torch.full((n_slots,), -1, dtype=torch.int64)  # flat key row * E + expert
+        self._scores = torch.zeros(n_rows * n_experts, dtype=torch.float64)
         self.stats = ExpertCacheStats()
-        self._lru: OrderedDict[Key, int] = OrderedDict()  # oldest first
-        self._free = list(range(n_slots - 1, -1, -1))
-        self._next_layer = next_layer or {}
-        self._hash_routers = hash_routers or {}
-        self._last_used: dict[int, list[int]] = {}
-        self._cuda = device.type == "cuda"
-        self._copy_stream = torch.cuda.Stream(device) if self._cuda else None
-        self._ready: dict[int, torch.cuda.Event] = {}  # slot -> its copy's completion
+        self._counts = LaggedCounts(self.usage)
+        self._copier = SlotCopier(self.slots, device, self.policy.max_per_step)
+        self._staging = LayerStaging(bank, device)
+        self._begun = False
+        self._fill(initial_keys(n_slots, n_rows, n_experts))
 
     @property
-    def resident(self) -> dict[Key, int]:
-        """(layer, expert) -> slot, oldest use first."""
-        return dict(self._lru)
+    def resident(self) -> dict[tuple[int, int], int]:
+        """(layer, expert) -> slot, by slot."""
+        e = self.bank.n_experts
+        return {(self.layers[k // e], k % e): s for s, k in enumerate(self._slot_keys.tolist()) if k >= 0}
 
     # ------------------------------------------------------------------ what the MoE layer calls
 
-    def layer_experts(
-        self, layer: int, experts: list[int], token_ids: torch.Tensor
-    ) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
-        """(expert, its slot's packed parts) for each of `experts`, resident ones first, then misses.
-
-        Each yielded slot stays valid until the next item is requested. With more than one token the
-        next layer's likely experts are prefetched first, into slots this layer does not need.
-        """
-        pending = {(layer, e) for e in experts}
-        nxt = self._next_layer.get(layer)
-        if token_ids.numel() > 1 and nxt is not None:
-            self._prefetch(nxt, self._predict(nxt, token_ids), pending)
-        self._last_used[layer] = list(experts)
-        for e in sorted(experts, key=lambda e: ((layer, e) not in self._lru, e)):
-            pending.discard((layer, e))
-            slot = self._demand((layer, e), pending)
-            yield e, {part: t[slot] for part, t in self.slots.items()}
-
-    # ------------------------------------------------------------------ mapping and replacement
-
-    def _demand(self, key: Key, pending: set[Key]) -> int:
-        self.stats.queries += 1
-        slot = self._lru.get(key)
-        if slot is not None:
-            self.stats.hits += 1
-            self._lru.move_to_end(key)
+    def kernel_sources(self, layer: int, ids: torch.Tensor) -> KernelSources:
+        """The FP4 kernel's weight sources for `layer`, whose routing is ids [T, k] (read only on the
+        staging path)."""
+        self._enter(layer)
+        row = self._row[layer]
+        if self.bank.device_readable(layer, self.device):
+            bank = self.bank.layers[layer]
         else:
-            # rather an expert this layer needs later (it is fetched again) than no slot at all
-            slot = self._take_slot(pending)
-            slot = self._take_slot(set()) if slot is None else slot
-            assert slot is not None  # n_slots >= 1 and `key` holds none of them
-            self._load(key, slot)
-            if not self._cuda:
-                self.stats.stalls += 1  # the CPU serves a miss synchronously
-        self._wait_ready(slot)
-        return slot
+            bank = self._staging.layer_parts(layer, ids, self._map_host[row] >= 0)
+            self.stats.stalls += 1
+            self.stats.staged_layers += 1
+            self.stats.staged_bytes = self._staging.staged_bytes
+        return KernelSources(
+            tuple(bank[p] for p in PART_ORDER),
+            tuple(self.slots[p] for p in PART_ORDER),
+            self.slot_of_expert[row],
+            self.usage[row],
+        )
 
-    def _predict(self, layer: int, token_ids: torch.Tensor) -> list[int]:
-        router = self._hash_routers.get(layer)
-        if router is not None:
-            return sorted(set(router.tid2eid[token_ids.long()].flatten().tolist()))
-        return self._last_used.get(layer, [])
+    def layer_experts(self, layer: int, experts: list[int]) -> Iterator[tuple[int, Parts]]:
+        """(expert, its packed parts) for each of `experts` (ascending): a slot's, else the bank's (on
+        CUDA copied to the device). Records the uses as the kernel's moe_align does."""
+        self._enter(layer)
+        row = self._row[layer]
+        slot_of = self._map_host[row]
+        used = torch.tensor(experts, dtype=torch.long)
+        self.usage[row, used.to(self.usage.device)] += 1
+        self.usage[row, -1] += int((slot_of[used] >= 0).sum())
+        for e in experts:
+            slot = int(slot_of[e])
+            if slot >= 0:
+                yield e, {part: t[slot] for part, t in self.slots.items()}
+                continue
+            parts = self.bank.expert(layer, e)
+            if self.device.type != "cpu":
+                parts = {part: t.to(self.device) for part, t in parts.items()}
+                self.stats.h2d_bytes += self.bank.expert_bytes
+            yield e, parts
 
-    def _prefetch(self, layer: int, experts: list[int], current: set[Key]) -> None:
-        """Copy `experts` of `layer` ahead into the slots the current layer's `current` set leaves."""
-        spare = self.n_slots - len(current)
-        keep = set(current)
-        for key in [(layer, e) for e in experts if (layer, e) not in self._lru][: max(spare, 0)]:
-            slot = self._take_slot(keep)
-            if slot is None:
-                return
-            self._load(key, slot)
-            keep.add(key)
-            self.stats.prefetches += 1
+    # ------------------------------------------------------------------ step boundaries
 
-    def _take_slot(self, keep: set[Key]) -> int | None:
-        """A free slot, else the least recently used one whose expert is not in `keep`."""
-        if self._free:
-            return self._free.pop()
-        victim = next((k for k in self._lru if k not in keep), None)
-        if victim is None:
-            return None
-        self.stats.evictions += 1
-        return self._lru.pop(victim)
+    def begin_step(self) -> None:
+        """A step boundary: collect the usage counts that have arrived, promote, and order the compute
+        after the copies. Call it before a step (outside a captured CUDA graph); without the call the
+        step's first MoE layer (`first_layer`) runs it."""
+        self._boundary()
+        self._begun = True
 
-    # ------------------------------------------------------------------ copies
+    def collect_usage(self) -> None:
+        """Fold the usage counts that have arrived into the stats and scores (no promotion, no wait)."""
+        grown = self._counts.collect()
+        if grown is not None:
+            self._account(grown)
 
-    def _load(self, key: Key, slot: int) -> None:
-        src = self.bank.expert(*key)
-        if self._copy_stream is None:
+    def _enter(self, layer: int) -> None:
+        if layer != self._first_layer:
+            return
+        if self._begun:
+            self._begun = False
+        else:
+            self._boundary()
+
+    def _boundary(self) -> None:
+        self.collect_usage()
+        if self._copier.idle():
+            plan = plan_promotions(self._scores, self._slot_keys, self.policy)
+            if plan:
+                self._promote(plan)
+        if self._copier.compute_waits():
+            self.stats.stalls += 1
+
+    def _account(self, grown: torch.Tensor) -> None:
+        used = grown[:, :-1]  # [L, E] steps that routed to each expert
+        self.stats.queries += int(used.sum())
+        self.stats.hits += int(grown[:, -1].sum())
+        self._scores = decayed(self._scores, used.flatten(), self.policy)
+
+    def _promote(self, plan) -> None:
+        e = self.bank.n_experts
+        copies = []
+        for p in plan:
+            if p.evicted >= 0:
+                self._map_host.view(-1)[p.evicted] = -1
+                self.stats.evictions += 1
+            self._map_host.view(-1)[p.key] = p.slot
+            self._slot_keys[p.slot] = p.key
+            layer = self.layers[p.key // e]
+            copies.append((p.slot, self.bank.expert(layer, p.key % e), layer in self.bank.pinned))
+        self._copier.issue(copies, self._map_host, self.slot_of_expert)
+        self.stats.prefetches += len(plan)
+        self.stats.h2d_bytes += len(plan) * self.bank.expert_bytes
+        if self.device.type != "cuda":
+            self.stats.stalls += 1  # the copies ran synchronously
+
+    def _fill(self, keys: list[int]) -> None:
+        """Load `keys` into slots 0.. synchronously (at construction; not counted)."""
+        e = self.bank.n_experts
+        for slot, key in enumerate(keys):
+            src = self.bank.expert(self.layers[key // e], key % e)
             for part, t in self.slots.items():
                 t[slot].copy_(src[part])
-        else:
-            # the slot's previous reader is queued on the compute stream: copy after it
-            self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self._copy_stream):
-                for part, t in self.slots.items():
-                    t[slot].copy_(src[part], non_blocking=True)
-                done = torch.cuda.Event()
-                done.record(self._copy_stream)
-            self._ready[slot] = done
-        self._lru[key] = slot
-        self.stats.h2d_bytes += self.bank.expert_bytes
-
-    def _wait_ready(self, slot: int) -> None:
-        done = self._ready.pop(slot, None)
-        if done is None:
-            return
-        if not done.query():
-            self.stats.stalls += 1
-        torch.cuda.current_stream(self.device).wait_event(done)
+            self._map_host.view(-1)[key] = slot
+            self._slot_keys[slot] = key
+        self.slot_of_expert.copy_(self._map_host)

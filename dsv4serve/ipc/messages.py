@@ -68,6 +68,7 @@ class Ready(msgspec.Struct, frozen=True, tag="ready", forbid_unknown_fields=True
     kv_pages: int = 0  # the paged KV pool: pages of `page_tokens` tokens and sequence slots
     page_tokens: int = 0
     sequence_slots: int = 0
+    decode_graphs: str = ""  # how decode steps run: CUDA graphs per batch bucket (capture time, memory), or eager
 
 
 class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
@@ -107,11 +108,11 @@ class Stats(msgspec.Struct, frozen=True, tag="stats", forbid_unknown_fields=True
     prefix_cache_queries_total: int
     prefix_cache_hits_total: int
     # the GPU expert-slot cache (dsv4serve/experts/slot_cache.py); all 0 while every expert is resident
-    expert_cache_queries_total: int = 0  # routed-expert lookups by the compute
-    expert_cache_hits_total: int = 0  # lookups that found the expert in a slot
-    expert_cache_h2d_bytes_total: int = 0  # expert bytes copied host -> device (misses and prefetches)
-    expert_cache_stalls_total: int = 0  # the compute waited for a copy (CPU: a miss served synchronously)
-    expert_cache_prefetches_total: int = 0  # experts copied ahead for the next layer
+    expert_cache_queries_total: int = 0  # routed-expert uses (step, layer, expert)
+    expert_cache_hits_total: int = 0  # uses read from a slot (the rest read the host bank in place)
+    expert_cache_h2d_bytes_total: int = 0  # expert bytes copied host -> device into slots (promotions)
+    expert_cache_stalls_total: int = 0  # waits for promotion copies, and staging syncs (slot_cache.py)
+    expert_cache_prefetches_total: int = 0  # experts promoted into slots between steps
 
 
 class WorkerFailed(msgspec.Struct, frozen=True, tag="failed", forbid_unknown_fields=True):
@@ -166,4 +167,7 @@ class WorkerLaunch(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     moe_cache_size: Sourced[int | None] = Sourced(None)  # GPU expert slots; None = planned / all resident
     memory_ratio: Sourced[float] = Sourced(0.9)
     kernels: Sourced[str] = Sourced("auto")  # --kernels: the model's kernel backends (model/backends.py)
+    batch_invariant: Sourced[bool] = Sourced(False)  # --batch-invariant: bitwise batch invariance (slower)
+    enforce_eager: Sourced[bool] = Sourced(False)  # --enforce-eager: no CUDA graphs
     log_level: str = "info"
+    tokenizer_path: str = ""  # the tokenizer.json the API uses (structured output compiles against it); "": bundled

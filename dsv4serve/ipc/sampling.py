@@ -13,6 +13,24 @@ MAX_LOGPROBS = 20  # OpenAI's `top_logprobs` ceiling; the contract answers 400 a
 GREEDY_TEMPERATURE = 1e-5  # vLLM's _SAMPLING_EPS: a temperature below this samples greedily
 PENALTY_LIMIT = 2.0  # OpenAI / vLLM: presence and frequency penalties lie in [-2, 2]
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1  # vLLM's seed range (torch.long)
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI: each logit_bias value lies in [-100, 100]
+STRUCTURED_KINDS = ("json_schema", "structural_tag")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A decoding constraint as plain data; the worker compiles it once per (kind, spec) with xgrammar
+    (worker/grammar.py) and keeps a matcher per request.
+
+    kind "json_schema": `spec` is a JSON schema as JSON text; "structural_tag": `spec` is an xgrammar
+    structural tag as JSON text (the DSML tool-call block of a forced tool call, chat/constraints.py).
+    """
+
+    kind: str
+    spec: str
+    # the constraint starts after the first time this token is produced (</think>: the reasoning is free
+    # text); None: from the first output token
+    after_token: int | None = None
 
 
 @dataclass(frozen=True)
@@ -38,6 +56,9 @@ class SamplingParams:
     # after the reasoning ends)
     forced_tokens: tuple[int, ...] = ()
     forced_after: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, value added to its logit), OpenAI's logit_bias
+    allowed_token_ids: tuple[int, ...] | None = None  # only these may be sampled; None: every token
+    structured: StructuredOutput | None = None  # response_format / forced tool-call arguments, enforced
 
     @property
     def is_greedy(self) -> bool:
@@ -57,7 +78,7 @@ class SamplingParams:
             _check_float(self, name, lambda v: -PENALTY_LIMIT <= v <= PENALTY_LIMIT, "in [-2, 2]")
         _check_float(self, "repetition_penalty", lambda v: v > 0.0, "a finite number > 0")
         if self.seed is not None:
-            _check_int(self, "seed", lambda v: _INT64_MIN <= v <= _INT64_MAX, "a 64-bit signed integer")
+            _check_int(self, "seed", lambda v: _INT64_MIN <= v <= _INT64_MAX, f"in [{_INT64_MIN}, {_INT64_MAX}]")
         _check_stop_token_ids(self.stop_token_ids, vocab_size)
         _check_stop_token_ids(self.forced_tokens, vocab_size, "forced_tokens")
         if self.forced_after is not None:
@@ -72,6 +93,28 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 _check_int(self, name, lambda v: 0 <= v <= MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]")
+        _check_token_limits(self, vocab_size)
+
+
+def _check_token_limits(params: SamplingParams, vocab_size: int | None) -> None:
+    """logit_bias, allowed_token_ids and the structured-output constraint."""
+    if not isinstance(params.logit_bias, tuple):
+        raise ValueError("logit_bias must be a tuple of (token id, bias) pairs")
+    _check_stop_token_ids(tuple(pair[0] for pair in params.logit_bias), vocab_size, "logit_bias")
+    for token_id, bias in params.logit_bias:
+        ok = isinstance(bias, (int, float)) and not isinstance(bias, bool) and math.isfinite(bias)
+        if not ok or not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+            raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r} for token {token_id}")
+    if params.allowed_token_ids is not None:
+        if not params.allowed_token_ids:
+            raise ValueError("allowed_token_ids must not be empty")
+        _check_stop_token_ids(params.allowed_token_ids, vocab_size, "allowed_token_ids")
+    s = params.structured
+    if s is not None:
+        if s.kind not in STRUCTURED_KINDS or not isinstance(s.spec, str):
+            raise ValueError(f"structured output kind must be one of {', '.join(STRUCTURED_KINDS)}, got {s.kind!r}")
+        if s.after_token is not None:
+            _check_stop_token_ids((s.after_token,), vocab_size, "structured.after_token")
 
 
 def _check_float(params: SamplingParams, name: str, ok, rule: str) -> None:

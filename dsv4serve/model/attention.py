@@ -3,65 +3,28 @@ compressed entries of CSA / HCA layers, a per-head sink in the softmax denominat
 the output and the grouped low-rank output projection.
 
 Projections run on all tokens of a batch at once. Then, per layer: the compressors update the pool
-row by row over the `RowSpan`s of the packed tokens; the indexer picks each CSA query's entries
-(torch row by row, or one indexer_topk kernel call for the batch: `num.backends.indexer`); the core
-attention runs row by row in torch, or as one paged sparse attention kernel call for the batch that
-reads the pool through the `BatchLayout` (`num.backends.attention`). The torch path gathers a row's
-previous keys before writing its new ones into the window ring; the kernel reads the ring itself,
-so there the ring is written after the call.
+(row by row over the `RowSpan`s of the packed tokens; a decode step without batch invariance: all rows at
+once, attention_decode.py); the indexer picks each CSA query's entries (torch, or one indexer_topk kernel
+call for the batch: `num.backends.indexer`); the core attention runs in torch, or as one paged sparse
+attention kernel call for the batch that reads the pool through the `BatchLayout`
+(`num.backends.attention`). The torch per-row path gathers a row's previous keys before writing its new
+ones into the window ring; the kernel reads the ring itself, so there the ring is written after the call.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from dsv4serve.model.args import ModelArgs
+from dsv4serve.model.attention_decode import attend_decode, select_decode, store_window
+from dsv4serve.model.batch import BatchLayout, RowSpan
 from dsv4serve.model.compressor import Compressor
 from dsv4serve.model.indexer import Indexer
 from dsv4serve.model.kv_pool import LayerCache
 from dsv4serve.model.layers import Linear, RMSNorm
 from dsv4serve.model.numerics import KV_BLOCK, Numerics, act_quant, fp8_quant_dequant
-from dsv4serve.model.rope import apply_rope, inv_freq, rope_cos_sin
-
-
-@dataclass(frozen=True)
-class RowSpan:
-    begin: int  # first packed token of the row
-    end: int
-    start_pos: int  # absolute position of the row's first token
-    slot: int  # the row's sequence slot in the KV pool
-    pages: torch.Tensor  # [num_pages] int64, the row's page table
-
-
-@dataclass(frozen=True)
-class BatchLayout:
-    """The packed batch as the attention and indexer kernels index it; built once per forward."""
-
-    cu_seqlens: torch.Tensor  # [B + 1] int32, row b's tokens are packed [cu[b], cu[b + 1])
-    start_pos: torch.Tensor  # [B] int32, absolute position of each row's first token
-    seq_slot: torch.Tensor  # [B] int32, each row's sequence slot (window ring)
-    block_table: torch.Tensor  # [B, max_pages] int32, each row's page table, -1 padded
-    max_rows: int  # the most tokens a row runs in this step
-    max_end: int  # the most tokens a row holds after this step
-
-    @classmethod
-    def of(cls, spans: list[RowSpan], device: torch.device) -> BatchLayout:
-        i32 = dict(dtype=torch.int32, device=device)
-        cu = [0] + [s.end for s in spans]
-        table = torch.full((len(spans), max(int(s.pages.numel()) for s in spans)), -1, **i32)
-        for b, s in enumerate(spans):
-            table[b, : s.pages.numel()] = s.pages
-        return cls(
-            torch.tensor(cu, **i32),
-            torch.tensor([s.start_pos for s in spans], **i32),
-            torch.tensor([s.slot for s in spans], **i32),
-            table,
-            max(s.end - s.begin for s in spans),
-            max(s.start_pos + s.end - s.begin for s in spans),
-        )
+from dsv4serve.model.rope import Rotation, inv_freq
 
 
 def sparse_attention(
@@ -103,81 +66,78 @@ class Attention(nn.Module):
         self.indexer = Indexer(args, self.compress_ratio) if args.kind(layer_id) == "csa" else None
         self.register_buffer("freqs", inv_freq(args, bool(self.compress_ratio)), persistent=False)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        positions: torch.Tensor,
-        spans: list[RowSpan],
-        layout: BatchLayout,
-        cache: LayerCache,
-        num: Numerics,
-    ) -> torch.Tensor:
-        """x [N, D] compute dtype (attn_norm output), positions [N] -> [N, D] compute dtype."""
-        cos, sin = rope_cos_sin(self.freqs, positions)
+    def forward(self, x: torch.Tensor, layout: BatchLayout, cache: LayerCache, num: Numerics) -> torch.Tensor:
+        """x [N, D] compute dtype (attn_norm output) -> [N, D] compute dtype."""
+        kernels = num.backends.token_ops == "triton"
+        rot = Rotation.of(self.freqs, layout.positions, kernels)
         # shared by wq_a and wkv; the FP8 GEMM kernel quantizes its input itself (never twice)
         in_kernel = self.wq_a.quantizes_in_kernel(num) and self.wkv.quantizes_in_kernel(num)
         xq = x if in_kernel else act_quant(x, num)
-        qr = self.q_norm(self.wq_a(xq, num, x_quantized=True))  # [N, q_lora]
+        qr = self.q_norm(self.wq_a(xq, num, x_quantized=True), num)  # [N, q_lora]
         q = self.wq_b(qr, num).unflatten(-1, (self.n_heads, self.head_dim))
-        q = q * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + self.eps).to(q.dtype)
-        q = apply_rope(q, cos, sin)  # [N, H, d]
-        kv = apply_rope(self.kv_norm(self.wkv(xq, num, x_quantized=True)), cos, sin)  # [N, d]
-        if num.kv_fp8:
-            nope = self.head_dim - self.rope_head_dim
-            kv = torch.cat((fp8_quant_dequant(kv[:, :nope], KV_BLOCK), kv[:, nope:]), dim=1)
-        extras = self._compressed_inputs(x, qr, cos, sin, num)
-        self._update_compressors(spans, cache, extras, num)
-        topk = self._select(spans, layout, cache, extras, num) if self.indexer is not None else None
+        kv = self.wkv(xq, num, x_quantized=True)  # [N, d]
+        nope = self.head_dim - self.rope_head_dim
+        if kernels:  # one launch each: the per-head RMS + RoPE; the kv norm + RoPE + FP8 simulation
+            from dsv4_kernels.token_ops import kv_norm_rope_quant, q_head_norm_rope
+
+            q = q_head_norm_rope(q, rot.angles, self.eps)
+            kv = kv_norm_rope_quant(kv, self.kv_norm.weight, self.kv_norm.eps, rot.angles, nope, KV_BLOCK, num.kv_fp8)
+        else:
+            q = q * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + self.eps).to(q.dtype)
+            q = rot.apply(q)  # [N, H, d]
+            kv = rot.apply(self.kv_norm(kv))
+            if num.kv_fp8:
+                kv = torch.cat((fp8_quant_dequant(kv[:, :nope], KV_BLOCK), kv[:, nope:]), dim=1)
+        extras = self._compressed_inputs(x, qr, rot, num)
+        # a decode step without batch invariance runs the vectorized paths (attention_decode.py)
+        vector = layout.is_decode and not num.batch_invariant
+        self._update_compressors(layout, cache, extras, num, vector)
+        topk = self._select(layout, cache, extras, num, vector) if self.indexer is not None else None
         if num.backends.attention == "triton":
-            o = self._attend_kernel(q, kv, spans, layout, cache, topk, num)
+            o = self._attend_kernel(q, kv, layout, cache, topk, num, vector)
+        elif vector:
+            store_window(cache.swa, kv, layout)
+            o = attend_decode(q, cache.swa, cache.comp, topk, layout, self.attn_sink, self.softmax_scale)
+            o = o.to(num.compute_dtype)
         else:
             o = torch.empty(q.shape, dtype=num.compute_dtype, device=q.device)
-            for span in spans:
+            for span in layout.spans:
                 rows = slice(span.begin, span.end)
-                o[rows] = self._attend_row(q[rows], kv[rows], span, cache, None if topk is None else topk[rows], num)
-        o = apply_rope(o, cos, sin, inverse=True)
+                row_topk = None if topk is None else topk[rows]
+                o[rows] = self._attend_row(q[rows], kv[rows], span, layout, cache, row_topk, num)
+        o = rot.apply(o, inverse=True)
         return self._project_out(o, num)
 
     def _compressed_inputs(
-        self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num: Numerics
+        self, x: torch.Tensor, qr: torch.Tensor, rot: Rotation, num: Numerics
     ) -> dict[str, torch.Tensor]:
         """Per-token inputs of the compressors and indexer, computed on all packed tokens at once."""
         out: dict[str, torch.Tensor] = {}
         if self.compressor is not None:
             out["kv"], out["gate"] = self.compressor.project(x, num)
         if self.indexer is not None:
-            out["iq"], out["iw"] = self.indexer.queries(x, qr, cos, sin, num)
+            out["iq"], out["iw"] = self.indexer.queries(x, qr, rot, num)
             out["ikv"], out["igate"] = self.indexer.compressor.project(x, num)
         return out
 
     def _update_compressors(
-        self, spans: list[RowSpan], cache: LayerCache, extras: dict[str, torch.Tensor], num: Numerics
+        self, layout: BatchLayout, cache: LayerCache, extras: dict[str, torch.Tensor], num: Numerics, vector: bool
     ) -> None:
         """Feed each row's tokens to the compressors: closed windows become entries in the row's pages
         (rows are separate sequences, so all are written before any row attends)."""
-        for span in spans:
-            rows = slice(span.begin, span.end)
-            if self.compressor is not None:
-                self.compressor.update(
-                    extras["kv"][rows],
-                    extras["gate"][rows],
-                    span.start_pos,
-                    cache.comp,
-                    span.slot,
-                    span.pages,
-                    self.freqs,
-                    num,
-                )
-            if self.indexer is not None:
-                self.indexer.compressor.update(
-                    extras["ikv"][rows],
-                    extras["igate"][rows],
-                    span.start_pos,
-                    cache.idx,
-                    span.slot,
-                    span.pages,
-                    self.freqs,
-                    num,
+        pairs = []
+        if self.compressor is not None:
+            pairs.append((self.compressor, extras["kv"], extras["gate"], cache.comp))
+        if self.indexer is not None:
+            pairs.append((self.indexer.compressor, extras["ikv"], extras["igate"], cache.idx))
+        for compressor, kv, gate, target in pairs:
+            if vector:
+                compressor.update_decode(kv, gate, layout, target, self.freqs, num)
+                continue
+            for span in layout.spans:
+                rows = slice(span.begin, span.end)
+                compressor.update(
+                    kv[rows], gate[rows], span.start_pos, target, span.slot, layout.pages(span), self.freqs, num
                 )
 
     def _attend_row(
@@ -185,6 +145,7 @@ class Attention(nn.Module):
         q: torch.Tensor,
         kv: torch.Tensor,
         span: RowSpan,
+        layout: BatchLayout,
         cache: LayerCache,
         topk: torch.Tensor | None,
         num: Numerics,
@@ -203,7 +164,7 @@ class Attention(nn.Module):
         allowed = (delta >= 0) & (delta < window)  # the window includes the query itself
         self._store_window(ring, kv, start_pos)
         if self.compressor is not None:
-            entries = cache.comp.read(span.pages, (start_pos + n_new) // self.compress_ratio)
+            entries = cache.comp.read(layout.pages(span), (start_pos + n_new) // self.compress_ratio)
             n_ready = (q_pos + 1) // self.compress_ratio  # entries a query may use: w < (t+1)/ratio
             visible = torch.arange(entries.shape[0], device=dev)[None, :] < n_ready[:, None]
             if topk is not None:
@@ -228,11 +189,11 @@ class Attention(nn.Module):
         self,
         q: torch.Tensor,
         kv: torch.Tensor,
-        spans: list[RowSpan],
         layout: BatchLayout,
         cache: LayerCache,
         topk: torch.Tensor | None,
         num: Numerics,
+        vector: bool,
     ) -> torch.Tensor:
         """Every row at once: q [N, H, d], kv [N, d], topk [N, index_topk] int32 (CSA) -> [N, H, d] compute
         dtype; then writes the rows' keys into their window rings."""
@@ -253,17 +214,16 @@ class Attention(nn.Module):
             topk_idx=topk,
             ratio=self.compress_ratio,
         )
-        for span in spans:  # after the kernel: it reads the ring as it was before this step
-            self._store_window(cache.swa[span.slot], kv[span.begin : span.end], span.start_pos)
+        # after the kernel: it reads the ring as it was before this step
+        if layout.is_decode:
+            store_window(cache.swa, kv, layout)
+        else:
+            for span in layout.spans:
+                self._store_window(cache.swa[span.slot], kv[span.begin : span.end], span.start_pos)
         return o.to(num.compute_dtype)
 
     def _select(
-        self,
-        spans: list[RowSpan],
-        layout: BatchLayout,
-        cache: LayerCache,
-        extras: dict[str, torch.Tensor],
-        num: Numerics,
+        self, layout: BatchLayout, cache: LayerCache, extras: dict[str, torch.Tensor], num: Numerics, vector: bool
     ) -> torch.Tensor:
         """The indexer's choice for every packed row: [N, index_topk] int32 entry indices, -1 padded."""
         assert self.indexer is not None and cache.idx is not None
@@ -283,13 +243,15 @@ class Attention(nn.Module):
                 layout.max_rows,
                 layout.max_end // ratio,
             )
+        if vector:
+            return select_decode(extras["iq"], extras["iw"], cache.idx, layout, topk)
         chosen = []
-        for span in spans:
+        for span in layout.spans:
             rows, dev = slice(span.begin, span.end), layout.cu_seqlens.device
             q_pos = span.start_pos + torch.arange(span.end - span.begin, device=dev)
             n_entries = (span.start_pos + span.end - span.begin) // ratio
             visible = torch.arange(n_entries, device=dev)[None, :] < ((q_pos + 1) // ratio)[:, None]
-            keys = cache.idx.read(span.pages, n_entries)
+            keys = cache.idx.read(layout.pages(span), n_entries)
             chosen.append(
                 self.indexer.as_indices(self.indexer.select(extras["iq"][rows], extras["iw"][rows], keys, visible))
             )

@@ -4,7 +4,9 @@ One field per kernel of kernels/dsv4_kernels: `attention` (paged sparse attentio
 (lightning-indexer scores + top-k), `compressor` (the compressor's softmax pooling), `fp8_gemm`
 (projections stored in FP8), `fp4_moe` (the routed experts, MXFP4), `head` (the output head, fp32
 logits from the bf16 weight as stored), `hc` (the mHC mixing: hc_pre, hc_post and the HC head, one
-launch each instead of ~120 small torch ops). The setting travels inside
+launch each instead of ~120 small torch ops), `token_ops` (the per-token chains around the GEMMs: RMSNorm,
+q / kv norm + RoPE + FP8 simulation, the indexer query, inverse RoPE, compressor entries; one launch each).
+The setting travels inside
 `Numerics`, the frozen value every model function already receives, so dispatch needs no model
 state beyond the packed weights that `Transformer.use_kernels` prepares.
 
@@ -32,6 +34,7 @@ class KernelBackends:
     fp4_moe: Backend = "torch"
     head: Backend = "torch"
     hc: Backend = "torch"
+    token_ops: Backend = "torch"
 
     def __post_init__(self) -> None:
         for f in fields(self):

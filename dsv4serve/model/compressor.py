@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from dsv4serve.model.args import ModelArgs
+from dsv4serve.model.batch import BatchLayout
 from dsv4serve.model.kv_pool import CompressedCache
 from dsv4serve.model.layers import Linear, RMSNorm
 from dsv4serve.model.numerics import (
@@ -76,10 +77,44 @@ class Compressor(nn.Module):
         if self.overlap:
             kv, score = self._overlap(kv, score, cache, slot, has_prev=first > 0)
         pooled = self._pool(kv, score, num)  # [n_windows, d] fp32
-        entry = self.norm(pooled.to(num.compute_dtype))
         positions = (first + torch.arange(n_windows, device=dev)) * ratio
-        entry = apply_rope(entry, *rope_cos_sin(freqs, positions))
-        cache.write(pages, first, self._simulate(entry, num))
+        cache.write(pages, first, self._finish(pooled, positions, 1, freqs, num))
+
+    def update_decode(
+        self,
+        kv: torch.Tensor,
+        gate: torch.Tensor,
+        layout: BatchLayout,
+        cache: CompressedCache,
+        freqs: torch.Tensor,
+        num: Numerics,
+    ) -> None:
+        """`update` for a decode step, every row at once (one token each, kv / gate [B, coff * d] fp32), with
+        shapes that do not depend on which windows close. Each row's token joins its slot's carry; the
+        entry of the row's current window is computed for every row and written at its index p // ratio
+        (its page holds position p, so it exists): a window that did not close yet writes a partial entry
+        nobody reads (reads stop at (t + 1) // ratio) and that its closing overwrites. The overlap half
+        moves to `prev` only for the rows whose window closed."""
+        ratio = self.ratio
+        pos, slots = layout.positions.long(), layout.seq_slot.long()
+        j = pos % ratio
+        cache.pending_kv[slots, j] = kv
+        cache.pending_score[slots, j] = gate + self.ape.float()[j]
+        win_kv, win_score = cache.pending_kv[slots], cache.pending_score[slots]  # [B, ratio, coff * d]
+        entry_idx = pos // ratio
+        if self.overlap:
+            d = self.head_dim
+            has_prev = (entry_idx > 0)[:, None, None]
+            prev_kv = torch.where(has_prev, cache.prev_kv[slots], 0.0)
+            prev_score = torch.where(has_prev, cache.prev_score[slots], float("-inf"))
+            closes = (j == ratio - 1)[:, None, None]
+            cache.prev_kv[slots] = torch.where(closes, win_kv[..., :d], cache.prev_kv[slots])
+            cache.prev_score[slots] = torch.where(closes, win_score[..., :d], cache.prev_score[slots])
+            win_kv = torch.cat((prev_kv, win_kv[..., d:]), dim=1)
+            win_score = torch.cat((prev_score, win_score[..., d:]), dim=1)
+        entry = self._finish(self._pool(win_kv, win_score, num), pos, ratio, freqs, num)  # [B, d]
+        pages = layout.block_table.long().gather(1, (entry_idx // cache.per_page)[:, None])[:, 0]
+        cache.entries[pages, entry_idx % cache.per_page] = entry.to(cache.entries.dtype)
 
     @staticmethod
     def _pool(kv: torch.Tensor, score: torch.Tensor, num: Numerics) -> torch.Tensor:
@@ -102,6 +137,25 @@ class Compressor(nn.Module):
             prev_kv[0], prev_score[0] = cache.prev_kv[slot], cache.prev_score[slot]
         cache.prev_kv[slot], cache.prev_score[slot] = kv[-1, :, :d], score[-1, :, :d]
         return torch.cat((prev_kv, kv[..., d:]), dim=1), torch.cat((prev_score, score[..., d:]), dim=1)
+
+    def _finish(
+        self, pooled: torch.Tensor, positions: torch.Tensor, window: int, freqs: torch.Tensor, num: Numerics
+    ) -> torch.Tensor:
+        """Pooled windows [W, d] fp32 -> entries in the compute dtype: RMSNorm, RoPE at each window's first
+        position ((positions // window) * window), the QAT simulation. With token_ops on Triton: one launch."""
+        if num.backends.token_ops == "triton":
+            from dsv4_kernels.token_ops import Angles, compressed_entry
+
+            if self.rotate:
+                mode = "index" if num.indexer_fp4 else "plain"
+            else:
+                mode = "kv" if num.kv_fp8 else "plain"
+            angles = Angles.at(positions, freqs, window)
+            nope = self.head_dim - self.rope_head_dim
+            return compressed_entry(pooled, self.norm.weight, self.norm.eps, angles, mode, num.compute_dtype, nope)
+        entry = self.norm(pooled.to(num.compute_dtype))
+        first = torch.div(positions.long(), window, rounding_mode="floor") * window
+        return self._simulate(apply_rope(entry, *rope_cos_sin(freqs, first)), num)
 
     def _simulate(self, entry: torch.Tensor, num: Numerics) -> torch.Tensor:
         if self.rotate:

@@ -60,9 +60,7 @@ def hc_pre(
     return x.to(h.dtype), post, comb
 
 
-def hc_post(
-    out: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, num: Numerics
-) -> torch.Tensor:
+def hc_post(out: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, num: Numerics) -> torch.Tensor:
     """new[k] = post[k] * out + sum_j comb[j, k] * h[j]; out [N, D], h [N, hc, D] -> [N, hc, D]."""
     if num.backends.hc == "triton":
         from dsv4_kernels import hc_mix

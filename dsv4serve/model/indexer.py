@@ -14,7 +14,7 @@ from dsv4serve.model.args import ModelArgs
 from dsv4serve.model.compressor import Compressor
 from dsv4serve.model.layers import Linear
 from dsv4serve.model.numerics import FP4_BLOCK, Numerics, fp4_quant_dequant, hadamard
-from dsv4serve.model.rope import apply_rope
+from dsv4serve.model.rope import Rotation
 
 
 class Indexer(nn.Module):
@@ -27,13 +27,18 @@ class Indexer(nn.Module):
         self.weight_scale = self.head_dim**-0.5 * self.n_heads**-0.5
 
     def queries(
-        self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num: Numerics
+        self, x: torch.Tensor, qr: torch.Tensor, rot: Rotation, num: Numerics
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, D], qr [N, q_lora] -> (q [N, H_I, d_I] compute dtype, head weights [N, H_I] fp32)."""
         q = self.wq_b(qr, num).unflatten(-1, (self.n_heads, self.head_dim))
-        q = apply_rope(q, cos, sin)
-        if num.indexer_fp4:
-            q = fp4_quant_dequant(hadamard(q), FP4_BLOCK)
+        if rot.angles is not None:  # one launch: RoPE, Hadamard, FP4
+            from dsv4_kernels.token_ops import indexer_q
+
+            q = indexer_q(q, rot.angles, num.indexer_fp4)
+        else:
+            q = rot.apply(q)
+            if num.indexer_fp4:
+                q = fp4_quant_dequant(hadamard(q), FP4_BLOCK)
         weights = self.weights_proj(x, num).float() * self.weight_scale
         return q, weights
 

@@ -80,12 +80,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, num: Numerics | None = None) -> torch.Tensor:
+        if num is not None and num.backends.token_ops == "triton" and x.dim() == 2:
+            from dsv4_kernels.token_ops import rms_norm  # lazy: kernel modules build their kernels on import
+
+            return rms_norm(x, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
         return (self.weight.float() * xf).to(x.dtype)
-
-
-def unweighted_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """Per-vector RMS normalization without weight; statistics in fp32, result in x's dtype."""
-    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)

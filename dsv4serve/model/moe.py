@@ -1,15 +1,19 @@
 """Mixture of experts (dsv4-model.md §2.8): sqrt-softplus router, bias-only selection, hash routing
 on the first `n_hash_layers` layers, clamped SwiGLU experts, routed scaling, one shared expert.
 
-The routed experts are either resident modules (`experts`) or, when the memory plan offloads them,
-packed MXFP4 slots lent one at a time by an expert-slot cache (`use_expert_cache`, see
-dsv4serve/experts/). The two paths run the same expert arithmetic on the same dequantized values
-and sum the experts' outputs in the same (ascending expert) order, so their results are identical.
+The routed experts are either resident (dense `experts` modules, or the stacked MXFP4 copies the
+kernel reads) or, when the memory plan offloads them, behind an expert-slot cache
+(`use_expert_cache`, dsv4serve/experts/): some in device slots, the rest in the host bank.
 
-With `num.backends.fp4_moe == "triton"` the resident routed experts run as two grouped MXFP4 GEMM
-launches (dsv4_kernels.fp4_moe) on packed copies that `pack_fp4` made, or that the packed loader read
-straight from the checkpoint (`use_packed_experts`, model/packed_load.py: then there are no dense
-experts and only the kernel runs); the expert-slot-cache path stays on torch.
+With `num.backends.fp4_moe == "triton"` the routed experts run as the grouped MXFP4 kernels
+(dsv4_kernels.fp4_moe: four launches, no host sync): on the stacked copies `pack_fp4` made or the
+packed loader read (`use_packed_experts`: then there are no dense experts and only the kernel runs),
+or, with a cache, on its slots and bank tensors (the kernel picks the source per expert). The kernel
+quantizes x itself, so x is quantized once: `act_quant` runs in torch only for an input that torch
+code reads (the torch experts, or the shared expert when its FP8 GEMM is not the fused kernel).
+
+On torch (the reference) the experts run one by one in ascending order, each on the same dequantized
+values whether resident or lent by the cache, so those two paths give identical results.
 """
 
 from __future__ import annotations
@@ -30,12 +34,16 @@ FP4_PARTS = ("w1", "w3", "w2")
 
 
 class ExpertSource(Protocol):
-    """Lends each routed expert's packed MXFP4 parts (`w1`, `w1_scale`, ... as the checkpoint stores
-    them), in an order of its choosing; a lent slot stays valid until the next one is asked for."""
+    """Where offloaded routed experts come from (dsv4serve.experts.slot_cache.ExpertSlotCache)."""
 
-    def layer_experts(
-        self, layer: int, experts: list[int], token_ids: torch.Tensor
-    ) -> Iterator[tuple[int, dict[str, torch.Tensor]]]: ...
+    def layer_experts(self, layer: int, experts: list[int]) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+        """The torch path: each expert's packed MXFP4 parts (`w1`, `w1_scale`, ... as the checkpoint
+        stores them), valid until the next one is asked for."""
+        ...
+
+    def kernel_sources(self, layer: int, ids: torch.Tensor):
+        """The kernel path: a KernelSources (slots, slot map, bank tensors, usage row) for the layer."""
+        ...
 
 
 class Gate(nn.Module):
@@ -170,46 +178,42 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor, num: Numerics) -> torch.Tensor:
         """x [N, D] compute dtype, token_ids [N] -> [N, D] compute dtype."""
         weights, ids = self.gate(x, token_ids, num)
-        x = act_quant(x, num)  # the FP8 input of every expert, quantized once
-        if num.backends.fp4_moe == "triton" and self.expert_source is None:
-            y = self._routed_kernel(x, weights, ids)
+        xq = None  # act_quant(x): the FP8 input of every expert, quantized once, where torch reads it
+        if num.backends.fp4_moe == "triton":
+            y = self._routed_kernel(x, weights, ids)  # quantizes x in its K loop
         elif self.expert_source is None and not len(self.experts):
             raise RuntimeError(
                 f"layer {self.layer_id}: the routed experts were loaded packed for fp4_moe=triton; "
                 "fp4_moe=torch needs them loaded dense (iter_dense)"
             )
         else:
-            y = self._routed_torch(x, token_ids, weights, ids, num)
-        y += self.shared_experts(x, num).float()
+            xq = act_quant(x, num)
+            y = self._routed_torch(xq, weights, ids, num)
+        if xq is None and not self.shared_experts.w1.quantizes_in_kernel(num):
+            xq = act_quant(x, num)
+        y += self.shared_experts(x if xq is None else xq, num).float()
         return y.to(num.compute_dtype)
 
     def _routed_kernel(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """The routed experts' sum [N, D] fp32 by the grouped MXFP4 kernel."""
+        """The routed experts' sum [N, D] fp32 by the grouped MXFP4 kernel (resident or cached experts)."""
+        from dsv4_kernels.fp4_moe import ExpertSlots, fp4_moe  # lazy: kernel modules build kernels on import
+
+        if self.expert_source is not None:
+            src = self.expert_source.kernel_sources(self.layer_id, ids)
+            slots = ExpertSlots(src.slot_of_expert, src.slots)
+            return fp4_moe(x, *src.bank, weights, ids, self.swiglu_limit, slots=slots, usage=src.usage)
         if self.w1_fp4 is None:
             raise RuntimeError("fp4_moe=triton needs packed MXFP4 experts: call Transformer.use_kernels first")
-        from dsv4_kernels.fp4_moe import fp4_moe  # lazy: kernel modules build their kernels on import
+        stacks = [getattr(self, f"{part}_fp4{kind}") for part in ("w1", "w3", "w2") for kind in ("", "_scale")]
+        return fp4_moe(x, *stacks, weights, ids, self.swiglu_limit)
 
-        return fp4_moe(
-            x,
-            self.w1_fp4,
-            self.w1_fp4_scale,
-            self.w3_fp4,
-            self.w3_fp4_scale,
-            self.w2_fp4,
-            self.w2_fp4_scale,
-            weights,
-            ids,
-            self.swiglu_limit,
-        )
-
-    def _routed_torch(
-        self, x: torch.Tensor, token_ids: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, num: Numerics
-    ) -> torch.Tensor:
-        """The routed experts' sum [N, D] fp32, expert by expert in ascending order (resident or cached)."""
+    def _routed_torch(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, num: Numerics) -> torch.Tensor:
+        """The routed experts' sum [N, D] fp32, expert by expert in ascending order (resident or cached).
+        x is already through `act_quant`."""
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         counts = torch.bincount(ids.flatten(), minlength=self.n_routed_experts).tolist()
         used = [e for e, count in enumerate(counts) if count]
-        outs = self._cached(x, token_ids, ids, weights, used, num) if self.expert_source is not None else None
+        outs = self._cached(x, ids, weights, used, num) if self.expert_source is not None else None
         for e in used:
             rows, slot = torch.where(ids == e)
             out = outs.pop(e) if outs is not None else self.experts[e](x[rows], num, weights[rows, slot, None])
@@ -217,20 +221,14 @@ class MoE(nn.Module):
         return y
 
     def _cached(
-        self,
-        x: torch.Tensor,
-        token_ids: torch.Tensor,
-        ids: torch.Tensor,
-        weights: torch.Tensor,
-        used: list[int],
-        num: Numerics,
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, used: list[int], num: Numerics
     ) -> dict[int, torch.Tensor]:
-        """Each used expert's output [n_e, D], computed in the order the cache lends the slots."""
+        """Each used expert's output [n_e, D], from the parts the cache lends, dequantized."""
         assert self.expert_source is not None
         dtype = self.gate.weight.dtype  # the dtype the resident experts would be loaded in (the shared
         # expert's weight may be held packed only, see Linear.load_fp8)
         outs: dict[int, torch.Tensor] = {}
-        for e, p in self.expert_source.layer_experts(self.layer_id, used, token_ids):
+        for e, p in self.expert_source.layer_experts(self.layer_id, used):
             w1, w3, w2 = (dequant_fp4(p[w], p[f"{w}_scale"], dtype) for w in ("w1", "w3", "w2"))
             rows, slot = torch.where(ids == e)
             outs[e] = swiglu_expert(x[rows], w1, w3, w2, self.swiglu_limit, num, weights[rows, slot, None])

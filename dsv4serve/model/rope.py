@@ -8,6 +8,8 @@ magnitude correction.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -56,3 +58,32 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
     even, odd = pairs[..., 0], pairs[..., 1]
     rotated = torch.stack((even * c - odd * s, even * s + odd * c), dim=-1).flatten(-2)
     return torch.cat((x[..., :-rd], rotated.to(x.dtype)), dim=-1)
+
+
+@dataclass(frozen=True)
+class Rotation:
+    """The RoPE of a batch's tokens, computed once per layer: the torch tables (cos, sin), or, with the
+    token_ops kernels on Triton, their `Angles` (positions + freqs: the kernels evaluate cos / sin
+    themselves, so the tables cost no launch)."""
+
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
+    angles: Any = None  # dsv4_kernels.token_ops.Angles
+
+    @classmethod
+    def of(cls, freqs: torch.Tensor, positions: torch.Tensor, kernels: bool) -> Rotation:
+        if kernels:
+            from dsv4_kernels.token_ops import Angles
+
+            return cls(angles=Angles.at(positions, freqs))
+        cos, sin = rope_cos_sin(freqs, positions.long())
+        return cls(cos, sin)
+
+    def apply(self, x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        """`apply_rope` with these angles (the token_ops `rope` kernel when they are kernel angles)."""
+        if self.angles is not None:
+            from dsv4_kernels.token_ops import rope
+
+            return rope(x, self.angles, inverse=inverse)
+        assert self.cos is not None and self.sin is not None
+        return apply_rope(x, self.cos, self.sin, inverse=inverse)

@@ -8,14 +8,16 @@ A forward runs a batch of rows; each row is a chunk of one request's tokens plus
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from dsv4serve.model.args import ModelArgs
-from dsv4serve.model.attention import Attention, BatchLayout, RowSpan
+from dsv4serve.model.attention import Attention
 from dsv4serve.model.backends import KernelBackends
+from dsv4serve.model.batch import BatchLayout, HostStaging, build_layout
 from dsv4serve.model.hc import hc_head, hc_post, hc_pre
 from dsv4serve.model.kv_pool import KvPool, LayerCache, SequenceState
 from dsv4serve.model.layers import Linear, RMSNorm
@@ -27,7 +29,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class BatchRow:
-    token_ids: torch.Tensor  # [T] int64, the next T tokens of the request
+    token_ids: Sequence[int] | torch.Tensor  # the next T tokens of the request (host ids, or a [T] tensor)
     state: SequenceState  # advanced in place by the forward
 
 
@@ -57,26 +59,17 @@ class Block(nn.Module):
         _hc_params(self, "hc_attn", n_mix, args.hc_mult * args.dim, 3)
         _hc_params(self, "hc_ffn", n_mix, args.hc_mult * args.dim, 3)
 
-    def forward(
-        self,
-        h: torch.Tensor,
-        token_ids: torch.Tensor,
-        positions: torch.Tensor,
-        spans: list[RowSpan],
-        layout: BatchLayout,
-        cache: LayerCache,
-        num: Numerics,
-    ) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, layout: BatchLayout, cache: LayerCache, num: Numerics) -> torch.Tensor:
         """h [N, hc, D] compute dtype -> [N, hc, D]."""
         x, post, comb = hc_pre(
             h, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, self.hc_iters, self.hc_eps, self.norm_eps, num
         )
-        x = self.attn(self.attn_norm(x), positions, spans, layout, cache, num)
+        x = self.attn(self.attn_norm(x, num), layout, cache, num)
         h = hc_post(x, h, post, comb, num)
         x, post, comb = hc_pre(
             h, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, self.hc_iters, self.hc_eps, self.norm_eps, num
         )
-        x = self.ffn(self.ffn_norm(x), token_ids, num)
+        x = self.ffn(self.ffn_norm(x, num), layout.token_ids, num)
         return hc_post(x, h, post, comb, num)
 
 
@@ -100,20 +93,35 @@ class MTPBlock(Block):
         return (e.unsqueeze(1) + hp).to(num.compute_dtype)
 
 
-def _spans(rows: list[BatchRow], use_mtp_pos: bool = False) -> tuple[list[RowSpan], BatchLayout, torch.Tensor]:
-    spans, positions, begin = [], [], 0
+def _token_list(ids: Sequence[int] | torch.Tensor) -> list[int]:
+    return ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
+
+
+def layout_of(
+    rows: list[BatchRow],
+    device: torch.device,
+    use_mtp_pos: bool = False,
+    table_width: int | None = None,
+    max_end: int | None = None,
+    staging: HostStaging | None = None,
+) -> BatchLayout:
+    """The rows' batch layout (model/batch.py); a standalone pool first takes the pages the rows need."""
+    starts = []
     for row in rows:
-        n = int(row.token_ids.shape[0])
-        if n == 0:
-            raise ValueError("a batch row needs at least one token")
         st = row.state
         start = st.mtp_num_tokens if use_mtp_pos else st.num_tokens
-        st.pool.reserve(st, start + n)
-        dev = row.token_ids.device
-        spans.append(RowSpan(begin, begin + n, start, st.slot, torch.tensor(st.pages, dtype=torch.long, device=dev)))
-        positions.append(torch.arange(start, start + n, device=dev))
-        begin += n
-    return spans, BatchLayout.of(spans, rows[0].token_ids.device), torch.cat(positions)
+        st.pool.reserve(st, start + len(row.token_ids))
+        starts.append(start)
+    return build_layout(
+        [_token_list(r.token_ids) for r in rows],
+        starts,
+        [r.state.slot for r in rows],
+        [r.state.pages for r in rows],
+        device,
+        table_width,
+        max_end,
+        staging,
+    )
 
 
 def _pool_of(rows: list[BatchRow], num: Numerics) -> KvPool:
@@ -195,18 +203,26 @@ class Transformer(nn.Module):
     ) -> ForwardOutput:
         """Run each row's tokens after its state; advances every row's state by its token count."""
         pool = _pool_of(rows, num)
-        ids = torch.cat([r.token_ids for r in rows]).long()  # [N]
-        spans, layout, positions = _spans(rows)
-        h = self.embed(ids).to(num.compute_dtype)
+        layout = layout_of(rows, self.embed.weight.device)
+        out = self.run(layout, pool, num, all_logits, return_hidden)
+        for row, span in zip(rows, layout.spans):
+            row.state.num_tokens += span.num_tokens
+        return out
+
+    @torch.inference_mode()
+    def run(
+        self, layout: BatchLayout, pool: KvPool, num: Numerics, all_logits: bool = False, return_hidden: bool = False
+    ) -> ForwardOutput:
+        """The forward over a prepared layout (the engine's path: the runner builds the layout and advances
+        the sequences itself); the states are not touched."""
+        h = self.embed(layout.token_ids).to(num.compute_dtype)
         h = h.unsqueeze(1).expand(-1, self.args.hc_mult, -1).contiguous()  # [N, hc, D]
         for i, layer in enumerate(self.layers):
-            h = layer(h, ids, positions, spans, layout, pool.layers[i], num)
-        for row, span in zip(rows, spans):
-            row.state.num_tokens += span.end - span.begin
-        picked = self._pick(h, spans, all_logits)
+            h = layer(h, layout, pool.layers[i], num)
+        picked = h if all_logits else h.index_select(0, layout.last_token)
         logits = self.logits(picked, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, self.norm, num)
-        hidden = [h[s.begin : s.end] for s in spans] if return_hidden else None
-        return ForwardOutput(self._split(logits, spans, all_logits), hidden, None if all_logits else logits)
+        hidden = [h[s.begin : s.end] for s in layout.spans] if return_hidden else None
+        return ForwardOutput(self._split(logits, layout, all_logits), hidden, None if all_logits else logits)
 
     @torch.inference_mode()
     def forward_mtp(
@@ -218,15 +234,15 @@ class Transformer(nn.Module):
         pool = _pool_of(rows, num)
         if len(pool.layers) <= block.layer_id:
             raise ValueError("this KV pool holds no MTP layers")
-        ids = torch.cat([r.token_ids for r in rows]).long()
-        spans, layout, positions = _spans(rows, use_mtp_pos=True)
-        h = block.embed_inputs(torch.cat(hidden).to(num.compute_dtype), self.embed(ids).to(num.compute_dtype), num)
-        h = block(h, ids, positions, spans, layout, pool.layers[block.layer_id], num)
-        for row, span in zip(rows, spans):
-            row.state.mtp_num_tokens += span.end - span.begin
-        picked = self._pick(h, spans, all_logits)
+        layout = layout_of(rows, self.embed.weight.device, use_mtp_pos=True)
+        e = self.embed(layout.token_ids).to(num.compute_dtype)
+        h = block.embed_inputs(torch.cat(hidden).to(num.compute_dtype), e, num)
+        h = block(h, layout, pool.layers[block.layer_id], num)
+        for row, span in zip(rows, layout.spans):
+            row.state.mtp_num_tokens += span.num_tokens
+        picked = h if all_logits else h.index_select(0, layout.last_token)
         logits = self.logits(picked, block.hc_head_fn, block.hc_head_scale, block.hc_head_base, block.norm, num)
-        return ForwardOutput(self._split(logits, spans, all_logits), [h[s.begin : s.end] for s in spans])
+        return ForwardOutput(self._split(logits, layout, all_logits), [h[s.begin : s.end] for s in layout.spans])
 
     def logits(
         self, h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm: RMSNorm, num: Numerics
@@ -234,7 +250,7 @@ class Transformer(nn.Module):
         """Streams [M, hc, D] -> HC head -> final norm -> fp32 head: [M, vocab] fp32. With the head kernel
         on Triton and the weight held in bf16 (`use_kernels`), the kernel reads it as stored and gives the
         fp32 product (dsv4_kernels.head_logits); otherwise torch multiplies in fp32."""
-        y = norm(hc_head(h, fn, scale, base, self.args.hc_eps, self.args.norm_eps, num)).float()
+        y = norm(hc_head(h, fn, scale, base, self.args.hc_eps, self.args.norm_eps, num), num).float()
         weight = self.head.weight
         if num.backends.head == "triton" and weight.dtype == torch.bfloat16:
             from dsv4_kernels.head_logits import head_logits, pick_block_m  # lazy, as for the other kernels
@@ -243,11 +259,7 @@ class Transformer(nn.Module):
         return matmul(y, weight.float(), num)
 
     @staticmethod
-    def _pick(h: torch.Tensor, spans: list[RowSpan], all_logits: bool) -> torch.Tensor:
-        return h if all_logits else h[torch.tensor([s.end - 1 for s in spans], device=h.device)]
-
-    @staticmethod
-    def _split(logits: torch.Tensor, spans: list[RowSpan], all_logits: bool) -> list[torch.Tensor]:
+    def _split(logits: torch.Tensor, layout: BatchLayout, all_logits: bool) -> list[torch.Tensor]:
         if all_logits:
-            return [logits[s.begin : s.end] for s in spans]
+            return [logits[s.begin : s.end] for s in layout.spans]
         return list(logits.unbind(0))

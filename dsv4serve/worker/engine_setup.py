@@ -19,6 +19,8 @@ from dsv4serve.memory.weights import include_mtp
 from dsv4serve.model.kv_pool import KvPool, SequenceState
 from dsv4serve.model.numerics import Numerics
 from dsv4serve.model.transformer import BatchRow, Transformer
+from dsv4serve.worker.grammar import GrammarBook
+from dsv4serve.worker.graphs import DecodeGraphs
 from dsv4serve.worker.model_load import (
     StartupError,
     checked_numerics,
@@ -65,7 +67,7 @@ def build_engine(launch: WorkerLaunch) -> EngineParts:
     device = worker_device(launch.device)
     ckpt = open_checkpoint(launch.model_path)
     args = ckpt.args
-    numerics = worker_numerics(args, launch.kernels.value, device)
+    numerics = worker_numerics(args, launch.kernels.value, device, launch.batch_invariant.value)
     if device.type == "cuda":
         numerics = checked_numerics(numerics, launch.kernels.value, device)
     model, expert_cache, launch = load_model(ckpt, launch, numerics, device)
@@ -77,11 +79,12 @@ def build_engine(launch: WorkerLaunch) -> EngineParts:
         max_rows=launch.max_num_seqs.value,
         dense_attention=numerics.backends.attention == "torch",
     )
-    capacity, max_len = _kv_tokens(launch, args, device, numerics, geometry)
+    usable, max_len = _kv_tokens(launch, args, device, numerics, geometry)
+    capacity = usable + page  # the pool's last page and last slot: the padding rows' (worker/graphs.py)
     limits = SchedulerLimits(
         max_running=launch.max_num_seqs.value,
         max_waiting=launch.max_queued_requests.value,
-        kv_capacity_tokens=capacity,
+        kv_capacity_tokens=usable,
         page_tokens=page,
         max_model_len=max_len,
         eos_token_id=args.eos_token_id,
@@ -90,7 +93,7 @@ def build_engine(launch: WorkerLaunch) -> EngineParts:
         args,
         numerics.compute_dtype,
         num_pages=capacity // page,
-        num_slots=limits.num_slots,
+        num_slots=limits.num_slots + 1,
         include_mtp=include_mtp(args),
         device=device,
     )
@@ -103,22 +106,39 @@ def build_engine(launch: WorkerLaunch) -> EngineParts:
         limits.num_prefix_slots,
         pool.num_bytes / 2**20,
     )
-    planner_limits = PlannerLimits(Setting.from_wire(launch.max_prefill_length), capacity, max_len)
+    planner_limits = PlannerLimits(Setting.from_wire(launch.max_prefill_length), usable, max_len)
     ratio = launch.memory_ratio.value
     probe_tokens = min(
         plan_chunk(planner_snapshot(device, ratio, None, 0), geometry, planner_limits).effective_tokens,
         PROBE_TOKENS_MAX,
-        capacity,
+        usable,
     )
     snapshot = planner_snapshot(device, ratio, _probe(model, pool, numerics, device), probe_tokens)
     plan = plan_chunk(snapshot, geometry, planner_limits)
     if plan.warning:
         log.warning("%s", plan.warning)
     oom_above = read_environment().testing_oom_above_bytes
-    runner = Runner(model, pool, numerics, args.eos_token_id, device, oom_above, geometry.activation_bytes_per_token)
+    grammars = GrammarBook(launch.tokenizer_path, args.vocab_size, args.eos_token_id)  # structured output
+    graphs = None
+    if device.type == "cuda" and not launch.enforce_eager.value:
+        # the decode step captured per batch bucket; padding rows use the pool's last slot and page
+        graphs = DecodeGraphs(
+            model, pool, numerics, limits.max_running, max_len, pool.num_slots - 1, pool.num_pages - 1, capture=True
+        )
+    runner = Runner(
+        model,
+        pool,
+        numerics,
+        args.eos_token_id,
+        device,
+        oom_above,
+        geometry.activation_bytes_per_token,
+        grammars,
+        graphs=graphs,
+    )
     ready = Ready(
         device=device.type,
-        kv_capacity_tokens=capacity,
+        kv_capacity_tokens=usable,
         max_running_requests=launch.max_num_seqs.value,
         max_model_len=max_len,
         chunk=plan.report(),
@@ -129,13 +149,15 @@ def build_engine(launch: WorkerLaunch) -> EngineParts:
         kv_pages=pool.num_pages,
         page_tokens=page,
         sequence_slots=pool.num_slots,
+        decode_graphs=_graphs_line(graphs, launch, device),
     )
     return EngineParts(Scheduler(limits), runner, ChunkState(plan), ready, expert_cache)
 
 
 def _kv_tokens(launch: WorkerLaunch, args, device: torch.device, numerics: Numerics, geometry) -> tuple[int, int]:
-    """(KV capacity in tokens, max_model_len): an auto max_model_len is capped by the capacity, an
-    explicit one that does not fit stops the start."""
+    """(KV capacity in tokens for requests, max_model_len): an auto max_model_len is capped by the capacity,
+    an explicit one that does not fit stops the start. The pool takes one page more (the padding page)."""
+    page = args.page_tokens
     entry_bytes = torch.empty(0, dtype=numerics.compute_dtype).element_size()
     max_len, seqs = launch.max_model_len.value, launch.max_num_seqs.value
     try:
@@ -143,15 +165,16 @@ def _kv_tokens(launch: WorkerLaunch, args, device: torch.device, numerics: Numer
             args,
             device,
             entry_bytes,
-            sequence_slots(seqs),
-            max_len * seqs,
-            launch.num_tokens.value,
+            sequence_slots(seqs) + 1,  # + the padding slot
+            max_len * seqs + page,  # + the padding page
+            None if launch.num_tokens.value is None else launch.num_tokens.value + page,
             launch.memory_ratio.value,
             min(launch.max_prefill_length.value or PROBE_TOKENS_MAX, PROBE_TOKENS_MAX),
             geometry,
         )
     except CapacityError as exc:
         raise StartupError(str(exc)) from exc
+    capacity -= page  # what requests may hold: the padding page is the pool's own
     if max_len > capacity:
         if launch.max_model_len.explicit:
             raise StartupError(
@@ -168,7 +191,12 @@ def _probe(model: Transformer, pool: KvPool, numerics: Numerics, device: torch.d
 
     def run(n: int) -> object:
         seq = SequenceState(pool, 0, pages=list(range(-(-n // pool.page_tokens))))
-        ids = torch.zeros(n, dtype=torch.long, device=device)
-        return model.forward([BatchRow(ids, seq)], numerics)
+        return model.forward([BatchRow([0] * n, seq)], numerics)
 
     return run
+
+
+def _graphs_line(graphs: DecodeGraphs | None, launch: WorkerLaunch, device: torch.device) -> str:
+    if graphs is not None:
+        return graphs.report.describe()
+    return "off (--enforce-eager)" if device.type == "cuda" else "off (CPU: every step eager)"

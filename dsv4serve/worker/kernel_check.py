@@ -5,8 +5,8 @@ driver's libcuda not found, no C compiler for Triton's launcher, a ptxas failure
 then stops the start with the kernel's name, the error and a fix, instead of killing the first request.
 
 What a failure does, by kernel:
-- a kernel left on auto whose torch path reads the same weights (attention, indexer, compressor, head)
-  falls back to torch, with a warning naming it;
+- a kernel left on auto whose torch path reads the same weights (attention, indexer, compressor, head,
+  hc) falls back to torch, with a warning naming it;
 - a kernel named in --kernels, and the FP8 GEMM / FP4 MoE on any setting (their torch path needs the
   weights loaded dense, about four times the memory), stop the start (KernelCheckError).
 

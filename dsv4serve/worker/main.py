@@ -14,7 +14,16 @@ import msgspec
 import torch
 
 from dsv4serve.ipc.channel import Endpoints, WorkerChannel
-from dsv4serve.ipc.messages import AbortRequest, AddRequest, RequestOutput, Shutdown, Stats, WorkerFailed, WorkerLaunch
+from dsv4serve.ipc.messages import (
+    AbortRequest,
+    AddRequest,
+    Rejected,
+    RequestOutput,
+    Shutdown,
+    Stats,
+    WorkerFailed,
+    WorkerLaunch,
+)
 from dsv4serve.worker.engine_setup import EngineParts, build_engine
 from dsv4serve.worker.step import StepPlan
 
@@ -65,7 +74,8 @@ class EngineLoop:
 
     def _handle(self, msg: AddRequest | AbortRequest) -> None:
         if isinstance(msg, AddRequest):
-            rejected = self.p.scheduler.add(msg)
+            problem = self.p.runner.grammars.check(msg.sampling)  # a constraint xgrammar rejects is a 400
+            rejected = Rejected(msg.request_id, 400, problem) if problem else self.p.scheduler.add(msg)
             if rejected is not None:
                 self.channel.send(rejected)
         else:

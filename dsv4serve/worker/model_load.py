@@ -49,12 +49,13 @@ def worker_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def worker_numerics(args: ModelArgs, kernels: str, device: torch.device) -> Numerics:
+def worker_numerics(args: ModelArgs, kernels: str, device: torch.device, batch_invariant: bool = False) -> Numerics:
     """The checkpoint's numerics with the kernel backends of --kernels (auto: Triton on CUDA; the FP8
-    GEMM and FP4 MoE only for an FP8 checkpoint, whose numerics they need). Batch invariance is off on CUDA: the Triton
-    paths are not batch-invariant anyway, and one launch per token would leave the GPU waiting."""
+    GEMM and FP4 MoE only for an FP8 checkpoint, whose numerics they need). Batch invariance only when asked
+    for (--batch-invariant): it runs every projection one token at a time."""
     fp8 = args.dtype == "fp8"
-    base = default_backends(device)
+    # the Triton kernels sum in tile order (not batch-invariant): --batch-invariant keeps auto on torch
+    base = default_backends("cpu" if batch_invariant else device)
     if not fp8:
         base = dataclasses.replace(base, fp8_gemm="torch", fp4_moe="torch")
     try:
@@ -73,7 +74,12 @@ def worker_numerics(args: ModelArgs, kernels: str, device: torch.device) -> Nume
             f"checkpoint stores them; this checkpoint is {args.dtype}: choose torch for them"
         )
     num: Numerics = NUMERICS_ON if fp8 else NUMERICS_OFF
-    return dataclasses.replace(num, backends=backends, batch_invariant=device.type != "cuda")
+    if batch_invariant and backends.uses_triton():
+        raise StartupError(
+            f"--batch-invariant with --kernels {kernels}: the Triton kernels sum in tile order and are not "
+            "batch-invariant; leave --kernels auto (the torch reference path then runs) or drop --batch-invariant"
+        )
+    return dataclasses.replace(num, backends=backends, batch_invariant=batch_invariant)
 
 
 def checked_numerics(num: Numerics, kernels: str, device: torch.device) -> Numerics:

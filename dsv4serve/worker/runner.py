@@ -13,9 +13,12 @@ import torch
 
 from dsv4serve.ipc.messages import TokenLogprob, TokenOut
 from dsv4serve.ipc.sampling import SamplingParams
+from dsv4serve.model.batch import HostStaging, build_layout
 from dsv4serve.model.kv_pool import KvPool, SequenceState
 from dsv4serve.model.numerics import Numerics
-from dsv4serve.model.transformer import BatchRow, Transformer
+from dsv4serve.model.transformer import ForwardOutput, Transformer
+from dsv4serve.worker.grammar import GrammarBook, RequestGrammar
+from dsv4serve.worker.graphs import DecodeGraphs
 from dsv4serve.worker.sampling import SamplingRow, make_generator, sample
 from dsv4serve.worker.step import EMPTY_OUTPUT, NewRequest, PromptLogprobs, ScheduledRow, StepOutput, StepPlan
 
@@ -30,6 +33,7 @@ class RunnerRequest:
     # a seeded request's generator lives as long as the request (not its sequence): a request that is
     # preempted and recomputed continues the same random sequence
     generator: torch.Generator | None = None
+    grammar: RequestGrammar | None = None  # structured output: this request's matcher (worker/grammar.py)
 
 
 class Runner:
@@ -42,6 +46,8 @@ class Runner:
         device: torch.device,
         oom_above_bytes: int | None = None,
         activation_bytes_per_token: int = 1,
+        grammars: GrammarBook | None = None,
+        graphs: DecodeGraphs | None = None,
     ):
         self.model, self.pool, self.numerics, self.device = model, pool, numerics, device
         self.eos_token_id = eos_token_id
@@ -50,6 +56,10 @@ class Runner:
         # TESTING ONLY (env.Environment.testing_oom_above_bytes): raise a real torch.OutOfMemoryError when
         # a step's activations would pass this many bytes (tokens x activation_bytes_per_token)
         self.oom_above_bytes, self.activation_bytes_per_token = oom_above_bytes, activation_bytes_per_token
+        self.staging = HostStaging(device)  # the step's metadata: one copy to the device, from pinned memory
+        self.graphs = graphs  # decode steps on static buffers (CUDA graphs), or None: every step eager
+        # structured output: compiled grammars (built on first use; the bundled tokenizer unless given)
+        self.grammars = grammars or GrammarBook("", model.args.vocab_size, eos_token_id)
 
     def drop(self, request_ids: tuple[str, ...] | list[str]) -> None:
         """Forget the sequences of these requests (preempted, finished or aborted); the scheduler
@@ -60,7 +70,8 @@ class Runner:
     def _admit(self, new: tuple[NewRequest, ...]) -> None:
         for n in new:
             gen = make_generator(n.sampling.seed, self.device) if n.sampling.seed is not None else None
-            self.requests[n.request_id] = RunnerRequest(n.prompt_token_ids, n.sampling, generator=gen)
+            grammar = self.grammars.start(n.sampling, n.request_id)
+            self.requests[n.request_id] = RunnerRequest(n.prompt_token_ids, n.sampling, generator=gen, grammar=grammar)
 
     def _forget(self, request_ids: tuple[str, ...]) -> None:
         """The requests are over: free everything the runner kept for them."""
@@ -91,7 +102,7 @@ class Runner:
             SamplingRow(r.sampling, r.prompt_token_ids, r.output_token_ids, self.eos_token_id, r.generator)
             for r in reqs
         ]
-        out = sample(logits, rows)
+        out = sample(logits, rows, token_mask=self.grammars.step_mask([r.grammar for r in reqs]))
         tokens = []
         for i, req in enumerate(reqs):
             top = out.row_top(i)
@@ -101,6 +112,8 @@ class Runner:
                 [TokenLogprob(t, lp) for t, lp in top] if top else None,
             )
             req.output_token_ids.append(tok.token_id)
+            if req.grammar is not None:
+                req.grammar.advance(tok.token_id)
             tokens.append(tok)
         return tokens
 
@@ -116,6 +129,16 @@ class Runner:
         req = self.requests[row.request_id]
         return req.sampling.prompt_logprobs is not None and row.start_position < len(req.prompt_token_ids) - 1
 
+    def _replays(self, plan: StepPlan, wants: list[int]) -> bool:
+        """A pure decode step (every row one token, no prompt logprobs) that a decode bucket holds runs on
+        the static buffers (worker/graphs.py): a CUDA graph's replay on CUDA."""
+        return (
+            self.graphs is not None
+            and not wants
+            and len(plan.rows) <= self.graphs.max_rows
+            and all(len(r.token_ids) == 1 for r in plan.rows)
+        )
+
     def execute(self, plan: StepPlan) -> StepOutput:
         """Run one step: the sampled token of every row that asked for one, and the prompt logprobs of
         the rows whose request asked for them."""
@@ -125,12 +148,24 @@ class Runner:
         if not plan.rows:
             return EMPTY_OUTPUT
         self._check_fault(plan)
-        rows = [
-            BatchRow(torch.tensor(r.token_ids, dtype=torch.long, device=self.device), self._sequence(r))
-            for r in plan.rows
-        ]
+        states = [self._sequence(r) for r in plan.rows]
         wants = [i for i, r in enumerate(plan.rows) if self._wants_prompt_logprobs(r)]
-        out = self.model.forward(rows, self.numerics, all_logits=bool(wants))
+        if self._replays(plan, wants):
+            assert self.graphs is not None
+            entries = [(r.token_ids[0], st.num_tokens, st.slot, st.pages) for r, st in zip(plan.rows, states)]
+            out = ForwardOutput([], last_logits=self.graphs.run(entries))
+        else:
+            layout = build_layout(
+                [r.token_ids for r in plan.rows],
+                [st.num_tokens for st in states],
+                [st.slot for st in states],
+                [st.pages for st in states],
+                self.device,
+                staging=self.staging,
+            )
+            out = self.model.run(layout, self.pool, self.numerics, all_logits=bool(wants))
+        for st, r in zip(states, plan.rows):
+            st.num_tokens += len(r.token_ids)
         prompt_lps = {plan.rows[i].request_id: self._prompt_logprobs(plan.rows[i], out.logits[i]) for i in wants}
         for r in plan.rows:
             if r.snapshot_slot is not None:

@@ -1,6 +1,7 @@
 """Batched token sampling: one call turns a step's last-position logits into one token per row.
 
-Order of operations: penalties -> EOS/stop masking (min_tokens, ignore_eos) -> forced tokens (a row
+Order of operations: penalties -> EOS/stop masking (min_tokens, ignore_eos) -> logit_bias and
+allowed_token_ids -> the grammar bitmask of structured output (worker/grammar.py) -> forced tokens (a row
 with one due keeps only it) -> greedy argmax for
 greedy rows; for the others temperature -> top-k -> top-p -> min-p -> draw. Every stage is a tensor
 op over the whole [B, V] batch on the logits' device; Python loops only over rows, to build the small
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -69,11 +71,23 @@ def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
     return generator
 
 
+class TokenMask(Protocol):
+    """A step's grammar bitmask (worker/grammar.TokenMask): masks the constrained rows in place."""
+
+    def apply(self, logits: torch.Tensor) -> None: ...
+
+
 @torch.no_grad()
-def sample(logits: torch.Tensor, rows: Sequence[SamplingRow], generator: torch.Generator | None = None) -> SampleOutput:
+def sample(
+    logits: torch.Tensor,
+    rows: Sequence[SamplingRow],
+    generator: torch.Generator | None = None,
+    token_mask: TokenMask | None = None,
+) -> SampleOutput:
     """logits [B, V] (fp32; other float types are upcast) -> one token per row.
 
-    `generator` drives the rows without a seed (None: torch's default generator).
+    `generator` drives the rows without a seed (None: torch's default generator); `token_mask` is the
+    structured-output bitmask of the step's constrained rows.
     """
     if logits.dim() != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"logits must be [B, V] with B = {len(rows)} rows, got {tuple(logits.shape)}")
@@ -84,12 +98,15 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow], generator: torch.G
             raise ValueError(f"a row's generator is on {row.generator.device}, the logits on {logits.device}")
     raw = logits.float()  # [B, V] fp32, never modified: logprobs come from it
     is_greedy = [row.params.is_greedy for row in rows]
-    if all(is_greedy) and not any(_changes_logits(row) for row in rows):
+    if all(is_greedy) and token_mask is None and not any(_changes_logits(row) for row in rows):
         token_ids = raw.argmax(dim=-1)  # the common decode case: one pass, no copy
     else:
         work = raw.clone()  # [B, V] fp32, modified in place stage by stage
         apply_penalties(work, rows)
         mask_stop_tokens(work, rows)
+        apply_token_limits(work, rows)
+        if token_mask is not None:
+            token_mask.apply(work)
         apply_forced_tokens(work, rows)
         token_ids = work.argmax(dim=-1)  # [B] the greedy choice, also for rows sampled below
         if not all(is_greedy):
@@ -107,6 +124,8 @@ def _changes_logits(row: SamplingRow) -> bool:
     """Whether a greedy row's logits need penalties, stop masking or forcing before the argmax."""
     return (
         row.params.has_penalties
+        or bool(row.params.logit_bias)
+        or row.params.allowed_token_ids is not None
         or bool(stop_tokens_to_mask(row))
         or forced_token(row.params, row.output_token_ids) is not None
     )
@@ -134,6 +153,23 @@ def apply_forced_tokens(work: torch.Tensor, rows: Sequence[SamplingRow]) -> None
             keep = work[i, token].clone()
             work[i].fill_(_NEG_INF)
             work[i, token] = keep if torch.isfinite(keep) else 0.0
+
+
+def apply_token_limits(work: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """allowed_token_ids (every other token -> -inf), then logit_bias (added to the logits, as OpenAI
+    and vLLM do: before temperature)."""
+    device, vocab_size = work.device, work.shape[1]
+    for i, row in enumerate(rows):
+        allowed = row.params.allowed_token_ids
+        if allowed is not None:
+            keep = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+            keep[torch.tensor([t for t in allowed if t < vocab_size], dtype=torch.long, device=device)] = True
+            work[i].masked_fill_(~keep, _NEG_INF)
+    pairs = [(i, t, b) for i, row in enumerate(rows) for t, b in row.params.logit_bias if t < vocab_size]
+    if pairs:
+        row_index = torch.tensor([p[0] for p in pairs], device=device)
+        token_index = torch.tensor([p[1] for p in pairs], device=device)
+        work.index_put_((row_index, token_index), _row_tensor([p[2] for p in pairs], work), accumulate=True)
 
 
 def _row_tensor(values: list, like: torch.Tensor) -> torch.Tensor:

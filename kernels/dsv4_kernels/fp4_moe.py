@@ -1,77 +1,60 @@
 """Grouped MXFP4 expert GEMMs for the routed experts (reference: `fp4_moe_ref`), in Triton.
 
-Flow (`fp4_moe`), tokens T, top-k k, experts E, model dim D, expert inter dim I:
-  1. `moe_align`: the T*k slots (flat = token * k + j) sorted by expert and padded per expert to a
-     multiple of BLOCK_M (pad id = T*k); one expert id per block (-1 for padding blocks that fill a
-     fixed-size grid; experts with no tokens get no block).
-  2. act_quant(x) in torch: e4m3 [T, D] + fp32 pow2 scales [T, ceil(D/128)].
-  3. kernel, GATE_UP=True: per (block, I tile) gate = x @ W1[e]^T and up = x @ W3[e]^T, each rounded
-     to bf16, clamped SwiGLU (gate <= limit, |up| <= limit), times the routing weight, rounded to bf16
-     -> act [T*k, I] (row = slot).
-  4. act_quant(act) in torch (not yet fused: it needs a whole 128-channel row of act).
-  5. kernel, GATE_UP=False: per (block, D tile) y = act @ W2[e]^T rounded to bf16 -> [T*k, D].
-  6. out[t] = sum_j y[t*k + j] in fp32 (torch); the caller adds the shared expert.
+Flow (`fp4_moe`), tokens T, top-k k, experts E, model dim D, expert inter dim I; four launches, no
+host sync, a grid that depends on (T, k, E) only:
+  1. `moe_align` (moe_align.py, one program): the T*k routes (flat = token * k + j) sorted by expert
+     and padded per expert to a multiple of BLOCK_M (pad id T*k); one expert id per block, -1 for the
+     blocks past the used ones (a fixed count: cdiv(T*k, BLOCK_M) + min(T*k, E)).
+  2. kernel, GATE_UP: per (block, 128 I channels) x is quantized to FP8 in the K loop (QUANT_A: the
+     reference's act_quant, exactly, fp4_moe_tiles.py), gate = x @ W1[e]^T and up = x @ W3[e]^T, each
+     rounded to bf16, clamped SwiGLU (gate <= limit, |up| <= limit), times the routing weight, rounded
+     to bf16; the epilogue quantizes that to FP8 itself (QUANT_OUT: the 128-wide tile is one whole
+     activation block of each row) -> act e4m3 [T*k, I] + fp32 scales [T*k, ceil(I/128)].
+  3. kernel, down: per (block, D tile) y = act @ W2[e]^T rounded to bf16 -> [T*k, D].
+  4. out[t] = sum_j y[t*k + j] in fp32: one torch reduction. Fusing it into the down kernel would
+     need atomic adds, whose order (and so the fp32 sum) changes from run to run on a GPU.
+
+Two weight sources (`ExpertSlots`): the GEMM kernel reads expert e from the device slots when
+slot_of_expert[e] >= 0 (slots + slot * stride), else from the stacked [E, ...] tensors passed as the
+weights (the host bank: on a GPU a pinned host tensor, read in place over PCIe through unified
+virtual addressing). The choice is one scalar branch per block between two pointer arguments of one
+type and layout, which both the compiler (an scf.if yielding the bases) and the interpreter (plain
+Python) take. Without slots the stacked tensors are the resident experts.
 
 Weights stay packed e2m1 (uint8/int8 [E, N, K/2], low nibble = even K) with e8m0 scales
-[E, N, K/32] and are dequantized in registers: the code and the scale byte (loaded once per 32 K and
-broadcast) are assembled into fp32 bits, exact, then cast to bf16 (exact too: at most 2 significant
-bits) and interleaved back into K order for a bf16 tensor-core dot with fp32 accumulation; the FP8
-activations are dequantized with their per-128 scale the same way (e4m3 times a power of two is
-exact in bf16). So every product is exact and only the fp32 summation order differs from the
-reference. Hopper has no FP4 MMA (this is the upcast path); bf16 roundings use an explicit
-round-to-nearest-even bit trick so the interpreter (which truncates fp32->bf16 casts) and the GPU
-round alike. Under the interpreter tiles are fp32 (DOT_FP32) and the outputs fp32 holding bf16
-values; a GPU build uses bf16 operands and bf16 outputs.
+[E, N, K/32] and are dequantized in registers (exact), then cast to bf16 (exact too) for a bf16
+tensor-core dot with fp32 accumulation; the FP8 activations are dequantized with their per-128 scale
+the same way (e4m3 times a power of two is exact in bf16). So every product is exact and only the
+fp32 summation order differs from the reference. Hopper has no FP4 MMA (this is the upcast path);
+bf16 roundings use an explicit round-to-nearest-even bit trick so the interpreter (which truncates
+fp32->bf16 casts) and the GPU round alike. Under the interpreter tiles are fp32 (DOT_FP32) and the
+down GEMM stores fp32 holding bf16 values; a GPU build uses bf16 operands and bf16 outputs.
 
 A tile is computed transposed, out^T = W @ A^T: the dequantized weight tile is the dot's left
-operand, so the warps split its rows instead of each holding all of it, and on Hopper a 16-slot
+operand, so the warps split its rows instead of each holding all of it, and on Hopper a 16-route
 decode block is the N side of a 64-row wgmma. On mma.sync GPUs (sm_120) the right operand
-[BLOCK_K, BLOCK_M] is held whole by every warp, so 64-row blocks take BLOCK_K 64 (`pick_block_k`);
-at 128 they spill. The wrapper sets EVEN_K when K is a multiple of BLOCK_K, dropping the K masks.
+[BLOCK_K, BLOCK_M] is held whole by every warp, so 64-row blocks take BLOCK_K 64 (`pick_block_k`;
+at 128 they spill); the gate/up form, with two accumulators and two weight tiles, takes 64 (32 for
+64-row blocks on sm_120). The wrapper sets EVEN_K when K is a multiple of BLOCK_K, dropping the K masks.
 K (D for GATE_UP, I for the down GEMM) must be a multiple of 32; N is free.
 """
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
-from dsv4_kernels.fp8_gemm_ref import act_quant_fp8_ref
+from dsv4_kernels.fp4_moe_tiles import _act_tile, _load_fp4_tile, _quantize_rows, _round_bf16
+from dsv4_kernels.moe_align import align_blocks, moe_align
 from dsv4_kernels.outputs import output_buffer
 
+GATE_UP_BLOCK_N = 128  # one whole FP8 activation block of act per tile: the epilogue quantizes it
 
-@triton.jit
-def _round_bf16(x):
-    """fp32 -> the nearest bf16 value (ties to even), still fp32 (finite inputs)."""
-    bits = x.to(tl.uint32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _dequant_e2m1(codes, scale):
-    """e2m1 codes (int32, 0..15) times fp32 scales -> fp32 values, exact."""
-    exp = (codes >> 1) & 3
-    man = codes & 1
-    mag = tl.where(exp == 0, man * (126 << 23), ((exp + 126) << 23) | (man << 22))  # 0, .5 | 1..6
-    bits = mag | ((codes & 8) << 28)  # sign bit 3 -> bit 31
-    return bits.to(tl.float32, bitcast=True) * scale
-
-
-@triton.jit
-def _load_fp4_tile(w_ptrs, ws_ptrs, w_mask, ws_mask, DOT_FP32: tl.constexpr):
-    """Packed [BN, BK/2] bytes and their [BN, BK/32] scale bytes -> the dequantized [BN, BK] tile
-    (low nibble = even K). Each scale byte is loaded once and broadcast over its 16 packed bytes."""
-    packed = tl.load(w_ptrs, mask=w_mask, other=0).to(tl.int32) & 0xFF
-    s_raw = tl.load(ws_ptrs, mask=ws_mask, other=0).to(tl.int32) & 0xFF
-    scale = (s_raw << 23).to(tl.float32, bitcast=True)  # 2^(byte-127)
-    scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (scale.shape[0], scale.shape[1], 16)), packed.shape)
-    w = tl.join(_dequant_e2m1(packed & 0xF, scale), _dequant_e2m1(packed >> 4, scale))
-    w = tl.reshape(w, (packed.shape[0], 2 * packed.shape[1]))
-    if not DOT_FP32:
-        w = w.to(tl.bfloat16)
-    return w
+__all__ = ["ExpertSlots", "align_blocks", "fp4_moe", "fp4_moe_gemm", "moe_align", "store_dtype"]
 
 
 @triton.jit
@@ -82,11 +65,17 @@ def fp4_moe_gemm_kernel(
     w_scale_ptr,
     w3_ptr,
     w3_scale_ptr,
+    sw_ptr,
+    sw_scale_ptr,
+    sw3_ptr,
+    sw3_scale_ptr,
+    slot_of_expert_ptr,
     out_ptr,
+    out_scale_ptr,
     topk_weight_ptr,
     sorted_ids_ptr,
     expert_ids_ptr,
-    num_slots,
+    num_routes,
     N,
     K,
     limit,
@@ -97,54 +86,62 @@ def fp4_moe_gemm_kernel(
     stride_wse,
     stride_wsn,
     stride_om,
+    stride_osm,
     A_ROW_DIV: tl.constexpr,
     GATE_UP: tl.constexpr,
+    QUANT_A: tl.constexpr,
+    QUANT_OUT: tl.constexpr,
+    SLOTS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    ROUND_BITS: tl.constexpr,
 ):
-    """One (expert block of BLOCK_M slots, BLOCK_N output columns) tile, computed transposed
-    ([BLOCK_N, BLOCK_M], see the module doc). A row = slot // A_ROW_DIV (the token for GATE_UP, the
-    slot itself for the down GEMM). BLOCK_K divides 128. EVEN_K (K a multiple of BLOCK_K) drops the
-    K masks."""
+    """One (expert block of BLOCK_M routes, BLOCK_N output columns) tile, computed transposed
+    ([BLOCK_N, BLOCK_M], see the module doc). A row = route // A_ROW_DIV (the token for GATE_UP, the
+    route itself for the down GEMM). BLOCK_K divides 128. SLOTS: the expert's weights come from the
+    sw* slots when slot_of_expert[expert] >= 0 (same per-expert strides), else from w*."""
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(expert_ids_ptr + pid_b)
     if expert < 0:
         return
-    slots = tl.load(sorted_ids_ptr + pid_b * BLOCK_M + tl.arange(0, BLOCK_M))
-    row_ok = slots < num_slots
-    a_rows = tl.where(row_ok, slots, 0) // A_ROW_DIV
+    src = expert.to(tl.int64)
+    w_base, ws_base, w3_base, w3s_base = w_ptr, w_scale_ptr, w3_ptr, w3_scale_ptr
+    if SLOTS:
+        slot = tl.load(slot_of_expert_ptr + expert)
+        if slot >= 0:
+            src = slot.to(tl.int64)
+            w_base, ws_base, w3_base, w3s_base = sw_ptr, sw_scale_ptr, sw3_ptr, sw3_scale_ptr
+    routes = tl.load(sorted_ids_ptr + pid_b * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = routes < num_routes
+    a_rows = tl.where(row_ok, routes, 0) // A_ROW_DIV
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
     offs_kp = tl.arange(0, BLOCK_K // 2)  # packed byte index in the tile
     offs_ks = tl.arange(0, BLOCK_K // 32)  # scale index in the tile
-    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
-    w_off = expert.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn + offs_kp[None, :]
-    ws_off = expert.to(tl.int64) * stride_wse + offs_n[:, None] * stride_wsn + offs_ks[None, :]
+    w_off = src * stride_we + offs_n[:, None] * stride_wn + offs_kp[None, :]
+    ws_off = src * stride_wse + offs_n[:, None] * stride_wsn + offs_ks[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        a_mask = row_ok[:, None]
         w_mask = n_ok[:, None]
         ws_mask = n_ok[:, None]
         if not EVEN_K:
-            a_mask = a_mask & (offs_k < K - k0)[None, :]
             w_mask = w_mask & (offs_kp < (K - k0) // 2)[None, :]
             ws_mask = ws_mask & (offs_ks < (K - k0) // 32)[None, :]
-        a = tl.load(a_ptrs + k0, mask=a_mask, other=0.0).to(tl.float32)
-        a_s = tl.load(a_scale_ptr + a_rows * stride_asm + k0 // 128, mask=row_ok, other=0.0)
-        a = a * a_s[:, None]  # exact
+        a = _act_tile(
+            a_ptr, a_scale_ptr, a_rows, row_ok, k0, K, stride_am, stride_asm, QUANT_A, BLOCK_K, EVEN_K, ROUND_BITS
+        )
         if not DOT_FP32:
             a = a.to(tl.bfloat16)
         a = tl.trans(a)  # [BK, BM]
-        w = _load_fp4_tile(w_ptr + w_off + k0 // 2, w_scale_ptr + ws_off + k0 // 32, w_mask, ws_mask, DOT_FP32)
+        w = _load_fp4_tile(w_base + w_off + k0 // 2, ws_base + ws_off + k0 // 32, w_mask, ws_mask, DOT_FP32)
         acc = tl.dot(w, a, acc)
         if GATE_UP:
-            u = _load_fp4_tile(w3_ptr + w_off + k0 // 2, w3_scale_ptr + ws_off + k0 // 32, w_mask, ws_mask, DOT_FP32)
+            u = _load_fp4_tile(w3_base + w_off + k0 // 2, w3s_base + ws_off + k0 // 32, w_mask, ws_mask, DOT_FP32)
             acc3 = tl.dot(u, a, acc3)
     out = _round_bf16(acc)  # [BN, BM]
     if GATE_UP:
@@ -152,10 +149,16 @@ def fp4_moe_gemm_kernel(
         if limit > 0:
             out = tl.minimum(out, limit)
             up = tl.minimum(tl.maximum(up, -limit), limit)
-        route_w = tl.load(topk_weight_ptr + slots, mask=row_ok, other=0.0)
+        route_w = tl.load(topk_weight_ptr + routes, mask=row_ok, other=0.0)
         out = _round_bf16(route_w[None, :] * (out / (1.0 + tl.exp(-out)) * up))
-    o_ptrs = out_ptr + slots.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & row_ok[None, :])
+    o_ptrs = out_ptr + routes.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
+    o_mask = n_ok[:, None] & row_ok[None, :]
+    if QUANT_OUT:  # this tile is the whole 128-channel block pid_n of each route's act row
+        q, scale = _quantize_rows(tl.where(n_ok[:, None], out, 0.0), 0, ROUND_BITS)
+        tl.store(o_ptrs, q.to(out_ptr.dtype.element_ty), mask=o_mask)
+        tl.store(out_scale_ptr + routes.to(tl.int64) * stride_osm + pid_n, scale, mask=row_ok)
+    else:
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
 def interpreting() -> bool:
@@ -164,39 +167,17 @@ def interpreting() -> bool:
 
 
 def store_dtype() -> torch.dtype:
-    """What the kernel stores: bf16 on a GPU, fp32 (holding bf16 values) under the interpreter."""
+    """What the kernel stores unquantized: bf16 on a GPU, fp32 (holding bf16 values) under the interpreter."""
     return torch.float32 if interpreting() else torch.bfloat16
 
 
-def moe_align(
-    topk_ids: torch.Tensor, num_experts: int, block_m: int, num_blocks: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """topk_ids [T, k] -> (sorted slot ids int32 [B * block_m], expert id per block int32 [B]).
+@dataclass(frozen=True)
+class ExpertSlots:
+    """A second weight source: device slots holding some experts, stacked like the weights ([S, ...] per
+    part, in FP4_PARTS order: w1, w1_scale, w3, w3_scale, w2, w2_scale), and which expert is where."""
 
-    Slots of one expert are contiguous (in slot order) and padded to a multiple of block_m with the
-    id T*k; experts without tokens get no block. `num_blocks` pads the block list with expert id -1
-    (blocks the kernel skips) to a fixed count, e.g. the bound cdiv(T*k, block_m) + min(T*k, E), for
-    a grid that does not depend on the routing; it must be at least the count needed.
-    """
-    flat = topk_ids.flatten().to(torch.int64)
-    num_slots = flat.numel()
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)[:num_experts]
-    padded = (counts + block_m - 1) // block_m * block_m
-    needed = int(padded.sum()) // block_m
-    total = needed if num_blocks is None else num_blocks
-    if total < needed:
-        raise ValueError(f"num_blocks={num_blocks} is below the {needed} blocks these ids need")
-    sorted_ids = torch.full((total * block_m,), num_slots, dtype=torch.int32, device=topk_ids.device)
-    expert_ids = torch.full((total,), -1, dtype=torch.int32, device=topk_ids.device)
-    starts = torch.cumsum(padded, 0) - padded
-    offset = 0
-    for e in torch.nonzero(counts).flatten().tolist():
-        c, s = int(counts[e]), int(starts[e])
-        sorted_ids[s : s + c] = order[offset : offset + c].to(torch.int32)
-        expert_ids[s // block_m : (s + int(padded[e])) // block_m] = e
-        offset += c
-    return sorted_ids, expert_ids
+    slot_of_expert: torch.Tensor  # [E] int32, -1: not in a slot (read from the stacked weights)
+    parts: tuple[torch.Tensor, ...]  # the six [S, N, K/2] / [S, N, K/32] tensors
 
 
 def _u8(t: torch.Tensor) -> torch.Tensor:
@@ -206,14 +187,18 @@ def _u8(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
 
 
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape[1:] == b.shape[1:] and a.stride() == b.stride()
+
+
 def fp4_moe_gemm(
-    a_q: torch.Tensor,
-    a_scale: torch.Tensor,
+    a: torch.Tensor,
+    a_scale: torch.Tensor | None,
     w: torch.Tensor,
     w_scale: torch.Tensor,
     sorted_ids: torch.Tensor,
     expert_ids: torch.Tensor,
-    num_slots: int,
+    num_routes: int,
     a_row_div: int,
     w3: torch.Tensor | None = None,
     w3_scale: torch.Tensor | None = None,
@@ -223,68 +208,129 @@ def fp4_moe_gemm(
     block_n: int = 64,
     block_k: int = 128,
     out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """One grouped GEMM launch. a_q e4m3 [rows, K], a_scale fp32 [rows, ceil(K/128)]; w packed
-    [E, N, K/2], w_scale e8m0 [E, N, K/32]; returns [num_slots, N] (bf16 values; fp32 storage when
-    interpreting). With w3 given, the gate/up form (topk_weights fp32 [num_slots] required).
-    `out` ([num_slots, N], row stride free, dtype `store_dtype()`) receives the stores."""
+    out_scale: torch.Tensor | None = None,
+    quant_out: bool = False,
+    slots: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None,
+    slot_of_expert: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """One grouped GEMM launch. `a`: e4m3 [rows, K] with fp32 `a_scale` [rows, ceil(K/128)], or bf16 /
+    fp32 with a_scale None (quantized in the kernel); w packed [E, N, K/2], w_scale e8m0 [E, N, K/32].
+    With w3 given, the gate/up form (topk_weights fp32 [num_routes] required). Returns [num_routes, N]
+    (bf16 values; fp32 storage when interpreting), or with `quant_out` (gate/up, block_n 128) the FP8
+    pair (e4m3 [num_routes, N], fp32 [num_routes, ceil(N/128)]). `out` / `out_scale` (row strides
+    free) receive the stores. `slots` (w, w_scale, w3, w3_scale [S, ...], as the weights) with
+    `slot_of_expert` [E] int32: the second weight source (module doc)."""
     e_, n, half_k = w.shape
-    k = a_q.shape[1]
+    k = a.shape[1]
     if k % 32 or half_k * 2 != k or tuple(w_scale.shape) != (e_, n, k // 32):
         raise ValueError(f"FP4 weights [{e_}, {n}, {half_k}] / scales {tuple(w_scale.shape)} do not fit K={k}")
     if 128 % block_k or block_k % 32 or len(sorted_ids) != len(expert_ids) * block_m:
         raise ValueError("block_k must divide 128 and be a multiple of 32; sorted_ids must fill the blocks")
     gate_up = w3 is not None
-    a_q, a_scale = a_q.contiguous(), a_scale.float().contiguous()
+    if quant_out and not (gate_up and block_n == GATE_UP_BLOCK_N):
+        raise ValueError(f"quant_out is the gate/up epilogue with block_n {GATE_UP_BLOCK_N}")
+    a = a if a.stride(-1) == 1 else a.contiguous()
+    quant_a = a_scale is None
+    a_scale = a if quant_a else a_scale.float().contiguous()  # QUANT_A: a pointer never read
     w, w_scale = _u8(w), _u8(w_scale)
     w3, w3_scale = (_u8(w3), _u8(w3_scale)) if gate_up else (w, w_scale)
-    if gate_up and (w3.stride() != w.stride() or w3_scale.stride() != w_scale.stride()):
+    if gate_up and not (_same_layout(w3, w) and _same_layout(w3_scale, w_scale)):
         raise ValueError("w1 and w3 must share one layout")
+    sources = _slot_sources(slots, slot_of_expert, (w, w_scale, w3, w3_scale), gate_up, e_)
     route_w = topk_weights.float().contiguous().flatten() if gate_up else a_scale
-    out = output_buffer(out, (num_slots, n), store_dtype(), a_q.device)
+    if quant_out:
+        out = output_buffer(out, (num_routes, n), torch.float8_e4m3fn, a.device)
+        out_scale = output_buffer(out_scale, (num_routes, triton.cdiv(n, 128)), torch.float32, a.device)
+    else:
+        out = output_buffer(out, (num_routes, n), store_dtype(), a.device)
+        out_scale = out  # never written
     grid = (len(expert_ids), triton.cdiv(n, block_n))
     fp4_moe_gemm_kernel[grid](
-        a_q,
+        a,
         a_scale,
         w,
         w_scale,
         w3,
         w3_scale,
+        *sources,
         out,
+        out_scale,
         route_w,
         sorted_ids,
         expert_ids,
-        num_slots,
+        num_routes,
         n,
         k,
         float(limit),
-        a_q.stride(0),
-        a_scale.stride(0),
+        a.stride(0),
+        0 if quant_a else a_scale.stride(0),
         w.stride(0),
         w.stride(1),
         w_scale.stride(0),
         w_scale.stride(1),
         out.stride(0),
+        out_scale.stride(0),
         A_ROW_DIV=a_row_div,
         GATE_UP=gate_up,
+        QUANT_A=quant_a,
+        QUANT_OUT=quant_out,
+        SLOTS=slots is not None,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         EVEN_K=k % block_k == 0,
         DOT_FP32=interpreting(),
+        ROUND_BITS=interpreting(),
+        num_warps=_num_warps(gate_up, block_m),
     )
-    return out
+    return (out, out_scale) if quant_out else out
 
 
-def pick_block_m(num_slots: int, num_experts: int) -> int:
-    """Decode (a few slots per expert) takes the smallest dot tile, 16; prefill 64."""
-    return 16 if num_slots <= 4 * num_experts else 64
+def _slot_sources(slots, slot_of_expert, weights: tuple[torch.Tensor, ...], gate_up: bool, num_experts: int):
+    """(sw, sw_scale, sw3, sw3_scale, slot_of_expert) launch arguments: the slots, checked to share the
+    weights' per-expert layout, or the weights themselves (never read without SLOTS)."""
+    if slots is None:
+        return (*weights, weights[0])
+    if slot_of_expert is None or slot_of_expert.dtype != torch.int32 or slot_of_expert.shape != (num_experts,):
+        raise ValueError(f"slots need slot_of_expert int32 [{num_experts}]")
+    sw, sws = _u8(slots[0]), _u8(slots[1])
+    sw3, sws3 = (_u8(slots[2]), _u8(slots[3])) if gate_up else (sw, sws)
+    for s, ref in zip((sw, sws, sw3, sws3), weights):
+        if not _same_layout(s, ref):
+            raise ValueError(f"slots {tuple(s.shape)} must be laid out as the weights {tuple(ref.shape)}")
+    return sw, sws, sw3, sws3, slot_of_expert
 
 
-def pick_block_k(block_m: int) -> int:
-    """128 (one activation scale block per step) for decode blocks; 64 for 64-row blocks, whose
-    [BLOCK_K, BLOCK_M] activation operand each warp holds whole on mma.sync GPUs: at 128 it spills."""
-    return 128 if block_m < 64 else 64
+def pick_block_m(num_routes: int, num_experts: int) -> int:
+    """Decode (a few routes per expert) takes the smallest dot tile, 16; prefill 64."""
+    return 16 if num_routes <= 4 * num_experts else 64
+
+
+def pick_block_k(block_m: int, gate_up: bool = False, device: torch.device | None = None) -> int:
+    """The down GEMM: 128 (one activation scale block per step) for decode blocks, 64 for 64-row blocks,
+    whose [BLOCK_K, BLOCK_M] activation operand each warp holds whole on mma.sync GPUs (at 128 it spills).
+    The gate/up form holds two [128, BLOCK_M] fp32 accumulators and two weight tiles: 64, and 32 for
+    64-row blocks on GPUs without wgmma (Hopper's wgmma reads that operand from shared memory)."""
+    if not gate_up:
+        return 128 if block_m < 64 else 64
+    return 32 if block_m >= 64 and not _has_wgmma(device) else 64
+
+
+def _has_wgmma(device: torch.device | None) -> bool:
+    """True on sm_90 / sm_100 (and under the interpreter, which has no arch: the tests take the sm_90 tiles)."""
+    if device is None or device.type != "cuda":
+        return True
+    return _sm_major(device.index if device.index is not None else torch.cuda.current_device()) in (9, 10)
+
+
+@functools.cache
+def _sm_major(device_index: int) -> int:
+    return torch.cuda.get_device_capability(device_index)[0]
+
+
+def _num_warps(gate_up: bool, block_m: int) -> int:
+    """LAUNCH_OPTIONS below: 8 for the 64-row gate/up tile (two [128, 64] fp32 accumulators), else 4."""
+    return 8 if gate_up and block_m >= 64 else 4
 
 
 def fp4_moe(
@@ -301,38 +347,47 @@ def fp4_moe(
     block_m: int | None = None,
     block_n: int = 64,
     block_k: int | None = None,
-    num_blocks: int | None = None,
-    outs: tuple[torch.Tensor, torch.Tensor] | None = None,
+    outs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    slots: ExpertSlots | None = None,
+    usage: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [T, D] bf16, W1/W3 [E, I, D/2] + [E, I, D/32], W2 [E, D, I/2] + [E, D, I/32], topk [T, k]
+    """x [T, D] bf16 (or fp32), W1/W3 [E, I, D/2] + [E, I, D/32], W2 [E, D, I/2] + [E, D, I/32], topk [T, k]
     (weights fp32, already route-scaled) -> routed-expert sum fp32 [T, D] (module contract above).
-    `outs`: optional (act [T*k, I], y [T*k, D]) buffers for the two launches."""
+    `outs`: optional (act e4m3 [T*k, I], act scales fp32 [T*k, ceil(I/128)], y [T*k, D]) buffers;
+    `block_n`: the down GEMM's N tile. `slots`: experts read from device slots instead (module doc);
+    `usage` int64 [E + 1] (needs `slots`): the expert-slot cache's record (moe_align.py)."""
     t, k = topk_ids.shape
-    num_slots = t * k
-    bm = block_m or pick_block_m(num_slots, w1.shape[0])
-    bk = block_k or pick_block_k(bm)
-    sorted_ids, expert_ids = moe_align(topk_ids, w1.shape[0], bm, num_blocks)
-    x_q, x_s = act_quant_fp8_ref(x)
-    act_out, y_out = outs or (None, None)
-    act = fp4_moe_gemm(
-        x_q,
-        x_s,
+    num_routes = t * k
+    bm = block_m or pick_block_m(num_routes, w1.shape[0])
+    bk_up = block_k or pick_block_k(bm, True, x.device)
+    bk_down = block_k or pick_block_k(bm)
+    slot_map = slots.slot_of_expert if slots is not None else None
+    if usage is not None and slots is None:
+        raise ValueError("usage records which experts came from slots: it needs slots")
+    sorted_ids, expert_ids = moe_align(topk_ids, w1.shape[0], bm, usage, slot_map if usage is not None else None)
+    act_q, act_s, y_out = outs or (None, None, None)
+    act_q, act_s = fp4_moe_gemm(
+        x,
+        None,
         w1,
         w1_scale,
         sorted_ids,
         expert_ids,
-        num_slots,
+        num_routes,
         k,
         w3=w3,
         w3_scale=w3_scale,
         topk_weights=topk_weights,
         limit=limit,
         block_m=bm,
-        block_n=block_n,
-        block_k=bk,
-        out=act_out,
+        block_n=GATE_UP_BLOCK_N,
+        block_k=bk_up,
+        out=act_q,
+        out_scale=act_s,
+        quant_out=True,
+        slots=slots.parts[:4] if slots is not None else None,
+        slot_of_expert=slot_map,
     )
-    act_q, act_s = act_quant_fp8_ref(act)
     y = fp4_moe_gemm(
         act_q,
         act_s,
@@ -340,14 +395,16 @@ def fp4_moe(
         w2_scale,
         sorted_ids,
         expert_ids,
-        num_slots,
+        num_routes,
         1,
         block_m=bm,
         block_n=block_n,
-        block_k=bk,
+        block_k=bk_down,
         out=y_out,
+        slots=slots.parts[4:] if slots is not None else None,
+        slot_of_expert=slot_map,
     )
-    return y.float().view(t, k, -1).sum(dim=1)
+    return torch.sum(y.view(t, k, -1), dim=1, dtype=torch.float32)
 
 
 _SIG = {
@@ -357,11 +414,17 @@ _SIG = {
     "w_scale_ptr": "*u8",
     "w3_ptr": "*u8",
     "w3_scale_ptr": "*u8",
+    "sw_ptr": "*u8",
+    "sw_scale_ptr": "*u8",
+    "sw3_ptr": "*u8",
+    "sw3_scale_ptr": "*u8",
+    "slot_of_expert_ptr": "*i32",
     "out_ptr": "*bf16",
+    "out_scale_ptr": "*bf16",
     "topk_weight_ptr": "*fp32",
     "sorted_ids_ptr": "*i32",
     "expert_ids_ptr": "*i32",
-    "num_slots": "i32",
+    "num_routes": "i32",
     "N": "i32",
     "K": "i32",
     "limit": "fp32",
@@ -372,23 +435,46 @@ _SIG = {
     "stride_wse": "i32",
     "stride_wsn": "i32",
     "stride_om": "i32",
+    "stride_osm": "i32",
     "A_ROW_DIV": "constexpr",
     "GATE_UP": "constexpr",
+    "QUANT_A": "constexpr",
+    "QUANT_OUT": "constexpr",
+    "SLOTS": "constexpr",
     "BLOCK_M": "constexpr",
     "BLOCK_N": "constexpr",
     "BLOCK_K": "constexpr",
     "EVEN_K": "constexpr",
     "DOT_FP32": "constexpr",
+    "ROUND_BITS": "constexpr",
 }
-# multiples of 16 at DeepSeek-V4-Flash's dims (registry.py; D=4096, I=2048): N, K, the activation,
-# weight and output strides and the scale strides K/128 and K/32; not the slot count
-ALIGNED_INTS = ("N", "K", "stride_am", "stride_asm", "stride_we", "stride_wn", "stride_wse", "stride_wsn", "stride_om")
-_GPU = {"EVEN_K": True, "DOT_FP32": False}
+# what the model launches: gate/up reads bf16 x (a_scale_ptr: x's own pointer, unread) and stores e4m3 act
+# with fp32 scales; the down GEMM reads those and stores bf16 (out_scale_ptr: its own output, unread)
+_GATE_UP_SIG = {**_SIG, "a_ptr": "*bf16", "a_scale_ptr": "*bf16", "out_ptr": "*fp8e4nv", "out_scale_ptr": "*fp32"}
+# multiples of 16 at DeepSeek-V4-Flash's dims (registry.py; D=4096, I=2048): N, K, the weight strides
+# and the scale strides K/32, the row strides of x / act (K) and of the down output (D); not the route
+# count, nor the activation-scale strides K/128 (16 for D, but 16 also divides I/128 = 16: kept out, as
+# the scale row strides of a tiny model are not)
+ALIGNED_INTS = ("N", "K", "stride_am", "stride_we", "stride_wn", "stride_wse", "stride_wsn", "stride_om")
+_GPU = {"EVEN_K": True, "DOT_FP32": False, "ROUND_BITS": False}
+_GATE_UP = {**_GPU, "A_ROW_DIV": 6, "GATE_UP": True, "QUANT_A": True, "QUANT_OUT": True, "BLOCK_N": 128}
+_DOWN = {**_GPU, "A_ROW_DIV": 1, "GATE_UP": False, "QUANT_A": False, "QUANT_OUT": False, "BLOCK_N": 64}
 
-# (config name, signature, constexprs) for the CPU compile checks (tests/kernels/test_compile.py)
-COMPILE_CONFIGS = (
-    ("gate_up_decode", _SIG, {**_GPU, "A_ROW_DIV": 6, "GATE_UP": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128}),
-    ("gate_up_prefill", _SIG, {**_GPU, "A_ROW_DIV": 6, "GATE_UP": True, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64}),
-    ("down_decode", _SIG, {**_GPU, "A_ROW_DIV": 1, "GATE_UP": False, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128}),
-    ("down_prefill", _SIG, {**_GPU, "A_ROW_DIV": 1, "GATE_UP": False, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64}),
+# (config name, signature, constexprs) for the CPU compile checks (tests/kernels/test_compile.py): the
+# resident experts and the expert-slot cache's two sources (SLOTS), decode and prefill tiles; the 64-row
+# gate/up tile takes BLOCK_K 64 where wgmma runs (sm_90) and 32 elsewhere (pick_block_k)
+_PHASES = {
+    "gate_up": (("decode", 16, 64), ("prefill", 64, 64), ("prefill_bk32", 64, 32)),
+    "down": (("decode", 16, 128), ("prefill", 64, 64)),
+}
+COMPILE_CONFIGS = tuple(
+    (f"{form}_{phase}{'_slots' if slots else ''}", sig, {**base, "SLOTS": slots, "BLOCK_M": bm, "BLOCK_K": bk})
+    for form, sig, base in (("gate_up", _GATE_UP_SIG, _GATE_UP), ("down", _SIG, _DOWN))
+    for phase, bm, bk in _PHASES[form]
+    for slots in (False, True)
 )
+LAUNCH_OPTIONS = {name: {"num_warps": _num_warps(cx["GATE_UP"], cx["BLOCK_M"])} for name, _, cx in COMPILE_CONFIGS}
+LAUNCH_ARCHS = {
+    **{name: (90,) for name, _, _ in COMPILE_CONFIGS if name.startswith("gate_up_prefill") and "bk32" not in name},
+    **{name: (120,) for name, _, _ in COMPILE_CONFIGS if "bk32" in name},
+}

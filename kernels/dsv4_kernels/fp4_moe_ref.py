@@ -10,7 +10,10 @@ step for step as `dsv4serve.model.moe.MoE` / `Expert` compute it with the FP8 si
            shared expert and rounds to bf16)
 
 Weights: packed e2m1 int8/uint8 [E, N, K/2] (low nibble = even K) with e8m0 scales [E, N, K/32];
-W1, W3 are [E, I, D/2], W2 is [E, D, I/2]. Slots are numbered flat = token * k + j (j < k).
+W1, W3 are [E, I, D/2], W2 is [E, D, I/2]. Routes are numbered flat = token * k + j (j < k).
+
+`moe_align_ref` is the reference of the device-side route layout (dsv4_kernels.moe_align), written
+plainly with host reads.
 """
 
 from __future__ import annotations
@@ -20,6 +23,25 @@ import torch.nn.functional as F
 
 from dsv4_kernels.formats import dequant_fp4
 from dsv4_kernels.fp8_gemm_ref import act_quant_fp8_ref, dequant_act_fp8_ref
+
+
+def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """topk_ids [T, k] -> (sorted route ids int32 [B * block_m], expert per block int32 [B]) with
+    B = cdiv(T*k, block_m) + min(T*k, E): each used expert's routes in route order, padded to a multiple
+    of block_m with the id T*k, experts in ascending order; the blocks past the used ones get expert -1."""
+    flat = topk_ids.flatten().tolist()
+    num_routes = len(flat)
+    num_blocks = -(-num_routes // block_m) + min(num_routes, num_experts)
+    sorted_ids = [num_routes] * (num_blocks * block_m)
+    expert_ids = [-1] * num_blocks
+    block = 0
+    for e in range(num_experts):
+        routes = [r for r, expert in enumerate(flat) if expert == e]
+        n_blocks = -(-len(routes) // block_m)
+        sorted_ids[block * block_m : block * block_m + len(routes)] = routes
+        expert_ids[block : block + n_blocks] = [e] * n_blocks
+        block += n_blocks
+    return torch.tensor(sorted_ids, dtype=torch.int32), torch.tensor(expert_ids, dtype=torch.int32)
 
 
 def _expert_weight(packed: torch.Tensor, scale: torch.Tensor, e: int) -> torch.Tensor:

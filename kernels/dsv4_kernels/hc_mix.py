@@ -18,7 +18,8 @@ One kernel, three forms (MODE), as one launch each:
   squares and the [BLOCK_N, 2 hc'^2] mixes (hc' = hc rounded up to a power of two, at least 4: the
   comb logits in the first hc'^2 columns, pre and post in the next two rows of hc'), then does the
   norm, the sigmoids and the 20 Sinkhorn rounds on the [BLOCK_N, hc', hc'] tile in registers, and
-  reads its tokens' streams a second time (32 KiB a token at the real sizes, mostly from L2) for x.
+  reads its tokens' streams a second time for x (32 KiB a token at the real sizes: from L2 for
+  small blocks, partly from HBM again for 64-token blocks, whose ~130 programs touch ~270 MiB).
 - post: a program takes BLOCK_D channels of one token: reads out and the hc streams once, writes the
   hc new streams.
 
@@ -140,9 +141,7 @@ def _sinkhorn(logits, valid, n_iters, eps):
 
 
 @triton.jit
-def _collapse(
-    pre, offs_n, n_ok, h_ptr, x_ptr, D, stride_hn, stride_xn, HC, HCP, BLOCK_D: tl.constexpr, ROUND_BF16
-):
+def _collapse(pre, offs_n, n_ok, h_ptr, x_ptr, D, stride_hn, stride_xn, HC, HCP, BLOCK_D: tl.constexpr, ROUND_BF16):
     """x[n] = sum_k pre[n, k] h[n, k] for the program's tokens, BLOCK_D channels at a time."""
     k = tl.arange(0, HCP)
     offs_d = tl.arange(0, BLOCK_D)
@@ -289,11 +288,13 @@ def _mix_params(
 
 
 def _launch_mix(h, fn, scale, base, x, post, comb, n_iters, hc_eps, norm_eps, mode, block_n) -> None:
+    """One pre or head launch; the head passes no post / comb (fn stands in, with zero strides)."""
     n, hc, d = h.shape
     block_k, block_d = TILES[block_n]
+    post_strides = (0, 0, 0) if post is None else (post.stride(0), comb.stride(0), comb.stride(1))
     hc_mix_kernel[(triton.cdiv(n, block_n),)](
-        h, fn, scale, base, x, post, comb, x,
-        n, d, h.stride(0), x.stride(0), post.stride(0), comb.stride(0), comb.stride(1), 0, 0,
+        h, fn, scale, base, x, fn if post is None else post, fn if comb is None else comb, x,
+        n, d, h.stride(0), x.stride(0), *post_strides, 0, 0,
         n_iters, hc_eps, norm_eps,
         HC=hc, HCP=_hcp(hc), MODE=mode, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_D=block_d,
         DOT=_dot_kind(h, block_n), ROUND_BF16=interpreting() and h.dtype == torch.bfloat16,
@@ -344,8 +345,8 @@ def hc_head(
     n, hc, d = h.shape
     fn, scale, base = _mix_params(h, fn, scale, base, hc, 1)
     x = output_buffer(x_out, (n, d), h.dtype, h.device)
-    if n:  # post and comb are placeholders the head form never touches
-        _launch_mix(h, fn, scale, base, x, fn, fn.view(1, -1, 1), 1, hc_eps, norm_eps, MODE_HEAD, block_n or pick_block_n(n))
+    if n:
+        _launch_mix(h, fn, scale, base, x, None, None, 1, hc_eps, norm_eps, MODE_HEAD, block_n or pick_block_n(n))
     return x
 
 
@@ -374,6 +375,57 @@ def hc_post(
             n, d, h.stride(0), out.stride(0), post.stride(0), comb.stride(0), comb.stride(1),
             new.stride(0), new.stride(1), 1, 0.0, 0.0,
             HC=hc, HCP=_hcp(hc), MODE=MODE_POST, BLOCK_N=1, BLOCK_K=16, BLOCK_D=POST_BLOCK_D, DOT=DOT_NONE,
-            ROUND_BF16=interpreting() and h.dtype == torch.bfloat16, num_warps=NUM_WARPS,
+            ROUND_BF16=interpreting() and h.dtype == torch.bfloat16, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
         )  # fmt: skip
     return new
+
+
+_SIG = {
+    "h_ptr": "*bf16",
+    "fn_ptr": "*fp32",
+    "scale_ptr": "*fp32",
+    "base_ptr": "*fp32",
+    "x_ptr": "*bf16",
+    "post_ptr": "*fp32",
+    "comb_ptr": "*fp32",
+    "new_ptr": "*bf16",
+    **dict.fromkeys(("N", "D", "stride_hn", "stride_xn", "stride_pn", "stride_cn", "stride_cj"), "i32"),
+    **dict.fromkeys(("stride_yn", "stride_yk", "n_iters"), "i32"),
+    "hc_eps": "fp32",
+    "norm_eps": "fp32",
+    **dict.fromkeys(("HC", "HCP", "MODE", "BLOCK_N", "BLOCK_K", "BLOCK_D", "DOT", "ROUND_BF16"), "constexpr"),
+}
+_ONE_ITER = {**_SIG, "n_iters": "constexpr"}  # the head and post pass n_iters = 1, which Triton makes a constant
+_REAL = {"HC": 4, "HCP": 4, "ROUND_BF16": False}  # DeepSeek-V4-Flash: hc_mult 4, D 4096, bf16 streams
+
+
+def _mix_config(mode: int, block_n: int) -> dict:
+    block_k, block_d = TILES[block_n]
+    dot = DOT_NONE if block_n == 1 else DOT_BF16X3
+    extra = {} if mode == MODE_PRE else {"n_iters": 1}
+    return {**_REAL, "MODE": mode, "BLOCK_N": block_n, "BLOCK_K": block_k, "BLOCK_D": block_d, "DOT": dot, **extra}
+
+
+# multiples of 16 at the real dims (registry.py): D = 4096, the stream rows 16384, x rows 4096, comb rows 16
+ALIGNED_INTS = ("D", "stride_hn", "stride_xn", "stride_cn", "stride_yn", "stride_yk")
+
+# (config name, signature, constexprs) for the CPU compile checks (tests/kernels/test_compile.py): every
+# tokens-per-program choice of pick_block_n for hc_pre and hc_head, and hc_post
+COMPILE_CONFIGS = (
+    *((f"pre_bn{bn}", _SIG, _mix_config(MODE_PRE, bn)) for bn in TILES),
+    *((f"head_bn{bn}", _ONE_ITER, _mix_config(MODE_HEAD, bn)) for bn in TILES),
+    (
+        "post",
+        _ONE_ITER,
+        {
+            **_REAL,
+            "MODE": MODE_POST,
+            "BLOCK_N": 1,
+            "BLOCK_K": 16,
+            "BLOCK_D": POST_BLOCK_D,
+            "DOT": DOT_NONE,
+            "n_iters": 1,
+        },
+    ),
+)
+LAUNCH_OPTIONS = {name: {"num_warps": NUM_WARPS, "num_stages": NUM_STAGES} for name, _, _ in COMPILE_CONFIGS}

@@ -96,6 +96,13 @@ KERNELS: tuple[KernelSpec, ...] = (
         test_module="tests/kernels/test_fp4_moe.py",
         compile_configs="dsv4_kernels.fp4_moe:COMPILE_CONFIGS",
     ),
+    KernelSpec(  # the FP4 MoE's route layout on the device (no host sync), one program
+        name="moe_align",
+        kernel="dsv4_kernels.moe_align:moe_align_kernel",
+        references=("dsv4_kernels.fp4_moe_ref:moe_align_ref",),
+        test_module="tests/kernels/test_fp4_moe.py",
+        compile_configs="dsv4_kernels.moe_align:COMPILE_CONFIGS",
+    ),
     KernelSpec(  # one kernel, two forms: decode (one token per request) and chunked prefill
         name="paged_sparse_attention",
         kernel="dsv4_kernels.sparse_attention:paged_sparse_attention_kernel",
@@ -123,6 +130,31 @@ KERNELS: tuple[KernelSpec, ...] = (
         references=("dsv4_kernels.head_logits_ref:head_logits_ref",),
         test_module="tests/kernels/test_head_logits.py",
         compile_configs="dsv4_kernels.head_logits:COMPILE_CONFIGS",
+    ),
+    KernelSpec(  # one kernel, three forms: hc_pre (mixes, norm, Sinkhorn, x), hc_head, hc_post
+        name="hc_mix",
+        kernel="dsv4_kernels.hc_mix:hc_mix_kernel",
+        references=(
+            "dsv4_kernels.hc_mix_ref:hc_pre_ref",
+            "dsv4_kernels.hc_mix_ref:hc_head_ref",
+            "dsv4_kernels.hc_mix_ref:hc_post_ref",
+        ),
+        test_module="tests/kernels/test_hc_mix.py",
+        compile_configs="dsv4_kernels.hc_mix:COMPILE_CONFIGS",
+    ),
+    KernelSpec(  # one kernel, six chains: RMSNorm / per-head RMS, RoPE, FP8 nope or Hadamard + FP4
+        name="token_rows",
+        kernel="dsv4_kernels.token_ops:token_rows_kernel",
+        references=(
+            "dsv4_kernels.token_ops_ref:rms_norm_ref",
+            "dsv4_kernels.token_ops_ref:q_head_norm_rope_ref",
+            "dsv4_kernels.token_ops_ref:kv_norm_rope_quant_ref",
+            "dsv4_kernels.token_ops_ref:rope_ref",
+            "dsv4_kernels.token_ops_ref:indexer_q_ref",
+            "dsv4_kernels.token_ops_ref:compressed_entry_ref",
+        ),
+        test_module="tests/kernels/test_token_ops.py",
+        compile_configs="dsv4_kernels.token_ops:COMPILE_CONFIGS",
     ),
 )
 

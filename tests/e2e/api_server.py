@@ -8,6 +8,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -65,3 +67,14 @@ class ServerProcess:
                 self.proc.wait()
         self._log.close()
         return self.proc.returncode
+
+
+@contextmanager
+def running_server(cache_dir: Path, log_path: Path, *args: str) -> Iterator[ServerProcess]:
+    """A healthy server for the block (a module fixture's body), stopped at its end."""
+    srv = ServerProcess(cache_dir, log_path, *args)
+    try:
+        srv.wait_healthy()
+        yield srv
+    finally:
+        srv.stop()

@@ -40,6 +40,8 @@ def launch_for(model_dir: Path, **overrides) -> WorkerLaunch:
         max_model_len=Sourced(4096, "model-rule"),
         max_prefill_length=Sourced(None),
         num_tokens=Sourced(None),
+        # the engine tests compare tokens with the model run alone, and requests with each other: bitwise
+        batch_invariant=Sourced(True, "cli"),
     )
     given = {
         k: v if k in ("device", "model_path", "log_level") or isinstance(v, Sourced) else Sourced(v, "cli")

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from .api_server import ServerProcess
+from .api_server import running_server
 
 MAX_MODEL_LEN = 2048
 HELLO = [{"role": "user", "content": "Hello!"}]
@@ -27,19 +27,9 @@ TOOLS = [
 
 @pytest.fixture(scope="module")
 def server(tiny_cache, tmp_path_factory):
-    srv = ServerProcess(
-        tiny_cache,
-        tmp_path_factory.mktemp("api") / "server.log",
-        "--max-model-len",
-        str(MAX_MODEL_LEN),
-        "--max-num-seqs",
-        "4",
-    )
-    try:
-        srv.wait_healthy()
+    log = tmp_path_factory.mktemp("api") / "server.log"
+    with running_server(tiny_cache, log, "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "4") as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")

@@ -172,7 +172,7 @@ def test_full_queue_answers_503(loop_thread, tiny_dir):
 
 
 def test_offloaded_experts_through_a_small_slot_cache_give_the_same_tokens(loop_thread, tiny_dir, reference_tokens):
-    # 3 device slots for 8 routed experts per layer: experts are evicted and copied in all the time
+    # 3 device slots for 8 routed experts per layer: most experts are read from the host bank
     client = start_client(loop_thread, launch_for(tiny_dir, moe_cache_size=3))
     try:
         tokens, _ = loop_thread.run(collect(client, "offload", PROMPT, greedy(8)))
@@ -180,9 +180,10 @@ def test_offloaded_experts_through_a_small_slot_cache_give_the_same_tokens(loop_
         assert client.ready_info.expert_slots == 3 and client.ready_info.expert_bank
         time.sleep(1.5)  # the next Stats message carries the cache's counters
         stats = client.stats
-        # 3 slots cycling through 5 layers' experts: every lookup misses and is copied in (and counted)
-        assert stats.expert_cache_queries_total == stats.expert_cache_stalls_total > 0
-        assert stats.expert_cache_h2d_bytes_total > 0
+        # 3 slots for 5 layers' experts: most uses read the bank; the hottest experts are promoted into
+        # the slots between steps (experts/slot_cache.py), each promotion a counted copy
+        assert stats.expert_cache_queries_total > stats.expert_cache_hits_total
+        assert stats.expert_cache_prefetches_total > 0 and stats.expert_cache_h2d_bytes_total > 0
     finally:
         loop_thread.run(client.shutdown())
 

@@ -17,7 +17,10 @@ What triton 3.7.1 emits (asserted below):
 - fp4_moe_gemm: weights are dequantized to bf16 in registers (no FP4 MMA on sm_90) and the tile is
   computed transposed (out^T = W @ A^T), so the weight rows fill the MMA's M side: sm_90 uses
   `wgmma ... bf16` for every block (m64n16k16 for 16-slot decode blocks, m64n64k16 for prefill);
-  sm_120 uses `mma.sync ... bf16`.
+  sm_120 uses `mma.sync ... bf16`; the same with the expert-slot cache's second source (`*_slots`).
+- moe_align (the routes' layout, one program): no matrix instruction.
+- hc_mix: one token a program (decode) and hc_post use no matrix instruction; 16-token blocks take
+  `mma.sync ... bf16` on both arches, 64-token blocks `wgmma ... m64n32k16 ... bf16` on sm_90.
 """
 
 from __future__ import annotations
@@ -26,6 +29,10 @@ import pytest
 
 from dsv4_kernels.build_report import build_all, launched_builds, table
 
+HC_MMA_SYNC = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"  # hc_mix
+# token_rows (the per-token chains): the builds that rotate, and the two plain RMSNorms
+TOKEN_ROPE = ("q_head_norm_rope", "kv_norm_rope_fp8", "rope_inverse", "indexer_q_fp4", "entry_kv_fp8",
+              "entry_index_fp4")  # fmt: skip
 # (kernel, config, arch) -> a substring one of the PTX's matrix instructions must contain
 EXPECTED = {
     ("fp8_gemm", "prefill", 90): "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3",
@@ -65,6 +72,20 @@ EXPECTED = {
     ("compressor_pool", "csa_indexer", 120): "",
     ("compressor_pool", "hca", 90): "",
     ("compressor_pool", "hca", 120): "",
+    # the MoE route layout: one-hot sums and cumsums, no matrix product
+    ("moe_align", "decode", 90): "",
+    ("moe_align", "decode", 120): "",
+    ("moe_align", "prefill", 90): "",
+    ("moe_align", "prefill", 120): "",
+    # mHC: one token a program sums on the FMA units ("" = no matrix instruction), as does hc_post; 16- and
+    # 64-token blocks put [tokens, K] x [K, 32 mixes] on the tensor cores as three bf16 products
+    **{("hc_mix", f"{form}_bn1", sm): "" for form in ("pre", "head") for sm in (90, 120)},
+    **{("hc_mix", "post", sm): "" for sm in (90, 120)},
+    **{("hc_mix", f"{form}_bn16", sm): HC_MMA_SYNC for form in ("pre", "head") for sm in (90, 120)},
+    **{("hc_mix", f"{form}_bn64", 90): "wgmma.mma_async.sync.aligned.m64n32k16.f32" for form in ("pre", "head")},
+    **{("hc_mix", f"{form}_bn64", 120): HC_MMA_SYNC for form in ("pre", "head")},
+    # the per-token chains (norms, RoPE, FP8 / Hadamard + FP4 quantize-dequantize): elementwise, no matrix product
+    **{("token_rows", c, sm): "" for c in ("rms_norm_4096", "rms_norm_1024", *TOKEN_ROPE) for sm in (90, 120)},
 }
 
 # local-memory stack bytes (register spills) each launched build may have, as measured with triton 3.7.1;
@@ -77,10 +98,13 @@ STACK_BUDGET = {
     ("paged_sparse_attention", "prefill_csa_bn32", 90): 64,
     ("paged_sparse_attention", "decode_csa_bn16", 120): 16,
     ("paged_sparse_attention", "prefill_csa_bn16", 120): 48,
+    # not a spill: libdevice's cosf / sinf keep their Payne-Hanek reduction words in a 28-byte local array
+    # (a bare tl.cos kernel has it too), touched only for angles beyond ~1e5 rad (positions past ~100K)
+    **{("token_rows", config, sm): 32 for config in TOKEN_ROPE for sm in (90, 120)},
 }
 
 # rough cold build seconds on the 2-core CI machine, only to balance the two child processes
-BUILD_SECONDS = {("fp4_moe_gemm", "gate_up_prefill", 120): 18, ("fp4_moe_gemm", "down_prefill", 120): 6}
+BUILD_SECONDS = {("fp4_moe_gemm", "gate_up_prefill_bk32", 120): 18, ("fp4_moe_gemm", "down_prefill", 120): 6}
 
 
 @pytest.fixture(scope="module")

@@ -92,7 +92,9 @@ def _x_bound(h: torch.Tensor, pre: torch.Tensor, dpre: torch.Tensor) -> torch.Te
 def _assert_within(name: str, got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor) -> None:
     err = (got.double() - want.double()).abs()
     assert not torch.isnan(got).any(), f"{name}: NaN (an element left unwritten?)"
-    assert bool((err <= bound).all()), f"{name}: max err {err.max().item():.3g}, bound there {bound.flatten()[err.argmax()]:.3g}"
+    assert bool((err <= bound).all()), (
+        f"{name}: max err {err.max().item():.3g}, bound there {bound.flatten()[err.argmax()]:.3g}"
+    )
 
 
 def _run_pre(h, fn, scale, base, hc_eps, norm_eps, block_n):

@@ -5,8 +5,9 @@ steps, in the numerics the engine uses (NUMERICS_ON: FP8 activations, FP8 KV, FP
 between fp32 islands).
 
 Per kernel (a failure names the kernel and the layer): the scenario runs on the torch path while
-every attention and MoE call is run a second time with that kernel on Triton, on the same input and
-a copy of the layer's pool; each layer's output and pool must agree within LAYER_TOL. Comparing layer
+every attention, MoE and mHC call (hc_pre, hc_post, hc_head) is run a second time with that kernel on
+Triton, on the same input and a copy of the layer's pool; each layer's output and pool must agree
+within LAYER_TOL (the mHC calls by output, over all layers). Comparing layer
 by layer is what makes a tight bound possible: the kernels sum in tile order where the reference
 sums per token or in fp64, so a result may differ by one bf16 ulp; in a whole forward such an ulp
 can flip an FP8 activation rounding (2^-4 relative) or an FP4 indexer score and with it a top-k
@@ -31,6 +32,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from dsv4serve.checkpoint.loader import load_dense_state_dict
+from dsv4serve.model import transformer as transformer_module
 from dsv4serve.model.attention import Attention
 from dsv4serve.model.backends import KernelBackends, default_backends, kernel_names, parse_backends
 from dsv4serve.model.kv_pool import CompressedCache, KvPool, LayerCache
@@ -50,6 +52,7 @@ LAYER_TOL = 2.0**-6  # relative to the largest magnitude of the compared tensor:
 MIN_GREEDY_AGREEMENT = 0.8
 MAX_MEAN_LOGIT_GAP = 0.1  # relative to the mean |logit|
 MIN_POOL_EQUAL = 0.7  # a broken layer 0 leaves only never-written zeros and layer 0 equal (~30%)
+HC_OUTPUTS = {"hc_pre": ("x", "post", "comb"), "hc_post": ("new",), "hc_head": ("x",)}
 
 
 @pytest.fixture(scope="module")
@@ -139,10 +142,10 @@ def _shadowed_run(model: Transformer, backends: KernelBackends) -> dict[str, flo
     def note(key: str, gap: float) -> None:
         gaps[key] = max(gaps.get(key, 0.0), gap)
 
-    def attention(self, x, positions, spans, layout, cache, ref_num):
+    def attention(self, x, layout, cache, ref_num):
         twin = _twin(cache)
-        want = attn_forward(self, x, positions, spans, layout, cache, ref_num)
-        got = attn_forward(self, x, positions, spans, layout, twin, num)
+        want = attn_forward(self, x, layout, cache, ref_num)
+        got = attn_forward(self, x, layout, twin, num)
         note(f"attention out, layer {self.layer_id}", _gap(got, want))
         for g, w in zip(twin.tensors(), cache.tensors()):
             note(f"attention pool, layer {self.layer_id}", _gap(g, w))
@@ -153,14 +156,31 @@ def _shadowed_run(model: Transformer, backends: KernelBackends) -> dict[str, flo
         note(f"moe out, layer {self.layer_id}", _gap(moe_forward(self, x, token_ids, num), want))
         return want
 
+    def hc(name: str):  # the mHC functions as Block.forward and Transformer.logits call them: numerics last
+        real = getattr(transformer_module, name)
+
+        def shadow(*args):
+            want = real(*args)
+            got = real(*args[:-1], num)
+            for part, g, w in zip(HC_OUTPUTS[name], _tuple(got), _tuple(want)):
+                note(f"{name} {part}", _gap(g, w))
+            return want
+
+        return patch.object(transformer_module, name, shadow)
+
     with patch.object(Attention, "forward", attention), patch.object(MoE, "forward", moe):
-        _run(model, NUMERICS_ON)
+        with hc("hc_pre"), hc("hc_post"), hc("hc_head"):
+            _run(model, NUMERICS_ON)
     return gaps
+
+
+def _tuple(result) -> tuple:
+    return result if isinstance(result, tuple) else (result,)
 
 
 def _check_layers(model: Transformer, backends: KernelBackends) -> None:
     gaps = _shadowed_run(model, backends)
-    assert len(gaps) == 3 * model.args.n_layers
+    assert len(gaps) == 3 * model.args.n_layers + sum(map(len, HC_OUTPUTS.values()))
     bad = {key: gap for key, gap in gaps.items() if gap > LAYER_TOL}
     assert not bad, f"gaps above {LAYER_TOL}: {bad}"
 

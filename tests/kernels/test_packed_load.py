@@ -12,14 +12,17 @@ import dataclasses
 import pytest
 import torch
 
+from dsv4_kernels.fp4_moe_ref import down_ref, gate_up_ref
+from dsv4_kernels.fp8_gemm_ref import act_quant_fp8_ref
 from dsv4serve.checkpoint.loader import iter_dense, open_checkpoint
-from dsv4serve.memory.weights import weight_bytes
+from dsv4serve.experts.attach import attach_expert_cache, iter_resident_dense
+from dsv4serve.experts.slot_cache import PART_ORDER, ExpertSlotCache
+from dsv4serve.memory.weights import device_bytes, held_bf16, weight_bytes
 from dsv4serve.model.args import read_model_args
 from dsv4serve.model.backends import TORCH, KernelBackends
 from dsv4serve.model.layers import Linear
 from dsv4serve.model.moe import MoE
-from dsv4serve.model.numerics import NUMERICS_ON
-from dsv4serve.memory.weights import device_bytes, held_bf16
+from dsv4serve.model.numerics import NUMERICS_ON, act_quant
 from dsv4serve.model.packed_load import load_packed
 from dsv4serve.model.schema import checkpoint_schema
 from dsv4serve.model.transformer import BatchRow, Transformer
@@ -133,14 +136,62 @@ def test_embedding_wo_a_and_head_are_held_in_bf16_exactly(ckpt):
             assert t.dtype != torch.bfloat16, name
 
 
-def test_expert_slots_go_through_the_slot_cache(ckpt, dense):
-    """Experts offloaded behind 3 slots run the torch expert path (bitwise the resident torch path,
-    tests/model/test_expert_offload.py); FP8 projections still packed on the kernel."""
-    model, cache = load_packed(ckpt, FP8_ONLY, CPU, include_mtp=True, expert_cache_slots=3, progress=False)
+@pytest.mark.parametrize("backends", [FP8_ONLY, MIXED], ids=["torch_experts", "triton_experts"])
+def test_expert_slots_go_through_the_slot_cache(ckpt, dense, backends):
+    """Experts offloaded behind 3 slots (most reads from the host bank): on torch bitwise the resident
+    torch path (tests/model/test_expert_offload.py), on Triton bitwise the resident kernel path (the same
+    kernel reads each expert from a slot or the bank: the same bytes in the same order)."""
+    model, cache = load_packed(ckpt, backends, CPU, include_mtp=True, expert_cache_slots=3, progress=False)
     assert cache is not None and cache.n_slots == 3
-    assert torch.equal(_logits(model, FP8_ONLY), _logits(dense, FP8_ONLY))
-    estimate = device_bytes(ckpt.specs, ckpt.args, FP8_ONLY, include_mtp=True, experts_resident=False)
+    assert torch.equal(_logits(model, backends), _logits(dense, backends))
+    cache.collect_usage()
+    assert 0 < cache.stats.hits < cache.stats.queries and cache.stats.staged_layers == 0
+    estimate = device_bytes(ckpt.specs, ckpt.args, backends, include_mtp=True, experts_resident=False)
     assert estimate.routed_expert_bytes == 0 and _nbytes(model) == estimate.total_bytes
+
+
+def _offloaded(ckpt, slots: int, ram_layers: int) -> tuple[Transformer, ExpertSlotCache]:
+    """The dense loader's model with its experts behind `slots` slots and only `ram_layers` layers of
+    them in RAM: the rest stays in the mapped shards, which the kernel reads through the staging area."""
+    layer_bytes = sum(s.nbytes for s in ckpt.specs if s.group == "routed_experts" and s.layer == 0)
+    model = Transformer(ckpt.args, include_mtp=True).eval()
+    cache = attach_expert_cache(model, ckpt, slots, CPU, ram_bytes=ram_layers * layer_bytes, progress=False)
+    model.load_state_dict(dict(iter_resident_dense(ckpt, progress=False)), strict=True)
+    model.use_kernels(MIXED)
+    return model, cache
+
+
+def test_mapped_expert_layers_are_staged_for_the_kernel(ckpt, dense):
+    model, cache = _offloaded(ckpt, 12, ram_layers=2)
+    assert len(cache.bank.mapped) == ckpt.args.n_layers + ckpt.args.n_mtp_layers - 2
+    assert torch.equal(_logits(model, MIXED), _logits(dense, MIXED))
+    s = cache.stats
+    assert s.staged_layers == 2 * (ckpt.args.n_layers - 2)  # 2 steps x the main layers in the shards
+    assert s.stalls >= s.staged_layers and s.staged_bytes > 0
+
+
+def test_triton_and_torch_slot_cache_paths_agree_per_layer(ckpt):
+    """Each MoE layer's routed sum, on its prefill input, by the kernel (slots + bank) and by the torch
+    slot-cache path, within the kernel's stated tolerance (tests/kernels/test_fp4_moe.py): 2^-6 of the
+    routes' summed magnitudes (per the reference on the layer's stacked bank experts) + 2^-8 relative."""
+    model, cache = _offloaded(ckpt, 3, ram_layers=ckpt.args.n_layers + ckpt.args.n_mtp_layers)
+    inputs = {}
+    for block in model.layers:
+        block.ffn.register_forward_pre_hook(lambda m, args: inputs.setdefault(m.layer_id, args))
+    _logits(model, MIXED)
+    num = dataclasses.replace(NUMERICS_ON, backends=MIXED)
+    for layer, (x, token_ids, _) in inputs.items():
+        moe = model.layers[layer].ffn
+        weights, ids = moe.gate(x, token_ids, num)
+        kernel = moe._routed_kernel(x, weights, ids)
+        torch_path = moe._routed_torch(act_quant(x, num), weights, ids, num)
+        w = [cache.bank.layers[layer][p] for p in PART_ORDER]
+        limit = moe.swiglu_limit
+        per_route = down_ref(
+            *act_quant_fp8_ref(gate_up_ref(*act_quant_fp8_ref(x), *w[:4], weights, ids, limit)), *w[4:], ids
+        )
+        bound = 2.0**-6 * per_route.float().abs().view(*ids.shape, -1).sum(1) + 2.0**-8 * torch_path.abs()
+        assert bool(((kernel - torch_path).abs() <= bound).all()), layer
 
 
 def test_real_checkpoint_device_bytes(real_model_dir):

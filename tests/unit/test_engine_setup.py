@@ -134,14 +134,20 @@ def test_auto_expert_slots_on_cuda_are_the_memory_plan_s(real_model_dir, monkeyp
     assert slots == json.loads(plan.stdout)["memory_plan"]["experts"]["slots"] and "expert-slot cache" in why
 
 
-def test_numerics_on_cuda_are_not_batch_invariant_and_a_bf16_checkpoint_keeps_fp8_kernels_off(monkeypatch):
+def test_batch_invariance_is_opt_in_and_a_bf16_checkpoint_keeps_fp8_kernels_off(monkeypatch):
     import dataclasses
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     cuda = torch.device("cuda")
     assert (
-        not worker_numerics(ARGS, "auto", cuda).batch_invariant and worker_numerics(ARGS, "auto", CPU).batch_invariant
+        not worker_numerics(ARGS, "auto", cuda).batch_invariant
+        and not worker_numerics(ARGS, "auto", CPU).batch_invariant
     )
+    # --batch-invariant: the torch reference path everywhere (the Triton kernels sum in tile order)
+    inv = worker_numerics(ARGS, "auto", cuda, batch_invariant=True)
+    assert inv.batch_invariant and inv.backends == KernelBackends.every("torch")
+    with pytest.raises(StartupError, match="--batch-invariant with --kernels attention=triton"):
+        worker_numerics(ARGS, "attention=triton", cuda, batch_invariant=True)
     bf16 = dataclasses.replace(ARGS, dtype="bf16")
     auto = worker_numerics(bf16, "auto", cuda)
     assert auto.backends.fp8_gemm == auto.backends.fp4_moe == "torch" and auto.backends.attention == "triton"

@@ -1,5 +1,7 @@
-"""The expert-slot cache on CPU: real slot mapping, LRU eviction, prefetch rules and counted copies,
-checked against hand-worked access sequences on a small synthetic bank."""
+"""The expert-slot cache on CPU: the promotion policy, the slot map and the slots' bytes, the lagged
+usage counts and the stats, and the staging path, checked against hand-worked step sequences on a
+small synthetic bank (3 layers x 8 experts, 4 slots). On the CPU every transfer is synchronous, so a
+step's usage is seen at the next step boundary."""
 
 from __future__ import annotations
 
@@ -7,80 +9,159 @@ import torch
 
 from dsv4serve.experts.bank import BankReport, ExpertBank
 from dsv4serve.experts.pinning import PinBudget
-from dsv4serve.experts.slot_cache import ExpertSlotCache
+from dsv4serve.experts.residency import Promotion, PromotionPolicy, decayed, initial_keys, plan_promotions
+from dsv4serve.experts.slot_cache import PART_ORDER, ExpertSlotCache
 
 N_EXPERTS, LAYERS = 8, (0, 1, 2)
 SHAPES = {"w1": (4, 16), "w1_scale": (4, 1), "w3": (4, 16), "w3_scale": (4, 1), "w2": (32, 2), "w2_scale": (32, 1)}
 EXPERT_BYTES = sum(a * b for a, b in SHAPES.values())
+CPU = torch.device("cpu")
 
 
-def make_bank() -> ExpertBank:
+class ShardReader:
+    """Stands in for the checkpoint's SafetensorsFolder: `read(name)` of a mapped expert's part."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.tensors, self.reads = tensors, 0
+
+    def read(self, name: str) -> torch.Tensor:
+        self.reads += 1
+        return self.tensors[name]
+
+
+def make_bank(mapped_layers: tuple[int, ...] = ()) -> ExpertBank:
     g = torch.Generator().manual_seed(0)
-    layers = {
+    full = {
         layer: {p: torch.randint(0, 255, (N_EXPERTS, *s), generator=g, dtype=torch.uint8) for p, s in SHAPES.items()}
         for layer in LAYERS
     }
+    names = {layer: {(e, p): f"{layer}.{e}.{p}" for e in range(N_EXPERTS) for p in SHAPES} for layer in mapped_layers}
+    reader = ShardReader({n: full[layer][p][e] for layer in mapped_layers for (e, p), n in names[layer].items()})
+    ram = {layer: parts for layer, parts in full.items() if layer not in mapped_layers}
     total = EXPERT_BYTES * N_EXPERTS * len(LAYERS)
+    mapped_bytes = EXPERT_BYTES * N_EXPERTS * len(mapped_layers)
     shapes = {p: (s, torch.uint8) for p, s in SHAPES.items()}
-    report = BankReport(0, total, 0, PinBudget(0, "native", "test"))
-    return ExpertBank(layers, {}, None, shapes, N_EXPERTS, EXPERT_BYTES, report)
+    report = BankReport(0, total - mapped_bytes, mapped_bytes, PinBudget(0, "native", "test"))
+    bank = ExpertBank(ram, names, reader if mapped_layers else None, shapes, N_EXPERTS, EXPERT_BYTES, report)
+    object.__setattr__(bank, "full", full)  # the test's own copy of every expert (frozen dataclass)
+    return bank
 
 
-class HashGate:
-    def __init__(self, table: list[list[int]]):
-        self.tid2eid = torch.tensor(table)
+def key(layer: int, expert: int) -> int:
+    return layer * N_EXPERTS + expert
 
 
-def use(cache: ExpertSlotCache, layer: int, experts: list[int], n_tokens: int = 1) -> list[int]:
-    """Run a layer through the cache; return the order the experts were lent in, checking each slot."""
-    order = []
-    for e, parts in cache.layer_experts(layer, experts, torch.zeros(n_tokens, dtype=torch.long)):
-        for p, t in parts.items():
-            assert torch.equal(t, cache.bank.layers[layer][p][e])  # the slot holds this expert's bytes
-        order.append(e)
-    return order
+def step(cache: ExpertSlotCache, uses: dict[int, list[int]]) -> None:
+    """One step through the torch path: each layer (in order) routes to `uses[layer]`; checks every lent
+    expert's bytes."""
+    for layer in LAYERS:
+        for e, parts in cache.layer_experts(layer, uses.get(layer, [])):
+            for p, t in parts.items():
+                assert torch.equal(t, cache.bank.full[layer][p][e])
 
 
-def test_lru_mapping_hits_and_counted_copies():
-    cache = ExpertSlotCache(make_bank(), 3, torch.device("cpu"))
-    use(cache, 0, [1, 2])
-    use(cache, 1, [5])
-    assert list(cache.resident) == [(0, 1), (0, 2), (1, 5)]
-    assert use(cache, 0, [2, 7]) == [2, 7]  # (0, 2) hits; (0, 7) evicts the oldest, (0, 1)
-    assert list(cache.resident) == [(1, 5), (0, 2), (0, 7)]
-    assert use(cache, 2, [3, 5]) == [3, 5]  # evicts (1, 5), then (0, 2)
-    assert list(cache.resident) == [(0, 7), (2, 3), (2, 5)]
+def assert_consistent(cache: ExpertSlotCache) -> None:
+    """Every slot holds its expert's bytes and the device map says where each resident expert is."""
+    slot_map = torch.full((len(LAYERS), N_EXPERTS), -1, dtype=torch.int32)
+    for (layer, e), slot in cache.resident.items():
+        slot_map[layer, e] = slot
+        for p, t in cache.slots.items():
+            assert torch.equal(t[slot], cache.bank.full[layer][p][e])
+    assert torch.equal(cache.slot_of_expert, slot_map)
+
+
+def test_plan_promotions_fills_free_slots_then_replaces_by_margin_within_the_budget():
+    policy = PromotionPolicy(decay=0.5, margin=0.5, max_per_step=3)
+    scores = torch.tensor([0.0, 2.0, 0.2, 1.0, 1.0, 0.9, 3.0, 0.0], dtype=torch.float64)
+    slot_keys = torch.tensor([2, -1, 5, 0], dtype=torch.int64)  # slot 1 free
+    # outside: 6 (3.0), 1 (2.0), 3 and 4 (1.0: the lower key first); victims by score: slot 3 (key 0:
+    # 0.0), slot 0 (key 2: 0.2), slot 2 (key 5: 0.9); budget 3
+    assert plan_promotions(scores, slot_keys, policy) == [
+        Promotion(1, 6, -1),
+        Promotion(3, 1, 0),
+        Promotion(0, 3, 2),  # 1.0 > 0.2 + 0.5
+    ]
+    wide = PromotionPolicy(decay=0.5, margin=0.5, max_per_step=8)
+    assert plan_promotions(scores, slot_keys, wide)[3:] == []  # key 4 (1.0) vs key 5 (0.9): within margin
+    assert plan_promotions(torch.zeros(8, dtype=torch.float64), slot_keys, wide) == []
+    assert torch.equal(decayed(scores, torch.ones(8), policy), scores * 0.5 + 1)
+
+
+def test_initial_fill_gives_every_layer_an_equal_share():
+    assert initial_keys(4, 3, 8) == [key(0, 0), key(1, 0), key(2, 0), key(0, 1)]
+    assert initial_keys(30, 3, 8) == initial_keys(24, 3, 8) and len(set(initial_keys(24, 3, 8))) == 24
+    cache = ExpertSlotCache(make_bank(), 4, CPU)
+    assert cache.resident == {(0, 0): 0, (1, 0): 1, (2, 0): 2, (0, 1): 3}
+    assert_consistent(cache)
+    assert cache.stats.h2d_bytes == 0  # the fill at load is not counted
+
+
+def test_lagged_usage_promotes_at_the_next_boundary_with_counted_copies():
+    cache = ExpertSlotCache(make_bank(), 4, CPU)
+    step(cache, {0: [1, 5], 1: [5], 2: [3]})  # boundary at layer 0 first: nothing known yet
+    assert cache.stats.prefetches == 0
+    step(cache, {0: [5, 6]})
+    # the boundary saw step 1: uses (0,1) (0,5) (1,5) (2,3), one hit ((0,1)); all three misses score 1.0
+    # and replace the idle initial experts of slots 0, 1, 2 (score 0 + margin 0.5 < 1.0)
+    assert cache.resident == {(0, 5): 0, (1, 5): 1, (2, 3): 2, (0, 1): 3}
+    assert_consistent(cache)
     s = cache.stats
-    assert (s.queries, s.hits, s.evictions, s.prefetches) == (7, 1, 3, 0)
-    assert s.h2d_bytes == 6 * EXPERT_BYTES and s.stalls == 6  # CPU: every miss is served synchronously
+    assert (s.queries, s.hits, s.prefetches, s.evictions, s.stalls) == (4, 1, 3, 3, 1)
+    assert s.h2d_bytes == 3 * EXPERT_BYTES
+    step(cache, {})
+    # step 2: (0,5) hit, (0,6) missed with 1.0; every resident decayed to 0.8 ((0,5): 1.8): 1.0 < 0.8 + 0.5
+    assert (s.queries, s.hits, s.prefetches, s.stalls) == (6, 2, 3, 1)
+    assert cache.resident[(0, 5)] == 0 and (0, 6) not in cache.resident
 
 
-def test_resident_experts_are_lent_first_and_more_experts_than_slots_still_run():
-    cache = ExpertSlotCache(make_bank(), 3, torch.device("cpu"))
-    use(cache, 0, [6])
-    assert use(cache, 0, [0, 3, 6, 7, 4]) == [6, 0, 3, 4, 7]
-    assert cache.stats.hits == 1 and cache.stats.h2d_bytes == 5 * EXPERT_BYTES
+def test_the_budget_defers_promotions_to_later_boundaries():
+    cache = ExpertSlotCache(make_bank(), 4, CPU, policy=PromotionPolicy(max_per_step=2))
+    step(cache, {0: [5], 1: [5], 2: [3]})
+    step(cache, {})
+    assert set(cache.resident) == {(0, 5), (1, 5), (2, 0), (0, 1)}  # two copies this boundary
+    step(cache, {})
+    assert set(cache.resident) == {(0, 5), (1, 5), (2, 3), (0, 1)}  # (2,3) at 0.8 beats (2,0) at 0
+    assert cache.stats.prefetches == 3 and cache.stats.stalls == 2
+    assert_consistent(cache)
 
 
-def test_prefill_prefetches_the_next_hash_layer_into_spare_slots_only():
-    gate = HashGate([[4, 5], [5, 6], [6, 7]])  # token t -> experts of layer 1
-    cache = ExpertSlotCache(make_bank(), 4, torch.device("cpu"), next_layer={0: 1, 1: 2}, hash_routers={1: gate})
-    use(cache, 0, [0, 1])
-    order = [e for e, _ in cache.layer_experts(0, [0, 1], torch.tensor([0, 1, 2]))]
-    assert order == [0, 1] and cache.stats.prefetches == 2  # 4 slots - 2 needed = 2 spare: experts 4, 5
-    assert set(cache.resident) == {(0, 0), (0, 1), (1, 4), (1, 5)}
-    before = cache.stats.h2d_bytes
-    assert use(cache, 1, [4, 5]) == [4, 5] and cache.stats.h2d_bytes == before  # both hits, no copy
-
-
-def test_a_prefetch_never_evicts_what_the_current_layer_needs():
-    cache = ExpertSlotCache(make_bank(), 3, torch.device("cpu"), next_layer={0: 1})
-    use(cache, 1, [1, 2, 3])  # remembered as layer 1's last set, then evicted below
-    use(cache, 0, [5, 6, 7])
-    assert set(cache.resident) == {(0, 5), (0, 6), (0, 7)}
-    use(cache, 0, [5, 6], n_tokens=8)  # one spare slot: one prefetch, into (0, 7)'s slot
-    assert set(cache.resident) == {(0, 5), (0, 6), (1, 1)} and cache.stats.prefetches == 1
-    use(cache, 0, [5, 6, 7], n_tokens=8)  # no spare slot: no prefetch
+def test_an_explicit_step_boundary_is_not_repeated_by_the_first_layer():
+    cache = ExpertSlotCache(make_bank(), 4, CPU, policy=PromotionPolicy(max_per_step=1))
+    step(cache, {1: [5, 6]})
+    cache.begin_step()  # promotes one of the two (the budget)
     assert cache.stats.prefetches == 1
-    use(cache, 0, [5], n_tokens=1)  # decode: no prefetch
+    step(cache, {})  # its layer 0 runs no second boundary, which would promote the other
     assert cache.stats.prefetches == 1
+    step(cache, {})
+    assert cache.stats.prefetches == 2 and {(1, 5), (1, 6)} <= set(cache.resident)
+
+
+def test_kernel_sources_read_ram_layers_in_place_and_stage_mapped_ones():
+    bank = make_bank(mapped_layers=(2,))
+    cache = ExpertSlotCache(bank, 4, CPU)
+    ids0 = torch.tensor([[1, 3]])
+    src = cache.kernel_sources(0, ids0)
+    assert all(t is bank.layers[0][p] for t, p in zip(src.bank, PART_ORDER))  # read in place
+    assert src.slot_of_expert.tolist() == cache.slot_of_expert[0].tolist() and src.usage.shape == (N_EXPERTS + 1,)
+    assert cache.stats.stalls == 0
+    # layer 2 is in the shards: its routed experts outside the slots are staged; (2,0) is in slot 2
+    reads = bank.source.reads
+    staged = cache.kernel_sources(2, torch.tensor([[0, 4], [4, 7]]))
+    assert bank.source.reads - reads == 2 * len(SHAPES)  # experts 4 and 7, not 0
+    for e in (4, 7):
+        for t, p in zip(staged.bank, PART_ORDER):
+            assert torch.equal(t[e], bank.full[2][p][e])
+    assert cache.stats.staged_layers == 1 and cache.stats.stalls == 1
+    assert cache.stats.staged_bytes == 2 * EXPERT_BYTES
+    cache.kernel_sources(2, torch.tensor([[7, 5]]))  # 7 is staged already: only 5 is read
+    assert bank.source.reads - reads == 3 * len(SHAPES) and cache.stats.staged_layers == 2
+
+
+def test_the_kernel_usage_row_feeds_the_same_accounting():
+    """The FP4 path records uses by adding to `usage` on the device (moe_align); emulate those adds."""
+    cache = ExpertSlotCache(make_bank(), 4, CPU)
+    src = cache.kernel_sources(0, torch.tensor([[0, 6]]))
+    src.usage[[0, 6]] += 1
+    src.usage[-1] += 1  # (0,0) is in slot 0: one hit
+    cache.collect_usage()
+    assert (cache.stats.queries, cache.stats.hits) == (2, 1)

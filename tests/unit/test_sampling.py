@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
+from dsv4serve.ipc.sampling import SamplingParams, StructuredOutput
 from dsv4serve.worker.sampling import SamplingRow, apply_penalties, make_generator, sample
-from dsv4serve.ipc.sampling import SamplingParams
 
 NUM_DRAWS = 20_000  # rows per distribution check; one sample() call draws them all at once
 
@@ -291,6 +291,9 @@ def test_params_cross_the_process_boundary_unchanged() -> None:
         min_tokens=1,
         max_tokens=8,
         logprobs=5,
+        logit_bias=((3, -1.5), (7, 100.0)),
+        allowed_token_ids=(3, 7, 9),
+        structured=StructuredOutput("json_schema", '{"type": "object"}', after_token=4),
     )
     codec = Codec(ToWorker)
     back = codec.decode(codec.encode(AddRequest("r", [1, 2], params)))
@@ -331,6 +334,12 @@ def test_defaults_are_valid() -> None:
         ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
         ({"logprobs": 21}, "logprobs"),
         ({"logprobs": -1}, "logprobs"),
+        ({"logit_bias": ((1, 100.5),)}, "logit_bias"),
+        ({"logit_bias": ((1, float("nan")),)}, "logit_bias"),
+        ({"logit_bias": ((-1, 1.0),)}, "logit_bias"),
+        ({"allowed_token_ids": ()}, "allowed_token_ids"),
+        ({"allowed_token_ids": (1, -2)}, "allowed_token_ids"),
+        ({"structured": StructuredOutput("regex", "a+")}, "structured"),
     ],
 )
 def test_validate_names_the_bad_field(kwargs: dict, field: str) -> None:
@@ -341,6 +350,59 @@ def test_validate_names_the_bad_field(kwargs: dict, field: str) -> None:
 def test_validate_bounds_stop_token_ids_by_the_vocabulary() -> None:
     with pytest.raises(ValueError, match="stop_token_ids"):
         SamplingParams(stop_token_ids=(3,)).validate(vocab_size=3)
+
+
+@pytest.mark.parametrize("field", ["logit_bias", "allowed_token_ids"])
+def test_validate_bounds_token_limits_by_the_vocabulary(field: str) -> None:
+    """Issue #20: ids beyond the vocabulary were accepted with a 200."""
+    value = ((199_999, 1.0),) if field == "logit_bias" else (1, 199_999)
+    with pytest.raises(ValueError, match=rf"{field} must hold token ids in \[0, 129280\), got 199999"):
+        SamplingParams(**{field: value}).validate(vocab_size=129_280)
+
+
+def test_seed_error_reads_as_one_sentence() -> None:
+    with pytest.raises(ValueError) as err:
+        SamplingParams(seed=2**80).validate()
+    assert str(err.value).startswith("seed must be an integer in [-9223372036854775808, 9223372036854775807], got")
+
+
+def test_logit_bias_shifts_the_distribution_by_exp_bias() -> None:
+    """A bias b multiplies a token's probability weight by e^b (then renormalised), before temperature."""
+    logits = [0.0, 1.0, -0.5, 0.2]
+    bias = math.log(3.0)
+    params = SamplingParams(temperature=1.0, logit_bias=((2, bias), (0, -100.0)))
+    expected = _softmax([logits[0] - 100.0, logits[1], logits[2] + bias, logits[3]])
+    _assert_frequencies(_draw_many(logits, params), expected)
+
+
+def test_allowed_token_ids_restrict_sampling_and_greedy() -> None:
+    logits = [3.0, 1.0, 0.5, 0.0, -1.0]
+    allowed = SamplingParams(temperature=1.0, allowed_token_ids=(1, 3))
+    p1, p3 = _softmax([logits[1], logits[3]])
+    _assert_frequencies(_draw_many(logits, allowed), [0.0, p1, 0.0, p3, 0.0])
+    greedy = SamplingParams(temperature=0.0, allowed_token_ids=(2, 4))
+    assert sample(torch.tensor([logits]), _rows(greedy, 1)).token_ids.tolist() == [2]
+
+
+class _KeepOnly:
+    """A token mask that keeps one token per listed row (stands in for worker/grammar.TokenMask)."""
+
+    def __init__(self, keep: dict[int, int]):
+        self.keep = keep
+
+    def apply(self, logits: torch.Tensor) -> None:
+        for row, token in self.keep.items():
+            kept = logits[row, token].clone()
+            logits[row].fill_(float("-inf"))
+            logits[row, token] = kept
+
+
+def test_token_mask_applies_to_its_rows_only_and_keeps_raw_logprobs() -> None:
+    logits = torch.tensor([[4.0, 0.0, 1.0], [4.0, 0.0, 1.0]])
+    params = SamplingParams(temperature=0.0, logprobs=0)
+    out = sample(logits, _rows(params, 2), token_mask=_KeepOnly({1: 2}))
+    assert out.token_ids.tolist() == [0, 2]
+    assert math.isclose(float(out.logprobs[1]), float(torch.log_softmax(logits[1], -1)[2]), rel_tol=1e-6)
 
 
 def test_forced_tokens_win_from_the_start_or_after_their_trigger() -> None:

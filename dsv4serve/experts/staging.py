@@ -1,0 +1,68 @@
+"""The one path of the expert-slot cache that makes the host wait: a layer whose bank tensors the
+device cannot read in place.
+
+    staging = LayerStaging(bank, device)
+    parts = staging.layer_parts(layer, ids, in_slot)   # six [E, ...] tensors for the FP4 kernel's bank source
+
+The FP4 kernel reads an expert outside the slots from the layer's stacked [E, ...] bank tensors in
+place. That needs them in memory the device can address: on CUDA pinned host memory (the bank's
+pinned tier), on the CPU any RAM. A layer held pageable (CUDA) or left in the mapped checkpoint
+shards (both) is not: before its kernels run, the experts the step routes to must be staged into a
+one-layer staging area of that kind (pinned on CUDA; the bank reserves its pin budget, bank.py).
+Which experts those are only the device knows, so this path learns the layer's ids: a non-blocking
+copy to the host and a wait on its event (on the CPU a plain read), then copies each routed expert
+that is in no slot into the staging area on the host, and the kernels read the staging area as the
+layer's bank tensors. The wait also orders the host's overwrite of the area after every kernel queued
+before it (the previous staged layer's readers). The cache counts each use as a stall; a fully pinned
+bank never takes this path (on the CPU: a bank without mapped layers).
+
+The area remembers which (layer, expert)s it holds, so a layer staged twice in a row copies only
+what is new.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv4serve.experts.bank import ExpertBank
+
+
+class LayerStaging:
+    def __init__(self, bank: ExpertBank, device: torch.device):
+        self.bank, self.device = bank, device
+        self._cuda = device.type == "cuda"
+        self._parts: dict[str, torch.Tensor] | None = None  # part -> [E, ...], made on first use
+        self._layer: int | None = None
+        self._held: set[int] = set()  # experts of self._layer in the area
+        self.staged_bytes = 0  # host bytes copied into the area (stats)
+
+    def layer_parts(self, layer: int, ids: torch.Tensor, in_slot: torch.Tensor) -> dict[str, torch.Tensor]:
+        """ids [T, k] on the device, in_slot [E] bool on the host -> the staging area's [E, ...] parts
+        holding every routed expert of `layer` that is in no slot (host sync: module doc)."""
+        routed = self._routed(ids)
+        if self._parts is None:
+            self._parts = {
+                part: torch.empty((self.bank.n_experts, *shape), dtype=dtype, pin_memory=self._cuda)
+                for part, (shape, dtype) in self.bank.part_shapes.items()
+            }
+        if layer != self._layer:
+            self._layer, self._held = layer, set()
+        for e in routed:
+            if e in self._held or bool(in_slot[e]):
+                continue
+            for part, t in self.bank.expert(layer, e).items():
+                self._parts[part][e].copy_(t)
+            self._held.add(e)
+            self.staged_bytes += self.bank.expert_bytes
+        return self._parts
+
+    def _routed(self, ids: torch.Tensor) -> list[int]:
+        """The experts in ids, read on the host: on CUDA after a non-blocking copy and its event."""
+        if self._cuda:
+            host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+            host.copy_(ids, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            done.synchronize()
+            ids = host
+        return sorted(set(ids.flatten().tolist()))

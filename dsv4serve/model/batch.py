@@ -1,0 +1,141 @@
+"""A forward's batch as the model and the kernels index it: built once per step, copied to the device once.
+
+    layout = build_layout(token_lists, starts, slots, page_tables, device, table_width=..., staging=...)
+
+Every row is a chunk of one request's tokens (decode: one token). The host metadata (the rows' spans) stays
+on the host for the per-row torch paths; the device metadata is packed into ONE int32 buffer on the host,
+copied to the device in one transfer (from pinned memory through `HostStaging` on a GPU, so the copy never
+blocks the host) and sliced into views: token ids, positions, cu_seqlens, start positions, sequence slots,
+each row's last token, and the block table. The block table's width can be fixed (`table_width`, from
+max_model_len) so that a decode step's shapes depend only on its row count (CUDA graphs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class RowSpan:
+    """One row of the packed batch, on the host."""
+
+    index: int  # the row's number b
+    begin: int  # first packed token of the row
+    end: int
+    start_pos: int  # absolute position of the row's first token
+    slot: int  # the row's sequence slot in the KV pool
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.begin
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    spans: tuple[RowSpan, ...]
+    token_ids: torch.Tensor  # [N] int32
+    positions: torch.Tensor  # [N] int32, absolute position of every packed token
+    cu_seqlens: torch.Tensor  # [B + 1] int32, row b's tokens are packed [cu[b], cu[b + 1])
+    start_pos: torch.Tensor  # [B] int32
+    seq_slot: torch.Tensor  # [B] int32, each row's sequence slot (window ring, compressor carry)
+    last_token: torch.Tensor  # [B] int32, each row's last packed token
+    block_table: torch.Tensor  # [B, W] int32, each row's page table, -1 padded
+    max_rows: int  # the most tokens a row runs in this step
+    max_end: int  # the most tokens a row holds after this step (a static bound when shapes are fixed)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.spans)
+
+    @property
+    def is_decode(self) -> bool:
+        """Every row runs one token: the vectorized decode paths apply."""
+        return self.max_rows == 1
+
+    def pages(self, span: RowSpan) -> torch.Tensor:
+        """The row's page table on the device, [W] int64 (-1 padded): for the per-row (prefill) paths."""
+        return self.block_table[span.index].long()
+
+
+class HostStaging:
+    """A reusable pinned host buffer for the step metadata (GPU), so the one copy per step is asynchronous.
+    Two buffers alternate: the host fills one while the previous step's copy may still read the other."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._bufs: list[torch.Tensor] = []
+        self._events: list[torch.cuda.Event | None] = [None, None]
+        self._turn = 0
+
+    def upload(self, host: torch.Tensor) -> torch.Tensor:
+        """host [n] int32 (pageable) -> the same values on the device, copied once from pinned memory."""
+        if self.device.type != "cuda":
+            return host
+        i, self._turn = self._turn, 1 - self._turn
+        while len(self._bufs) <= i:
+            self._bufs.append(torch.empty(0, dtype=torch.int32, device="cpu").pin_memory())
+        if self._bufs[i].numel() < host.numel():
+            size = max(host.numel(), 2 * self._bufs[i].numel())
+            self._bufs[i] = torch.empty(size, dtype=torch.int32, device="cpu").pin_memory()
+        event = self._events[i]
+        if event is not None:
+            event.synchronize()  # the copy that read this buffer two steps ago (long finished in practice)
+        pinned = self._bufs[i][: host.numel()]
+        pinned.copy_(host)
+        out = pinned.to(self.device, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        self._events[i] = done
+        return out
+
+
+def build_layout(
+    token_lists: Sequence[Sequence[int]],
+    starts: Sequence[int],
+    slots: Sequence[int],
+    page_tables: Sequence[Sequence[int]],
+    device: torch.device,
+    table_width: int | None = None,
+    max_end: int | None = None,
+    staging: HostStaging | None = None,
+) -> BatchLayout:
+    """The layout of rows (token ids, first position, slot, page ids each). `table_width` / `max_end` fix the
+    block table's width and the bound on any row's length (CUDA graphs); else the step's own maxima."""
+    spans, begin = [], 0
+    for b, (tokens, start, slot) in enumerate(zip(token_lists, starts, slots)):
+        if not tokens:
+            raise ValueError("a batch row needs at least one token")
+        spans.append(RowSpan(b, begin, begin + len(tokens), start, slot))
+        begin += len(tokens)
+    n, rows = begin, len(spans)
+    width = table_width if table_width is not None else max(max(len(p) for p in page_tables), 1)
+    if any(len(p) > width for p in page_tables):
+        raise ValueError(f"a row holds more than the block table's {width} pages")
+    values: list[int] = [t for tokens in token_lists for t in tokens]
+    for span in spans:
+        values.extend(range(span.start_pos, span.start_pos + span.num_tokens))
+    values.append(0)
+    values.extend(s.end for s in spans)
+    values.extend(starts)
+    values.extend(slots)
+    values.extend(s.end - 1 for s in spans)
+    for pages in page_tables:
+        values.extend(pages)
+        values.extend([-1] * (width - len(pages)))
+    host = torch.tensor(values, dtype=torch.int32, device="cpu")  # one host buffer: one copy to the device
+    dev = staging.upload(host) if staging is not None else host.to(device)
+    return BatchLayout(
+        tuple(spans),
+        dev[:n],
+        dev[n : 2 * n],
+        dev[2 * n : 2 * n + rows + 1],
+        dev[2 * n + rows + 1 : 2 * n + 2 * rows + 1],
+        dev[2 * n + 2 * rows + 1 : 2 * n + 3 * rows + 1],
+        dev[2 * n + 3 * rows + 1 : 2 * n + 4 * rows + 1],
+        dev[2 * n + 4 * rows + 1 :].view(rows, width),
+        max(s.num_tokens for s in spans),
+        max_end if max_end is not None else max(s.start_pos + s.num_tokens for s in spans),
+    )

@@ -1,0 +1,168 @@
+"""The decode step replayed per batch bucket: static buffers, padding, and CUDA graphs.
+
+A decode step (every row one token) has shapes that depend only on its row count once the block table's
+width and the bound on a row's length come from max_model_len (model/batch.py). So for each bucket of
+row counts (1, 2, 4, 8, ..., up to --max-num-seqs) the step runs on static buffers: the metadata of the
+step is written into the bucket's pinned host buffer, copied once into its static device buffer, and the
+model's forward (embedding to logits) runs over the layout that views that buffer. Rows past the step's
+count are padding: token 0 at position 0 in the pool's padding slot and padding page (never a request's),
+so they change no real row. On CUDA each bucket's forward is captured once into a CUDA graph at start-up
+and replayed (one launch for the whole step instead of thousands); without CUDA, or with
+--enforce-eager, the same static-buffer path runs eagerly, which is how the CPU tests check padding and
+bucket choice (the same tokens as the unpadded step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dsv4serve.model.batch import BatchLayout, RowSpan
+from dsv4serve.model.kv_pool import KvPool
+from dsv4serve.model.numerics import Numerics
+from dsv4serve.model.transformer import Transformer
+
+log = logging.getLogger("dsv4serve.worker")
+
+
+def bucket_sizes(max_rows: int) -> tuple[int, ...]:
+    """1, 2, 4, 8, ... below max_rows, then max_rows itself."""
+    sizes, n = [], 1
+    while n < max_rows:
+        sizes.append(n)
+        n *= 2
+    return (*sizes, max_rows)
+
+
+@dataclass
+class _Bucket:
+    rows: int
+    host: torch.Tensor  # [n] int32, pinned on CUDA: this bucket's metadata, filled by the host each step
+    device: torch.Tensor  # [n] int32: the static device copy the layout views
+    layout: BatchLayout
+    graph: Any = None  # torch.cuda.CUDAGraph once captured
+    logits: torch.Tensor | None = None  # the captured forward's output [rows, vocab] fp32
+
+
+@dataclass(frozen=True)
+class GraphReport:
+    buckets: tuple[int, ...]
+    captured: bool  # CUDA graphs (else the static buffers run eagerly)
+    capture_s: float
+    graph_bytes: int  # device memory the captured graphs hold (their private pool)
+
+    def describe(self) -> str:
+        how = "CUDA graphs" if self.captured else "eager (static buffers, no graphs)"
+        sizes = ", ".join(map(str, self.buckets))
+        return (
+            f"{how} for decode batch sizes {sizes}; capture {self.capture_s:.1f} s, {self.graph_bytes / 2**20:.0f} MiB"
+        )
+
+
+class DecodeGraphs:
+    def __init__(
+        self,
+        model: Transformer,
+        pool: KvPool,
+        numerics: Numerics,
+        max_rows: int,
+        max_model_len: int,
+        pad_slot: int,
+        pad_page: int,
+        capture: bool,
+    ):
+        self.model, self.pool, self.numerics = model, pool, numerics
+        self.device = model.embed.weight.device
+        self.width = -(-max_model_len // pool.page_tokens)
+        self.max_end, self.pad_slot, self.pad_page = max_model_len, pad_slot, pad_page
+        self.buckets = {n: self._bucket(n) for n in bucket_sizes(max_rows)}
+        self.report = self._capture() if capture else GraphReport(tuple(self.buckets), False, 0.0, 0)
+
+    @property
+    def max_rows(self) -> int:
+        return max(self.buckets)
+
+    def _bucket(self, rows: int) -> _Bucket:
+        n = rows * (6 + self.width) + 1  # ids, positions, cu (rows + 1), start, slot, last, table
+        pin = self.device.type == "cuda"
+        host = torch.zeros(n, dtype=torch.int32, device="cpu")
+        host = host.pin_memory() if pin else host
+        device = torch.zeros(n, dtype=torch.int32, device=self.device) if pin else host
+        self._fill(host, rows, [(0, 0, self.pad_slot, [self.pad_page])] * rows)
+        if device is not host:
+            device.copy_(host)
+        o = [0, rows, 2 * rows, 3 * rows + 1, 4 * rows + 1, 5 * rows + 1, 6 * rows + 1]
+        spans = tuple(RowSpan(b, b, b + 1, 0, self.pad_slot) for b in range(rows))
+        layout = BatchLayout(
+            spans,
+            device[o[0] : o[1]],
+            device[o[1] : o[2]],
+            device[o[2] : o[3]],
+            device[o[3] : o[4]],
+            device[o[4] : o[5]],
+            device[o[5] : o[6]],
+            device[o[6] :].view(rows, self.width),
+            1,
+            self.max_end,
+        )
+        return _Bucket(rows, host, device, layout)
+
+    def _fill(self, host: torch.Tensor, rows: int, entries: list[tuple[int, int, int, list[int]]]) -> None:
+        """entries: (token, position, slot, pages) per row, padded to `rows` with padding rows."""
+        entries = entries + [(0, 0, self.pad_slot, [self.pad_page])] * (rows - len(entries))
+        values = [e[0] for e in entries] + [e[1] for e in entries] + list(range(rows + 1))
+        values += [e[1] for e in entries] + [e[2] for e in entries] + list(range(rows))
+        for _, _, _, pages in entries:
+            values += list(pages) + [-1] * (self.width - len(pages))
+        host.copy_(torch.tensor(values, dtype=torch.int32, device="cpu"))
+
+    def bucket_for(self, rows: int) -> int | None:
+        return min((n for n in self.buckets if n >= rows), default=None)
+
+    def run(self, entries: list[tuple[int, int, int, list[int]]]) -> torch.Tensor:
+        """One decode step: (token, position, slot, pages) per row -> logits [rows, vocab] fp32."""
+        size = self.bucket_for(len(entries))
+        if size is None:
+            raise ValueError(f"{len(entries)} rows exceed the largest decode bucket ({self.max_rows})")
+        b = self.buckets[size]
+        self._fill(b.host, size, entries)
+        if b.device is not b.host:
+            b.device.copy_(b.host, non_blocking=True)  # pinned: the host never waits for it
+        if b.graph is not None:
+            b.graph.replay()
+            assert b.logits is not None
+            return b.logits[: len(entries)]
+        # eager: the host spans too (the per-row paths of --batch-invariant read positions and slots there)
+        padded = entries + [(0, 0, self.pad_slot, [self.pad_page])] * (size - len(entries))
+        spans = tuple(RowSpan(i, i, i + 1, e[1], e[2]) for i, e in enumerate(padded))
+        out = self.model.run(dataclasses.replace(b.layout, spans=spans), self.pool, self.numerics)
+        assert out.last_logits is not None
+        return out.last_logits[: len(entries)]
+
+    def _capture(self) -> GraphReport:
+        """Capture every bucket's forward (largest first, so the smaller ones reuse its memory pool)."""
+        t0 = time.monotonic()
+        before = torch.cuda.memory_allocated(self.device)
+        mempool = torch.cuda.graph_pool_handle()
+        for size in sorted(self.buckets, reverse=True):
+            b = self.buckets[size]
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):  # warm-up: lazy initializations and Triton compiles, outside the graph
+                self.model.run(b.layout, self.pool, self.numerics)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=mempool):
+                out = self.model.run(b.layout, self.pool, self.numerics)
+            b.graph, b.logits = graph, out.last_logits
+        torch.cuda.synchronize(self.device)
+        report = GraphReport(
+            tuple(sorted(self.buckets)), True, time.monotonic() - t0, torch.cuda.memory_allocated(self.device) - before
+        )
+        log.info("decode graphs: %s", report.describe())
+        return report

@@ -1,0 +1,135 @@
+"""@triton.jit helpers of the grouped MXFP4 expert GEMM (fp4_moe.py): exact tile arithmetic.
+
+- `_round_bf16`: fp32 -> nearest bf16 value (ties to even) by bits: the interpreter truncates
+  fp32->bf16 casts, so both builds round this way.
+- `_dequant_e2m1` / `_load_fp4_tile`: packed e2m1 codes and their e8m0 scale bytes -> exact fp32
+  values (bf16 on a GPU: at most 2 significant bits, exact too).
+- `_pow2_scale` / `_round_to_e4m3` / `_quantize_rows`: the FP8 activation quantization of
+  `fp8_gemm_ref.act_quant_fp8_ref` (per row per 128 channels, scale 2^ceil(log2(max(amax, 1e-4) / 448)),
+  q = e4m3(v / scale), ties to even), reproduced exactly: the scale from amax's bits (amax = m 2^E,
+  m in [1, 2): 2^(E-8) when m <= 1.75, else 2^(E-7); torch's fp32 amax / 448 never lands on a power
+  of two from above, see fp8_gemm.py), v / scale as a product with the exact power 1 / scale, and
+  the e4m3 rounding by the hardware cast on a GPU (cvt.rn.satfinite) or, under the interpreter, whose
+  fp32->e4m3 cast rounds half up (ROUND_BITS), by an fp32 add / subtract of 2^(E+20), whose ulp is the
+  e4m3 quantum at |v| (fp8_gemm.py uses the same method).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from dsv4_kernels.fp8_gemm_ref import FP8_AMAX_FLOOR
+
+AMAX_FLOOR = tl.constexpr(FP8_AMAX_FLOOR)
+
+
+@triton.jit
+def _round_bf16(x):
+    """fp32 -> the nearest bf16 value (ties to even), still fp32 (finite inputs)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _dequant_e2m1(codes, scale):
+    """e2m1 codes (int32, 0..15) times fp32 scales -> fp32 values, exact."""
+    exp = (codes >> 1) & 3
+    man = codes & 1
+    mag = tl.where(exp == 0, man * (126 << 23), ((exp + 126) << 23) | (man << 22))  # 0, .5 | 1..6
+    bits = mag | ((codes & 8) << 28)  # sign bit 3 -> bit 31
+    return bits.to(tl.float32, bitcast=True) * scale
+
+
+@triton.jit
+def _load_fp4_tile(w_ptrs, ws_ptrs, w_mask, ws_mask, DOT_FP32: tl.constexpr):
+    """Packed [BN, BK/2] bytes and their [BN, BK/32] scale bytes -> the dequantized [BN, BK] tile
+    (low nibble = even K). Each scale byte is loaded once and broadcast over its 16 packed bytes."""
+    packed = tl.load(w_ptrs, mask=w_mask, other=0).to(tl.int32) & 0xFF
+    s_raw = tl.load(ws_ptrs, mask=ws_mask, other=0).to(tl.int32) & 0xFF
+    scale = (s_raw << 23).to(tl.float32, bitcast=True)  # 2^(byte-127)
+    scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (scale.shape[0], scale.shape[1], 16)), packed.shape)
+    w = tl.join(_dequant_e2m1(packed & 0xF, scale), _dequant_e2m1(packed >> 4, scale))
+    w = tl.reshape(w, (packed.shape[0], 2 * packed.shape[1]))
+    if not DOT_FP32:
+        w = w.to(tl.bfloat16)
+    return w
+
+
+@triton.jit
+def _pow2_scale(amax):
+    """amax fp32 (floored, so normal) -> (s, 1 / s), s = 2^ceil(log2(amax / 448)), from amax's bits."""
+    bits = amax.to(tl.int32, bitcast=True)
+    biased = (bits >> 23) - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)  # 0x600000: mantissa of 1.75
+    return (biased << 23).to(tl.float32, bitcast=True), ((254 - biased) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _round_to_e4m3(v):
+    """fp32 v (|v| <= 448) -> the nearest e4m3 value, ties to even, still fp32."""
+    bits = v.to(tl.int32, bitcast=True)
+    mag = bits & 0x7FFFFFFF
+    # 2^(E+20) for |v| in [2^E, 2^(E+1)), E >= -6 (e4m3's smallest normal exponent): its ulp is 2^(E-3)
+    magic = (tl.maximum(mag & 0x7F800000, 121 << 23) + (20 << 23)).to(tl.float32, bitcast=True)
+    rounded = (mag.to(tl.float32, bitcast=True) + magic) - magic
+    return (rounded.to(tl.int32, bitcast=True) | (bits ^ mag)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _quantize_rows(x, AXIS: tl.constexpr, ROUND_BITS: tl.constexpr):
+    """x fp32 with one 128-channel block along AXIS (zeros where masked) -> (e4m3 grid values of
+    x / scale, fp32 [other axis], scale fp32 [other axis])."""
+    amax = tl.maximum(tl.max(tl.abs(x), axis=AXIS), AMAX_FLOOR)
+    scale, inv_scale = _pow2_scale(amax)
+    v = x * tl.expand_dims(inv_scale, AXIS)  # |v| <= 448 by the choice of scale: no clamp needed
+    if ROUND_BITS:
+        v = _round_to_e4m3(v)
+    else:
+        v = v.to(tl.float8e4nv).to(tl.float32)
+    return v, scale
+
+
+@triton.jit
+def _act_tile(
+    a_ptr,
+    a_scale_ptr,
+    a_rows,
+    row_ok,
+    k0,
+    K,
+    stride_am,
+    stride_asm,
+    QUANT_A: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    ROUND_BITS: tl.constexpr,
+):
+    """The activation rows' K tile [BM, BLOCK_K] at k0, dequantized (exact fp32): e4m3 times its loaded
+    per-128 scale, or (QUANT_A) bf16 / fp32 quantized here over the 128-channel block holding the tile."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    mask = row_ok[:, None]
+    if not EVEN_K:
+        mask = mask & (offs_k < K)[None, :]
+    a = tl.load(a_ptr + a_rows[:, None] * stride_am + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+    if QUANT_A:
+        if BLOCK_K == 128:
+            q, scale = _quantize_rows(a, 1, ROUND_BITS)
+        else:  # the block's amax needs all of its 128 channels: load them (x is small and L2-resident)
+            offs_b = (k0 // 128) * 128 + tl.arange(0, 128)
+            blk = tl.load(
+                a_ptr + a_rows[:, None] * stride_am + offs_b[None, :],
+                mask=row_ok[:, None] & (offs_b < K)[None, :],
+                other=0.0,
+            )
+            amax = tl.maximum(tl.max(tl.abs(blk.to(tl.float32)), axis=1), AMAX_FLOOR)
+            scale, inv_scale = _pow2_scale(amax)
+            q = a * inv_scale[:, None]
+            if ROUND_BITS:
+                q = _round_to_e4m3(q)
+            else:
+                q = q.to(tl.float8e4nv).to(tl.float32)
+        return q * scale[:, None]  # exact
+    else:
+        a_s = tl.load(a_scale_ptr + a_rows * stride_asm + k0 // 128, mask=row_ok, other=0.0)
+        return a * a_s[:, None]  # exact

@@ -1,0 +1,444 @@
+"""The per-token chains (dsv4_kernels.token_ops, interpreter) against their torch references
+(token_ops_ref), and the references against the model's own code (dsv4serve.model), on dsv4-tiny's dims,
+odd dims (partial FP8 / FP4 blocks, widths that are not powers of two) and DeepSeek-V4-Flash's for one
+token; bf16 and fp32; outputs NaN-poisoned views (an unwritten element or a store outside fails).
+
+What must be exact, and why:
+- the quantizers, on any input: the e4m3 / e2m1 roundings (ties to even), ue8m0 scales, amax floors and
+  clamps are integer and power-of-two arithmetic (`test_quantizers_match_torch_bit_for_bit`);
+- whole chains given the model's cos / sin tables and inputs on a coarse dyadic grid (k / 16, |k| <= 32):
+  every sum of squares is then exact in any order, the only arithmetic the kernel orders differently,
+  so every output bit must equal the reference's, -0.0 included.
+
+Tolerance elsewhere (`_assert_chain_close`): on generic inputs the RMS statistics sum in tile order (an
+fp32 ulp or so, at most log2(D) * 2^-24 relative through a tree of sums), and with `Angles.at` the kernel
+evaluates cos / sin in fp32 (within 2 ulp of the model's fp64-rounded tables): an unquantized output may
+differ by one ulp of its dtype (bf16 2^-7 relative, fp32 allowed 2^-19), plus 2^-20 of its row's
+largest magnitude (a rotated pair can cancel to a small value; its fp32 error is that of its inputs).
+Such an ulp can move a quantized value by one step of its block's grid (or, at a scale threshold, the
+block to the next scale): at most amax / 8 for e4m3 (16 or 32 quanta of the scale, amax / scale > 224)
+and 2 * amax / 3 for e2m1 (2 quanta, amax / scale > 3). Elements off by more than the ulp bound must
+stay rare (1%).
+"""
+
+from __future__ import annotations
+
+import json
+from functools import partial
+from pathlib import Path
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from dsv4_kernels.formats import E2M1_VALUES
+from dsv4_kernels.launch_guard import launch_guard
+from dsv4_kernels.testing import into_poisoned
+from dsv4_kernels.token_ops import (
+    Angles,
+    compressed_entry,
+    indexer_q,
+    kv_norm_rope_quant,
+    q_head_norm_rope,
+    rms_norm,
+    rope,
+)
+from dsv4_kernels.token_ops_ref import (
+    compressed_entry_ref,
+    fp4_qdq_ref,
+    fp8_qdq_ref,
+    indexer_q_ref,
+    kv_norm_rope_quant_ref,
+    q_head_norm_rope_ref,
+    rms_norm_ref,
+    rope_cos_sin_ref,
+    rope_ref,
+)
+from dsv4_kernels.token_ops_tiles import _fp4_blocks, _fp8_blocks
+from dsv4serve.model.args import ModelArgs, args_from_dicts, read_model_args
+from dsv4serve.model.compressor import Compressor
+from dsv4serve.model.indexer import Indexer
+from dsv4serve.model.layers import RMSNorm
+from dsv4serve.model.numerics import KV_BLOCK, Numerics, fp8_quant_dequant
+from dsv4serve.model.rope import apply_rope, inv_freq, rope_cos_sin
+
+EPS = 1e-6
+ULP_BOUND = {torch.bfloat16: 2.0**-7, torch.float32: 2.0**-19}  # relative, see the module doc
+MAX_OFF_FRACTION = 0.01
+POSITIONS = (0, 1, 37, 4095, 65_537, 1_000_003)  # up to the 1M context: large angles too
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t.view(torch.int32)
+
+
+def _assert_bits_equal(out: torch.Tensor, ref: torch.Tensor) -> None:
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    differ = _bits(out) != _bits(ref)
+    assert not differ.any(), f"{int(differ.sum())} of {out.numel()} differ, e.g. {out[differ][:4]} vs {ref[differ][:4]}"
+
+
+def _block_amax(ref: torch.Tensor, lo: int, hi: int, block: int) -> torch.Tensor:
+    """|ref| maxima of channels [lo, hi) per block of `block`, expanded back to [..., hi - lo]."""
+    part = ref[..., lo:hi].float().abs()
+    pad = torch.nn.functional.pad(part, (0, (-part.shape[-1]) % block)).unflatten(-1, (-1, block))
+    return pad.amax(dim=-1, keepdim=True).expand(pad.shape).flatten(-2)[..., : hi - lo]
+
+
+def _assert_chain_close(out: torch.Tensor, ref: torch.Tensor, quant: tuple[str, int] | None = None) -> None:
+    """The module doc's tolerance; quant = ("fp8", nope dims) or ("fp4", d): the quantized channels."""
+    assert out.dtype == ref.dtype and out.shape == ref.shape and not out.isnan().any()
+    o, r = out.float(), ref.float()
+    err = (o - r).abs()
+    # one ulp of the element, plus fp32 ulps of the row's magnitudes (a rotation can cancel to a small value)
+    ulp_bound = ULP_BOUND[out.dtype] * r.abs() + 2.0**-20 * r.abs().amax(dim=-1, keepdim=True)
+    bound = ulp_bound.clone()
+    if quant is not None:
+        kind, limit = quant
+        block, step = (64, 1 / 8) if kind == "fp8" else (32, 2 / 3)
+        bound[..., :limit] = torch.maximum(bound[..., :limit], step * _block_amax(ref, 0, limit, block))
+    assert bool((err <= bound).all()), f"max excess {(err - bound).max().item():.3g}"
+    off = (err > ulp_bound).float().mean().item()
+    assert off <= MAX_OFF_FRACTION, f"{off:.2%} of elements beyond one ulp"
+
+
+def _grid_values(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """k / 16 for integers |k| <= 32: squares and their sums are exact in fp32 in any order."""
+    return torch.randint(-32, 33, shape, generator=gen).float() / 16
+
+
+def _freqs(rope_dim: int, base: float = 10000.0) -> torch.Tensor:
+    return 1.0 / (base ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim))
+
+
+def _angles(n: int, rope_dim: int, tables: bool, gen: torch.Generator) -> Angles:
+    positions = torch.tensor(POSITIONS * (n // len(POSITIONS) + 1), dtype=torch.int32)[:n]
+    positions = positions[torch.randperm(n, generator=gen)]
+    freqs = _freqs(rope_dim)
+    return Angles.tables(*rope_cos_sin_ref(freqs, positions)) if tables else Angles.at(positions, freqs)
+
+
+def _poisoned(shape: tuple[int, ...], dtype: torch.dtype, fn) -> torch.Tensor:
+    return into_poisoned(tuple(shape), dtype, lambda out: fn(out=out))
+
+
+# ---- the quantizers alone: a test kernel around the very helpers the chains use ----
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, out_ptr, LIMIT: tl.constexpr, FP8: tl.constexpr, ROWS: tl.constexpr, W: tl.constexpr):
+    offs = tl.arange(0, ROWS)[:, None] * W + tl.arange(0, W)[None, :]
+    x = tl.load(x_ptr + offs)
+    if FP8:
+        y = _fp8_blocks(x, LIMIT, 64, ROWS, W)
+    else:
+        y = _fp4_blocks(x, LIMIT, ROWS, W)
+    tl.store(out_ptr + offs, y)
+
+
+def _grid_and_midpoints(values: torch.Tensor) -> torch.Tensor:
+    """Every non-negative grid value and every midpoint between neighbours (the ties), both signs."""
+    v = values.float().unique().sort().values
+    v = v[torch.isfinite(v) & (v >= 0)]
+    both = torch.cat((v, (v[1:] + v[:-1]) / 2))
+    return torch.cat((both, -both, torch.tensor([-0.0])))
+
+
+def _quantizer_rows(fp8: bool, width: int, gen: torch.Generator) -> torch.Tensor:
+    """Rows (one block each) that hit every tie, both amax scale thresholds, the floor and -0.0."""
+    if fp8:
+        grid = _grid_and_midpoints(torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn))
+        top, threshold_mantissa = 448.0, 1.75
+    else:
+        grid = _grid_and_midpoints(torch.tensor(E2M1_VALUES))
+        top, threshold_mantissa = 6.0, 1.5
+    rows = []
+    for scale in (2.0**-20, 2.0**-3, 1.0, 2.0**7):  # ties at several scales; amax = top * scale pins it
+        for chunk in grid.split(width - 1):
+            row = torch.zeros(width)
+            row[: chunk.numel()] = chunk * scale
+            row[-1] = top * scale
+            rows.append(row)
+    for exponent in (-9, 0, 13):  # amax = m 2^E at the scale thresholds, and one fp32 ulp above them
+        for m in (threshold_mantissa, threshold_mantissa + 2.0**-23, 1.0, 2.0 - 2.0**-23):
+            row = torch.randn(width, generator=gen) * 2.0**exponent * 0.3
+            row[3] = -m * 2.0**exponent
+            rows.append(row)
+    rows.append(torch.randn(width, generator=gen) * 1e-6)  # below the FP8 floor (1e-4)
+    rows.append(torch.zeros(width))
+    rows.append(torch.full((width,), -0.0))
+    rows.append(torch.randn(width, generator=gen) * 2.0**-125)  # near the FP4 floor, 6 * 2^-126
+    for spread in (1.0, 1e3, 1e-3):
+        rows.append(torch.randn(width, generator=gen) * torch.rand(width, generator=gen) ** 4 * spread)
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("fp8", [True, False], ids=["e4m3", "e2m1"])
+def test_quantizers_match_torch_bit_for_bit(fp8: bool) -> None:
+    gen = torch.Generator().manual_seed(11)
+    width = 64 if fp8 else 32
+    x = _quantizer_rows(fp8, width, gen)
+    rows = triton.next_power_of_2(x.shape[0])
+    x = torch.cat((x, torch.zeros(rows - x.shape[0], width)))
+    out = torch.empty_like(x)
+    _quantize_kernel[(1,)](x, out, LIMIT=width, FP8=fp8, ROWS=rows, W=width)
+    ref = fp8_qdq_ref(x, 64) if fp8 else fp4_qdq_ref(x, 32)
+    _assert_bits_equal(out, ref)
+
+
+def test_quantizer_leaves_channels_past_the_limit_and_blocks_a_partial_one() -> None:
+    """LIMIT = 80 in a 128-wide tile: blocks [0, 64) and the partial [64, 80) alone; [80, 128) untouched."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 128, generator=gen) * 3
+    x[1, 70] = 500.0  # a partial block's amax, not the next channels'
+    out = torch.empty_like(x)
+    _quantize_kernel[(1,)](x, out, LIMIT=80, FP8=True, ROWS=4, W=128)
+    ref = torch.cat((fp8_qdq_ref(x[:, :80], 64), x[:, 80:]), dim=1)
+    _assert_bits_equal(out, ref)
+
+
+# ---- each chain against its reference ----
+
+# grid_tables: inputs on the dyadic grid, the model's cos / sin tables: exact (module doc); random_positions:
+# generic inputs, angles from positions (cos / sin in the kernel): the tolerance
+MODES = ("grid_tables", "random_positions")
+DTYPES = (torch.bfloat16, torch.float32)
+
+
+def _inputs(shape: tuple[int, ...], dtype: torch.dtype, mode: str, gen: torch.Generator) -> torch.Tensor:
+    x = _grid_values(shape, gen) if mode == "grid_tables" else torch.randn(shape, generator=gen) * 3
+    return x.to(dtype)
+
+
+def _check(mode: str, out: torch.Tensor, ref: torch.Tensor, quant: tuple[str, int] | None) -> None:
+    if mode == "grid_tables":
+        _assert_bits_equal(out, ref)
+    else:
+        _assert_chain_close(out, ref, quant)
+
+
+def _weight(d: int, gen: torch.Generator) -> torch.Tensor:
+    return 1.0 + 0.1 * torch.randn(d, generator=gen)  # fp32, as the model holds norm weights
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 4096), (2, 1024), (1, 512), (5, 128), (3, 40), (4, 100)], ids=str)
+def test_rms_norm(shape: tuple[int, int], dtype: torch.dtype, mode: str) -> None:
+    gen = torch.Generator().manual_seed(shape[1])
+    x, w = _inputs(shape, dtype, mode, gen), _weight(shape[1], gen)
+    _check(mode, _poisoned(shape, dtype, lambda out: rms_norm(x, w, EPS, out=out)), rms_norm_ref(x, w, EPS), None)
+    heads = x.view(shape[0], 1, shape[1])  # the per-head form (no weight) on [N, H, d]
+    out = _poisoned(heads.shape, dtype, lambda out: rms_norm(heads, None, EPS, out=out))
+    _check(mode, out, rms_norm_ref(heads, None, EPS), None)
+
+
+HEAD_SHAPES = [(1, 4, 128, 64), (5, 4, 128, 64), (3, 3, 96, 16), (1, 64, 512, 64)]  # (N, H, d, rope dim)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", HEAD_SHAPES, ids=str)
+def test_q_head_norm_rope(shape: tuple[int, ...], dtype: torch.dtype, mode: str) -> None:
+    n, h, d, rope_dim = shape
+    gen = torch.Generator().manual_seed(n * d)
+    q, angles = _inputs((n, h, d), dtype, mode, gen), _angles(n, rope_dim, mode != "random_positions", gen)
+    out = _poisoned(q.shape, dtype, lambda out: q_head_norm_rope(q, angles, EPS, out=out))
+    _check(mode, out, q_head_norm_rope_ref(q, angles, EPS), None)
+
+
+@pytest.mark.parametrize("inverse", [True, False])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", HEAD_SHAPES, ids=str)
+def test_rope(shape: tuple[int, ...], dtype: torch.dtype, mode: str, inverse: bool) -> None:
+    n, h, d, rope_dim = shape
+    gen = torch.Generator().manual_seed(n + d)
+    x, angles = _inputs((n, h, d), dtype, mode, gen), _angles(n, rope_dim, mode != "random_positions", gen)
+    out = _poisoned(x.shape, dtype, lambda out: rope(x, angles, inverse, out=out))
+    _check(mode, out, rope_ref(x, angles, inverse), None)
+
+
+@pytest.mark.parametrize("kv_fp8", [True, False])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 128, 64), (5, 128, 64), (3, 96, 16), (1, 512, 64)], ids=str)
+def test_kv_norm_rope_quant(shape: tuple[int, ...], dtype: torch.dtype, mode: str, kv_fp8: bool) -> None:
+    n, d, rope_dim = shape  # (3, 96, 16): 80 nope dims, a partial FP8 block of 16
+    gen = torch.Generator().manual_seed(n * d + rope_dim)
+    kv, w = _inputs((n, d), dtype, mode, gen), _weight(d, gen)
+    angles, nope = _angles(n, rope_dim, mode != "random_positions", gen), d - rope_dim
+    out = _poisoned(kv.shape, dtype, lambda out: kv_norm_rope_quant(kv, w, EPS, angles, nope, 64, kv_fp8, out=out))
+    ref = kv_norm_rope_quant_ref(kv, w, EPS, angles, nope, 64, kv_fp8)
+    _check(mode, out, ref, ("fp8", nope) if kv_fp8 else None)
+
+
+@pytest.mark.parametrize("fp4", [True, False])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 4, 128, 64), (5, 4, 128, 64), (3, 2, 16, 8), (1, 64, 128, 64)], ids=str)
+def test_indexer_q(shape: tuple[int, ...], dtype: torch.dtype, mode: str, fp4: bool) -> None:
+    n, h, d, rope_dim = shape  # d = 16: one partial FP4 block
+    gen = torch.Generator().manual_seed(n * h + d)
+    q, angles = _inputs((n, h, d), dtype, mode, gen), _angles(n, rope_dim, mode != "random_positions", gen)
+    out = _poisoned(q.shape, dtype, lambda out: indexer_q(q, angles, fp4, out=out))
+    _check(mode, out, indexer_q_ref(q, angles, fp4), ("fp4", d) if fp4 else None)
+
+
+ENTRY_CASES = [  # (W windows, d, rope dim, mode)
+    (1, 512, 64, "kv"), (5, 128, 64, "kv"), (3, 96, 16, "kv"), (1, 128, 64, "index"), (4, 128, 64, "index"),
+    (2, 16, 8, "index"), (3, 128, 64, "plain"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("n", "d", "rope_dim", "kind"), ENTRY_CASES)
+def test_compressed_entry(n: int, d: int, rope_dim: int, kind: str, dtype: torch.dtype, mode: str) -> None:
+    """The pooled entry is fp32; the chain runs in the compute dtype `dtype`. Angles.at names the tokens'
+    positions with window = 4: the entry rotates at its window's first position."""
+    gen = torch.Generator().manual_seed(n * d + len(kind))
+    pooled, w = _inputs((n, d), torch.float32, mode, gen), _weight(d, gen)
+    angles = _angles(n, rope_dim, True, gen)
+    if mode == "random_positions":
+        positions = torch.randint(0, 1 << 20, (n,), generator=gen, dtype=torch.int64)  # int64 works too
+        angles = Angles.at(positions, _freqs(rope_dim, 160000.0), window=4)
+    nope = d - rope_dim if kind == "kv" else 0
+    out = _poisoned((n, d), dtype, lambda out: compressed_entry(pooled, w, EPS, angles, kind, dtype, nope, out=out))
+    ref = compressed_entry_ref(pooled, w, EPS, angles, kind, dtype, nope)
+    _check(mode, out, ref, {"kv": ("fp8", nope), "index": ("fp4", d)}.get(kind))
+
+
+# ---- the references are the model's code; the kernels match it (angles from positions) ----
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _model_args(which: str) -> ModelArgs:
+    if which == "tiny":
+        return args_from_dicts(json.loads((REPO / "configs" / "dsv4-tiny.json").read_text()), None, "fp4")
+    return read_model_args(REPO / "tests" / "data" / "DeepSeek-V4-Flash")
+
+
+def _randomize(module: torch.nn.Module, gen: torch.Generator) -> None:
+    """Norm weights near 1, projections ~ unit gain (the modules start uninitialized)."""
+    for name, p in module.named_parameters():
+        if isinstance(module, RMSNorm) or name.endswith("norm.weight"):
+            p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+        else:
+            p.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
+
+
+def _model_chains(args: ModelArgs, dtype: torch.dtype, n: int, gen: torch.Generator) -> list[tuple]:
+    """(name, the model's output, the reference's, the kernel call, quantized channels) for each chain,
+    on n tokens of a compressed (YaRN) layer; the model's lines as attention.py / indexer.py /
+    compressor.py write them."""
+    num = Numerics(compute_dtype=dtype)  # every simulation on, in the given compute dtype
+    eps, h, d, rope_dim = args.norm_eps, args.n_heads, args.head_dim, args.rope_head_dim
+    freqs = inv_freq(args, compressed_layer=True)
+    positions = torch.tensor(POSITIONS * n, dtype=torch.int32)[:n]
+    cos, sin = rope_cos_sin(freqs, positions)
+    tables, at = Angles.tables(cos, sin), Angles.at(positions, freqs)
+    chains = [("cos", cos, rope_cos_sin_ref(freqs, positions)[0], None, None)]
+    attn_norm, kv_norm = RMSNorm(args.dim, eps), RMSNorm(d, eps)
+    indexer = Indexer(args, 4)
+    kv_comp, idx_comp = Compressor(args, 4, d, rotate=False), Compressor(args, 4, args.index_head_dim, rotate=True)
+    for module in (attn_norm, kv_norm, indexer, kv_comp, idx_comp):
+        _randomize(module, gen)
+
+    x = torch.randn(n, args.dim, generator=gen).to(dtype)
+    chains.append(("rms_norm", attn_norm(x), rms_norm_ref(x, attn_norm.weight, eps),
+                   lambda out: rms_norm(x, attn_norm.weight, eps, out=out), None))  # fmt: skip
+    q = (torch.randn(n, h, d, generator=gen) * 3).to(dtype)
+    model_q = apply_rope(q * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + eps).to(q.dtype), cos, sin)
+    chains.append(("q", model_q, q_head_norm_rope_ref(q, tables, eps),
+                   lambda out: q_head_norm_rope(q, at, eps, out=out), None))  # fmt: skip
+    kv, nope = (torch.randn(n, d, generator=gen) * 3).to(dtype), d - rope_dim
+    model_kv = apply_rope(kv_norm(kv), cos, sin)
+    model_kv = torch.cat((fp8_quant_dequant(model_kv[:, :nope], KV_BLOCK), model_kv[:, nope:]), dim=1)
+    chains.append(("kv", model_kv, kv_norm_rope_quant_ref(kv, kv_norm.weight, eps, tables, nope, KV_BLOCK, True),
+                   lambda out: kv_norm_rope_quant(kv, kv_norm.weight, eps, at, nope, out=out), ("fp8", nope)))  # fmt: skip
+    o = torch.randn(n, h, d, generator=gen).to(dtype)
+    chains.append(("inverse rope", apply_rope(o, cos, sin, inverse=True), rope_ref(o, tables, True),
+                   lambda out: rope(o, at, True, out=out), None))  # fmt: skip
+    qr = torch.randn(n, args.q_lora_rank, generator=gen).to(dtype)
+    iq = indexer.wq_b(qr, num).unflatten(-1, (args.index_n_heads, args.index_head_dim))
+    chains.append(("indexer q", indexer.queries(x, qr, cos, sin, num)[0], indexer_q_ref(iq, tables, True),
+                   lambda out: indexer_q(iq, at, True, out=out), ("fp4", args.index_head_dim)))  # fmt: skip
+    for comp, kind in ((kv_comp, "kv"), (idx_comp, "index")):  # tokens at positions, rotated at window starts
+        pooled, starts = torch.randn(n, comp.head_dim, generator=gen), (positions // 4) * 4
+        entry = apply_rope(comp.norm(pooled.to(dtype)), *rope_cos_sin(freqs, starts))
+        model_entry = comp._simulate(entry, num)
+        e_nope = comp.head_dim - rope_dim if kind == "kv" else 0
+        ref = compressed_entry_ref(pooled, comp.norm.weight, eps, Angles.at(positions, freqs, 4), kind, dtype, e_nope)
+        call = partial(
+            compressed_entry, pooled, comp.norm.weight, eps, Angles.at(positions, freqs, 4), kind, dtype, e_nope
+        )
+        chains.append(
+            (f"{kind} entry", model_entry, ref, call, ("fp8", e_nope) if kind == "kv" else ("fp4", comp.head_dim))
+        )
+    return chains
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("which", "n"), [("tiny", 1), ("tiny", 5), ("real", 1)])
+def test_references_and_kernels_match_the_model(which: str, n: int, dtype: torch.dtype) -> None:
+    """Each reference equals the model's code bit for bit; each kernel (angles from positions, evaluated in
+    fp32) matches the model within the module doc's tolerance."""
+    gen = torch.Generator().manual_seed(n + (dtype == torch.bfloat16))
+    with torch.no_grad():
+        chains = _model_chains(_model_args(which), dtype, n, gen)
+    for name, model_out, ref, call, quant in chains:
+        assert torch.equal(_bits(model_out), _bits(ref)), f"{name}: the reference is not the model's code"
+        if call is not None:
+            _assert_chain_close(_poisoned(ref.shape, ref.dtype, call), model_out, quant)
+
+
+# ---- one launch each, no host sync; in place; what the wrappers refuse ----
+
+
+def test_each_chain_is_one_launch_without_torch_ops() -> None:
+    """The brief's budget: each chain one kernel launch and nothing else on the device (no cos / sin
+    tables, no casts, no copies), and no host sync."""
+    gen = torch.Generator().manual_seed(3)
+    n, h, d, rope_dim = 3, 4, 128, 64
+    x, q = torch.randn(n, d, generator=gen).bfloat16(), torch.randn(n, h, d, generator=gen).bfloat16()
+    w, pooled = _weight(d, gen), torch.randn(n, d, generator=gen)
+    at = Angles.at(torch.tensor([5, 9, 4000], dtype=torch.int32), _freqs(rope_dim), window=4)
+    calls = {
+        "rms_norm": lambda: rms_norm(x, w, EPS),
+        "q_head_norm_rope": lambda: q_head_norm_rope(q, at, EPS),
+        "kv_norm_rope_quant": lambda: kv_norm_rope_quant(x, w, EPS, at, d - rope_dim),
+        "rope in place": lambda: rope(q, at, inverse=True, out=q),
+        "indexer_q": lambda: indexer_q(q, at),
+        "compressed_entry kv": lambda: compressed_entry(pooled, w, EPS, at, "kv", torch.bfloat16, d - rope_dim),
+        "compressed_entry index": lambda: compressed_entry(pooled, w, EPS, at, "index", torch.bfloat16),
+    }
+    for name, call in calls.items():
+        with launch_guard(forbid_syncs=True) as seen:
+            call()
+        assert (seen.triton_launches, seen.aten_launches) == (1, 0), f"{name}: {seen.triton} {seen.aten}"
+
+
+def test_rope_in_place_equals_out_of_place() -> None:
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(4, 8, 128, generator=gen).bfloat16()
+    angles = _angles(4, 64, False, gen)
+    expected = rope(x, angles, inverse=True)
+    result = rope(x, angles, inverse=True, out=x)
+    assert result is x
+    _assert_bits_equal(x, expected)
+
+
+def test_wrappers_refuse_what_they_cannot_run() -> None:
+    q = torch.zeros(2, 4, 96)
+    at = Angles.at(torch.tensor([0, 1]), _freqs(16))
+    with pytest.raises(ValueError, match="power-of-two"):
+        indexer_q(q, at)  # Hadamard over 96 channels
+    with pytest.raises(ValueError, match="angles"):
+        rope(torch.zeros(3, 4, 96), at)  # 2 rows of angles for 3 tokens
+    with pytest.raises(ValueError, match="bf16 or fp32"):
+        rope(q.half(), at)
+    with pytest.raises(ValueError, match="mode"):
+        compressed_entry(torch.zeros(2, 96), torch.ones(96), EPS, at, "fp8")
