@@ -2,13 +2,15 @@
 vocabulary (129,280) on the CPU, next to the same rows unconstrained.
 
 A constrained step is what the runner does (worker/runner.py): `GrammarBook.step_mask` fills the
-bitmask of the active rows in one batched call, `sample(..., token_mask=...)` applies it (xgrammar's
-CPU kernel), and each row's matcher accepts its token. The rows' matchers stand at realistic places of
+bitmask of the active rows, `sample(..., token_mask=...)` applies it (worker/sampling.py), and each
+row's matcher accepts its token. The rows' matchers stand at realistic places of
 a JSON reply (inside a string, after a key, inside a number, between items), advanced along their own
 samples, and are reset when they finish. Unconstrained: the same `sample` call on the same logits with
 no mask. Both are timed greedy (the common decode case, a plain argmax) and sampled (temperature 1).
-Target: the added time under 1 ms per constrained row per step. One torch thread (toolchain.md);
-levels alternate one step at a time, so this shared machine's load hits them alike.
+Target: the added time under 1 ms per constrained row per step. Beside it, untimed in the step: the
+same mask applied alone by xgrammar's CPU kernel (grammar.TokenMask.apply), the floor for that part.
+One torch thread (toolchain.md); levels alternate one step at a time, so this shared machine's load hits
+them alike.
 
     python bench/bench_grammar.py [--levels 1 16 64] [--steps 30] [--json PATH]
 """
@@ -59,6 +61,7 @@ class Level:
         self.outputs: list[list[int]] = [[] for _ in range(rows)]
         self.grammars = [self._fresh(i) for i in range(rows)]
         self.generator = torch.Generator().manual_seed(rows)
+        self.apply_s: list[float] = []  # xgrammar's kernel alone on this step's mask (outside the step's time)
 
     def _fresh(self, i: int):
         grammar = self.book.start(self.params)
@@ -76,6 +79,11 @@ class Level:
             if grammar is not None:
                 grammar.advance(token)
         elapsed = time.perf_counter() - start
+        if mask is not None:
+            work = logits.clone()
+            start = time.perf_counter()
+            mask.apply(work)
+            self.apply_s.append(time.perf_counter() - start)
         for i, token in enumerate(picked):
             self.outputs[i] = self.outputs[i][-32:] + [token]
             if self.grammars[i] is not None and not self.grammars[i].wants_mask:  # finished: start over
@@ -105,8 +113,16 @@ def main() -> int:
             free = spread(times[(n, False, greedy)])
             held = spread(times[(n, True, greedy)])
             added = (held["median"] - free["median"]) / n
+            kernel = spread(levels[(n, True, greedy)].apply_s)["median"] / n
             out.append(
-                {"rows": n, "greedy": greedy, "unconstrained_s": free, "constrained_s": held, "added_per_row_s": added}
+                {
+                    "rows": n,
+                    "greedy": greedy,
+                    "unconstrained_s": free,
+                    "constrained_s": held,
+                    "added_per_row_s": added,
+                    "xgrammar_apply_per_row_s": kernel,
+                }
             )
             rows.append(
                 [
@@ -114,10 +130,12 @@ def main() -> int:
                     f"{free['median'] * 1e3:.2f}",
                     f"{held['median'] * 1e3:.2f} ({held['min'] * 1e3:.2f}-{held['max'] * 1e3:.2f})",
                     f"{added * 1e3:.3f}",
+                    f"{kernel * 1e3:.3f}",
                 ]
             )
     print(f"sampler step at vocabulary {VOCAB:,}, {args.steps} steps per level, one torch thread (median ms)")
-    print(format_table(["level", "unconstrained", "constrained (min-max)", "added ms / row"], rows))
+    header = ["level", "unconstrained", "constrained (min-max)", "added ms / row", "xgrammar apply ms / row"]
+    print(format_table(header, rows))
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))
     return 0

@@ -10,6 +10,8 @@
 3. A module that fails to import or build, or a case that raises, is a row of the table: the run
    goes on. A module may define `notes(times_ms, ceilings) -> list[str]` (projections from its
    medians); those lines print before the table. Cases past --budget-s are reported as skipped.
+   A case may carry `notes() -> list[str]` (what it saw besides its time) and `max_warmup` /
+   `max_repeats` (caps on its timing, for a case whose every call is costly).
 
 `--cpu-smoke` runs the same code path on the CPU with Triton's interpreter, calling each module's
 `smoke_cases(device)` (tiny shapes); it checks discovery, checking, timing and the table here
@@ -104,6 +106,9 @@ def check(out: torch.Tensor, ref: torch.Tensor, atol: float, rtol: float) -> str
 
 
 def run_case(case, device: torch.device, ceilings: dict[str, float], warmup: int, repeats: int) -> Row:
+    # a case whose every call costs much device time (a decode step on shared state) caps its own timing
+    warmup = min(warmup, getattr(case, "max_warmup", warmup))
+    repeats = min(repeats, getattr(case, "max_repeats", repeats))
     row = Row(case.name, ok=check(case.run(), case.reference(), case.atol, case.rtol))
     row.time_ms = time_ms(case.run, device, warmup, repeats)
     seconds = row.time_ms / 1e3
@@ -121,6 +126,17 @@ def run_case(case, device: torch.device, ceilings: dict[str, float], warmup: int
 
 def error_text(exc: BaseException) -> str:
     return f"ERROR: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:160]
+
+
+def case_notes(case) -> list[str]:
+    """What a case saw besides its time (host syncs, a graph capture), when it says: `case.notes()`."""
+    fn = getattr(case, "notes", None)
+    if fn is None:
+        return []
+    try:
+        return list(fn())
+    except Exception as exc:
+        return [f"{case.name}: notes failed: {error_text(exc)}"]
 
 
 def run_module(
@@ -149,6 +165,7 @@ def run_module(
         except Exception as exc:
             traceback.print_exc()
             rows.append(Row(case.name, ok=error_text(exc)))
+        notes += case_notes(case)
     if hasattr(module, "notes") and times:
         try:
             notes += module.notes(times, ceilings)

@@ -74,22 +74,31 @@ async def client_loop(http: httpx.AsyncClient, rng: random.Random, deadline: flo
         try:
             if not body.get("stream"):
                 resp = await http.post(path, json=body)
-                tally["errors"] += resp.status_code != 200
+                if resp.status_code != 200:
+                    note_error(tally, f"{kind}: HTTP {resp.status_code} {resp.text[:200]}")
                 continue
             async with http.stream("POST", path, json=body) as resp:
                 if resp.status_code != 200:
-                    tally["errors"] += 1
+                    note_error(tally, f"{kind}: HTTP {resp.status_code} {(await resp.aread())[:200]!r}")
                     continue
                 events = 0
                 async for line in resp.aiter_lines():
                     if line.startswith("data:"):
                         events += 1
-                        tally["errors"] += '"error"' in line[:40]
+                        if '"error"' in line[:40]:
+                            note_error(tally, f"{kind}: error event {line[:200]}")
                     if cut is not None and events >= cut:
                         tally["disconnects"] += 1
                         break  # leaving the block closes the connection: the server must abort
-        except httpx.HTTPError:
-            tally["errors"] += 1
+        except httpx.HTTPError as exc:
+            note_error(tally, f"{kind}: {type(exc).__name__} {exc}"[:200])
+
+
+def note_error(tally: dict, what: str) -> None:
+    """Count an error and keep the first few, so a FAIL says what went wrong."""
+    tally["errors"] += 1
+    if len(tally["error_samples"]) < 5:
+        tally["error_samples"].append(what)
 
 
 def engine_gauges(metrics_text: str) -> dict[str, float]:
@@ -118,7 +127,7 @@ async def soak(base: str, worker_pid: int, args) -> dict:
         warm = await http.post("/v1/chat/completions", json=random_request(random.Random(0))[2] | {"stream": False})
         assert warm.status_code == 200, warm.text
         rss_start = rss_bytes(worker_pid)
-        tally = {"requests": 0, "errors": 0, "disconnects": 0}
+        tally: dict = {"requests": 0, "errors": 0, "disconnects": 0, "error_samples": []}
         deadline = time.monotonic() + args.duration
         started = time.monotonic()
         rngs = [random.Random(args.seed * 1000 + i) for i in range(args.concurrency)]
@@ -167,6 +176,8 @@ def main() -> int:
         ["worker RSS start -> end", f"{rss} ({growth_mib:+.0f}, bound {args.rss_bound_mib:.0f})"],
     ]
     print(format_table(["soak", "result"], rows))
+    for what in result["error_samples"]:
+        print("error:", what)
     print("PASS" if ok else "FAIL")
     if args.json:
         args.json.write_text(json.dumps({**result, "rss_growth_mib": growth_mib, "pass": ok}, indent=2))

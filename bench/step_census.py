@@ -49,7 +49,7 @@ def run_all(opts: argparse.Namespace) -> dict:
     sampling = GREEDY if opts.greedy else CHAT
     for slots in opts.slots:
         for batch in opts.batch:
-            engine = build_census_engine(tiny, batch, opts.prompt_tokens + 64, slots, twin)
+            engine = build_census_engine(tiny, batch, opts.prompt_tokens + 64, slots, twin, not opts.enforce_eager)
             twin = engine.twin
             steps = decode_census(engine, batch, opts.prompt_tokens, sampling, opts.settle_steps, opts.compare_gap)
             s = summarize(steps[0], engine.args)
@@ -58,12 +58,18 @@ def run_all(opts: argparse.Namespace) -> dict:
             print(f"decode B={batch} slots={slots}: {s['total']['launches']} launches, {s['total']['syncs']} syncs")
         if opts.prefill_tokens:
             length = opts.prefill_context + 2 * opts.prefill_tokens
-            engine = build_census_engine(tiny, 1, length, slots, twin)
+            engine = build_census_engine(tiny, 1, length, slots, twin, not opts.enforce_eager)
             step = prefill_census(engine, opts.prefill_context, opts.prefill_tokens, sampling)
             s = summarize(step, engine.args)
             runs.append({"batch": 1, "cache_slots": slots, **s, "projected": project(s, real)})
             print(f"prefill {opts.prefill_tokens} tokens slots={slots}: {s['total']['launches']} launches")
-    return {"model": tiny.name, "real_config": str(opts.real_config), "sampling": repr(sampling), "runs": runs}
+    return {
+        "model": tiny.name,
+        "real_config": str(opts.real_config),
+        "sampling": repr(sampling),
+        "decode_path": "eager (--enforce-eager)" if opts.enforce_eager else "decode buckets (static buffers)",
+        "runs": runs,
+    }
 
 
 def table(result: dict) -> str:
@@ -73,18 +79,23 @@ def table(result: dict) -> str:
         per = [
             f"{k[kind]['launches_per_layer']:.0f} / {k[kind]['syncs_per_layer']:.0f}" for kind in ("swa", "csa", "hca")
         ]
-        static = "-" if not r.get("compare") else ("yes" if r["compare"]["static"] else "no")
+        c = r.get("compare")
+        static = "-" if not c else "yes" if c["static"] else "forward" if c["forward_static"] else "no"
         step = f"{r['per_step']['launches']} / {r['per_step']['syncs']}"
+        outside = f"{r['outside_forward']['launches']} / {r['outside_forward']['syncs']}"
         rows.append(
-            [f"{r['phase']} x{r['tokens']}", r["batch"], r["cache_slots"] or "-", *per, step,
+            [f"{r['phase']} x{r['tokens']}", r["batch"], r["cache_slots"] or "-", *per, step, outside,
              f"{t['launches']} / {t['syncs']}", f"{p['launches']} / {p['syncs']}", static]
         )  # fmt: skip
     kinds = result["runs"][0]["projected"]["layers"]
-    headers = ["step", "B", "slots", "swa/layer", "csa/layer", "hca/layer", "per-step", "tiny", "V4-Flash", "static"]
+    headers = ["step", "B", "slots", "swa/layer", "csa/layer", "hca/layer", "per-step", "outside fwd", "tiny",
+               "V4-Flash", "static"]  # fmt: skip
     return (
         "launches / syncs; V4-Flash = per-kind counts x its layers "
         + ", ".join(f"{n} {kind}" for kind, n in kinds.items())
-        + " + the per-step parts\n"
+        + " + the per-step parts; outside fwd: the per-step parts outside the model's forward (sampler, runner,"
+        + " slot-cache boundary), what a CUDA graph of the decode forward leaves around its replay; static: two decode"
+        + " steps a page apart issue the same ops and shapes (forward: the forward's do, the rest not)\n"
         + format_table(headers, [[str(c) for c in row] for row in rows])
     )
 
@@ -122,6 +133,9 @@ def main() -> None:
     parser.add_argument("--settle-steps", type=int, default=1, help="uncounted real-path decode steps first")
     parser.add_argument(
         "--compare-gap", type=int, default=0, help="count a 2nd decode step this many positions later (0: a page)"
+    )
+    parser.add_argument(
+        "--enforce-eager", action="store_true", help="decode without the static-buffer buckets (as --enforce-eager)"
     )
     parser.add_argument("--greedy", action="store_true", help="greedy sampling instead of temperature 0.6, top-p 0.95")
     parser.add_argument("--cache-dir", type=Path, default=read_environment().cache_dir, help="holds dsv4-tiny")

@@ -11,6 +11,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from dsv4serve import __version__
 from dsv4serve.config import ConfigError, options
@@ -23,7 +24,7 @@ log = logging.getLogger("dsv4serve")
 
 def _add_serve_options(parser: argparse.ArgumentParser) -> None:
     for name, opt in options().items():
-        kwargs = {
+        kwargs: dict[str, Any] = {  # argparse's keyword arguments, of several types
             "dest": name,
             "default": None,
             "help": f"{opt.help} (env {option_env_name(name)})",

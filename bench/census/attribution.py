@@ -15,7 +15,7 @@ the q scale and the KV FP8 simulation), "compressor", "indexer", "attention core
 "other"; per step (no layer): "embed", "model glue" (Transformer.run's own ops), "head" (HC head, final
 norm, logits), "sampler", "runner/metadata", "slot cache boundary" (usage harvest and promotions,
 run once per step inside the first MoE layer), "other". HOST marks ops on host-side tensors (the slot
-cache's bookkeeping): the counter does not count them as launches.
+cache's bookkeeping, the decode bucket's host buffer): the counter counts them as neither launches nor syncs.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ HOST_CODE = {
     ("dsv4serve/experts/slot_cache.py", "_promote"),
     ("dsv4serve/experts/slot_cache.py", "resident"),
     ("dsv4serve/experts/staging.py", "layer_parts"),
+    ("dsv4serve/worker/graphs.py", "_fill"),  # the bucket's pinned host buffer (its device copy: CUDA only)
 }
 BOUNDARY = {"_boundary", "begin_step", "collect_usage"}  # slot_cache.py: once per step
 CORE = {"_attend_kernel", "_attend_row", "_store_window", "sparse_attention"}  # attention.py

@@ -7,8 +7,11 @@ As `worker/engine_setup.build_engine` builds it for `--device cuda --kernels aut
 Triton, here through TRITON_INTERPRET=1, which must be set before any dsv4_kernels import): the
 worker's numerics (`worker_numerics`: the FP8 checkpoint's arithmetic, batch_invariant=False), the
 weights loaded packed (`load_packed`, the routed experts behind an expert-slot cache when
-`moe_cache_size` is given), a KvPool, the Scheduler and the Runner. Not built: the calibration probe and
-the start-up kernel check (neither is part of a step).
+`moe_cache_size` is given), a KvPool with the padding page and slot, the Scheduler, and the Runner with
+the decode buckets (`worker/graphs.DecodeGraphs`): a decode step runs its forward on a bucket's static
+buffers, which a CUDA worker captures once into a CUDA graph and replays; here, uncaptured, the same
+forward runs eagerly, so the census counts what the graph holds (`decode_graphs=False`: the path of
+--enforce-eager). Not built: the calibration probe and the start-up kernel check (not part of a step).
 
 `warm_path`: the interpreter needs minutes for a prefill of a few hundred tokens, so the steps that
 only bring the engine to the state a census wants run on a dense twin of the same weights on the
@@ -38,6 +41,7 @@ from dsv4serve.model.kv_pool import KvPool
 from dsv4serve.model.numerics import Numerics
 from dsv4serve.model.packed_load import load_packed
 from dsv4serve.model.transformer import Transformer
+from dsv4serve.worker.graphs import DecodeGraphs
 from dsv4serve.worker.model_load import worker_numerics
 from dsv4serve.worker.runner import Runner
 from dsv4serve.worker.scheduler import Scheduler, SchedulerLimits
@@ -64,6 +68,7 @@ class CensusEngine:
     runner: Runner
     expert_cache: ExpertSlotCache | None
     twin: WarmTwin
+    graphs: DecodeGraphs | None
 
     @property
     def args(self) -> ModelArgs:
@@ -83,12 +88,12 @@ def run_step(engine: CensusEngine, chunk_tokens: int) -> StepPlan:
 def warm_path(engine: CensusEngine) -> Iterator[None]:
     """Steps inside run the dense twin on the torch path (module doc)."""
     runner = engine.runner
-    saved = runner.model, runner.numerics
-    runner.model, runner.numerics = engine.twin.model, engine.twin.numerics
+    saved = runner.model, runner.numerics, runner.graphs
+    runner.model, runner.numerics, runner.graphs = engine.twin.model, engine.twin.numerics, None
     try:
         yield
     finally:
-        runner.model, runner.numerics = saved
+        runner.model, runner.numerics, runner.graphs = saved
 
 
 def cuda_worker_numerics(args: ModelArgs) -> Numerics:
@@ -114,9 +119,12 @@ def build_census_engine(
     max_model_len: int,
     moe_cache_size: int | None = None,
     twin: WarmTwin | None = None,
+    decode_graphs: bool = True,
+    graph_sizes: tuple[int, ...] | None = None,
 ) -> CensusEngine:
     """The engine (module doc); KV for `max_running` sequences of `max_model_len` tokens. `twin` may be
-    shared between engines of the same checkpoint (it holds no state)."""
+    shared between engines of the same checkpoint (it holds no state). `graph_sizes`: the decode buckets
+    (default: the worker's, 1, 2, 4, ... up to max_running)."""
     ckpt = open_checkpoint(tiny_dir)
     args = ckpt.args
     numerics = cuda_worker_numerics(args)
@@ -132,18 +140,31 @@ def build_census_engine(
         max_model_len=max_model_len,
         eos_token_id=args.eos_token_id,
     )
-    pool = KvPool(
+    pool = KvPool(  # + the padding rows' page and slot, the last ones (as build_engine)
         args,
         numerics.compute_dtype,
-        num_pages=limits.kv_capacity_tokens // page,
-        num_slots=limits.num_slots,
+        num_pages=limits.kv_capacity_tokens // page + 1,
+        num_slots=limits.num_slots + 1,
         include_mtp=mtp,
         device=CPU,
     )
-    runner = Runner(model, pool, numerics, args.eos_token_id, CPU)
-    return CensusEngine(
-        ckpt, model, numerics, pool, Scheduler(limits), runner, cache, twin or load_twin(ckpt, numerics)
-    )
+    graphs = None
+    if decode_graphs:
+        graphs = DecodeGraphs(
+            model,
+            pool,
+            numerics,
+            max_running,
+            max_model_len,
+            pool.num_slots - 1,
+            pool.num_pages - 1,
+            capture=False,
+            expert_cache=cache,
+            sizes=graph_sizes,
+        )
+    runner = Runner(model, pool, numerics, args.eos_token_id, CPU, graphs=graphs)
+    twin = twin or load_twin(ckpt, numerics)
+    return CensusEngine(ckpt, model, numerics, pool, Scheduler(limits), runner, cache, twin, graphs)
 
 
 def add_requests(engine: CensusEngine, prompts: list[list[int]], sampling: SamplingParams) -> None:

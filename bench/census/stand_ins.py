@@ -7,13 +7,12 @@ The interpreter costs about 1-2 ms per program instance and op; the head's [voca
 programs at dsv4-tiny's real vocabulary (129,280): ~40 s of a ~47 s decode step. Its stand-in computes
 the kernel's contract (fp32 logits = y @ w^T, the bf16 weight as stored, dsv4_kernels/head_logits.py)
 with one torch matmul from the launch's own arguments, so the launch, its grid and its arguments are
-what the step issued. A counter entered inside this context sees the launch (it wraps the run method
-patched here) and pauses its own counting during the stand-in's torch work.
+what the step issued. A counter sees the launch (it wraps the launch, this patch the execution below
+it) and pauses its own counting during the stand-in's torch work.
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from unittest import mock
@@ -36,23 +35,25 @@ STAND_INS: dict[str, tuple[Callable[[dict], None], tuple[str, ...]]] = {
 
 @contextmanager
 def stand_ins(names: tuple[str, ...] = tuple(STAND_INS)) -> Iterator[None]:
-    """Run the named kernels' launches as their torch stand-ins (interpreter only; a GPU runs them)."""
-    from triton.runtime.interpreter import InterpretedFunction
+    """Run the named kernels' launches as their torch stand-ins (interpreter only; a GPU runs them). The
+    patch is on the interpreter's grid executor, below the launch a counter wraps, so the two nest in any
+    order."""
+    from triton.runtime.interpreter import GridExecutor
 
-    real = InterpretedFunction.run
+    real = GridExecutor.__call__
 
-    def run(fn, *args, grid, warmup, **kwargs):
-        entry = STAND_INS.get(fn.__name__) if fn.__name__ in names else None
-        if entry is None or warmup:
-            return real(fn, *args, grid=grid, warmup=warmup, **kwargs)
-        stand_in, needs = entry
-        params = list(inspect.signature(fn.fn).parameters)
+    def execute(executor, *args, **kwargs):
+        name = executor.fn.__name__
+        if name not in names or name not in STAND_INS:
+            return real(executor, *args, **kwargs)
+        stand_in, needs = STAND_INS[name]
+        params = list(executor.arg_names)
         missing = [n for n in needs if n not in params]
         if missing:
-            raise RuntimeError(f"{fn.__name__}'s signature changed (no {missing}): update bench/census/stand_ins.py")
+            raise RuntimeError(f"{name}'s signature changed (no {missing}): update bench/census/stand_ins.py")
         bound = dict(zip(params, args))
         bound.update({k: v for k, v in kwargs.items() if k in params})
         stand_in(bound)
 
-    with mock.patch.object(InterpretedFunction, "run", run):
+    with mock.patch.object(GridExecutor, "__call__", execute):
         yield

@@ -22,6 +22,9 @@ from bench.census.counter import Launch, Seen, fingerprint
 from bench.census.steps import StepCensus
 from dsv4serve.model.args import ModelArgs
 
+# per-step components outside the model's forward: what a CUDA graph of the forward leaves around its replay
+OUTSIDE_FORWARD = {"sampler", "runner/metadata", "slot cache boundary", "other"}
+
 
 def layer_class(args: ModelArgs, layer: int) -> tuple[str, str]:
     return args.kind(layer), "hash" if args.is_hash_layer(layer) else "gate"
@@ -58,6 +61,8 @@ def summarize(census: StepCensus, args: ModelArgs) -> dict:
                 "components": dict(sum((Counter(x["components"]) for x in rows), Counter()).most_common()),
             }
     sites = Counter((s.site, s.what) for s in seen.syncs)
+    outside = [x for x in by_layer[None] if x.component in OUTSIDE_FORWARD]
+    outside_syncs = sum(1 for s in seen.syncs if s.layer is None and s.component in OUTSIDE_FORWARD)
     return {
         "phase": census.phase,
         "rows": census.num_rows,
@@ -70,6 +75,7 @@ def summarize(census: StepCensus, args: ModelArgs) -> dict:
             "host_tensors": len(seen.host_tensors),
         },
         "per_step": _part(by_layer[None], syncs_by_layer[None]),
+        "outside_forward": _part(outside, outside_syncs),
         "layers": layers,
         "per_kind": per_kind,
         "sync_sites": [{"site": site, "what": what, "count": n} for (site, what), n in sites.most_common()],
@@ -100,25 +106,34 @@ def project(summary: dict, target: ModelArgs) -> dict:
     return {"layers": dict(kinds), "launches": round(launches), "syncs": round(syncs)}
 
 
+def _forward(seen: Seen) -> Seen:
+    """The launches of the model's forward only (what a CUDA graph of it would hold)."""
+    inside = [x for x in seen.launches if x.layer is not None or x.component not in OUTSIDE_FORWARD]
+    return Seen(launches=inside)
+
+
 def compare_steps(a: Seen, b: Seen, shown: int = 5) -> dict:
-    """Whether two steps issued the same (op, input shapes, grid) sequence; where not, the blocks that
-    differ (difflib opcodes: replaced, inserted or deleted entries, with the first site of each); plus the
-    Triton launch sites whose scalar arguments changed (a CUDA graph replays the values it captured)."""
+    """Whether two steps issued the same (op, input shapes, grid) sequence (`static`; `forward_static`: the
+    model's forward alone); where not, the blocks that differ (difflib opcodes: replaced, inserted or deleted
+    entries, with the first site of each); plus the Triton launch sites whose scalar arguments changed (a
+    CUDA graph replays the values it captured)."""
     fa, ha = fingerprint(a)
     fb, hb = fingerprint(b)
-    blocks = [op for op in SequenceMatcher(None, fa, fb, autojunk=False).get_opcodes() if op[0] != "equal"]
+    opcodes = SequenceMatcher(None, fa, fb, autojunk=False).get_opcodes()
+    blocks = [op for op in opcodes if op[0] != "equal"]
     first = []
     for tag, i0, i1, j0, j1 in blocks[:shown]:
         site = a.launches[i0].site if i1 > i0 else b.launches[j0].site
         example = [repr(fa[i0]) if i1 > i0 else "-", repr(fb[j0]) if j1 > j0 else "-"]
         first.append({"change": tag, "entries": [i1 - i0, j1 - j0], "site": site, "a": example[0], "b": example[1]})
-    scalars = Counter(
-        x.site
-        for x, y in zip(a.launches, b.launches)
-        if x.kind == "triton" and x.name == y.name and x.scalars != y.scalars
-    )
+    matched = []  # launch pairs of the blocks that are equal
+    for tag, i0, i1, j0, _ in opcodes:
+        if tag == "equal":
+            matched += [(a.launches[i0 + k], b.launches[j0 + k]) for k in range(i1 - i0)]
+    scalars = Counter(x.site for x, y in matched if x.kind == "triton" and x.scalars != y.scalars)
     return {
         "static": ha == hb,
+        "forward_static": fingerprint(_forward(a))[1] == fingerprint(_forward(b))[1],
         "hashes": [ha, hb],
         "lengths": [len(fa), len(fb)],
         "differing_entries": sum(max(i1 - i0, j1 - j0) for _, i0, i1, j0, j1 in blocks),

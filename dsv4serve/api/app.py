@@ -100,6 +100,7 @@ def _tokenize(state: AppState, req: TokenizeRequest) -> list[int]:
     if req.prompt is not None:
         add_special = req.add_special_tokens if req.add_special_tokens is not None else True
         return state.tokenizer.encode(req.prompt, add_special_tokens=add_special)
+    assert req.messages is not None  # the route let through exactly one of prompt and messages
     kwargs = req.chat_template_kwargs or {}
     try:
         text = render_prompt(

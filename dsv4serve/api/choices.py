@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dsv4serve.api.generation import ChoiceEvent
 from dsv4serve.api.tokenizer import TextTokenizer
-from dsv4serve.chat import StreamParser
+from dsv4serve.chat import StreamParser, ToolCall
 from dsv4serve.ipc.messages import TokenOut
 
 NO_LOGPROB = -9999.0  # vLLM's stand-in where a logprob is missing (never expected)
@@ -23,7 +23,8 @@ class ChatChoice:
         self._parser = StreamParser(opens_reasoning)
         self._thinking = opens_reasoning
         self._logprobs = logprobs
-        self.reasoning, self.content, self.tool_calls = "", "", []
+        self.reasoning, self.content = "", ""
+        self.tool_calls: list[ToolCall] = []
         self.logprob_entries: list[dict] = []
         self.finish_reason: str | None = None
 
@@ -111,7 +112,7 @@ class TextChoice:
         self._echo_ids = echo_ids
         self.text = ""
         self.finish_reason: str | None = None
-        self._lp = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        self._lp: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         self._offset = len(echo_text)
 
     def start(self) -> None:
@@ -147,7 +148,7 @@ class TextChoice:
         self.text += text
         if event.finish_reason is not None:
             self.finish_reason = event.finish_reason
-        step = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        step: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         if self._logprobs is not None and self._echo_ids is not None and event.prompt_logprobs is not None:
             self._add_prompt_logprobs(event.prompt_logprobs, step)
         if self._logprobs is not None:

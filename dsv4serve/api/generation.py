@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 
 from dsv4serve.api.detokenize import IncrementalDetokenizer
@@ -163,7 +163,7 @@ async def run_choice(app_state, spec: ChoiceSpec) -> AsyncIterator[ChoiceEvent]:
             metrics.request_success.labels(finished_reason=reason).inc()
 
 
-async def fan_in(app_state, specs: list[ChoiceSpec], request=None) -> AsyncIterator[ChoiceEvent | APIError]:
+async def fan_in(app_state, specs: list[ChoiceSpec], request=None) -> AsyncGenerator[ChoiceEvent | APIError, None]:
     """Events of all choices as they come; an engine failure comes as an APIError item (and ends
     that choice). Stopping early, or a client disconnect, cancels every choice (aborting it)."""
     queue: asyncio.Queue = asyncio.Queue()

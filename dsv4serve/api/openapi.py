@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from dsv4serve.api.anthropic.protocol import MessagesRequest
 from dsv4serve.api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from dsv4serve.api.responses.protocol import ResponsesRequest
 
-BODIES = {
+BODIES: dict[tuple[str, str], type[BaseModel]] = {
     ("/v1/chat/completions", "post"): ChatCompletionRequest,
     ("/v1/completions", "post"): CompletionRequest,
     ("/tokenize", "post"): TokenizeRequest,

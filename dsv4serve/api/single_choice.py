@@ -5,7 +5,7 @@ objects and events. This module drives both, streamed or not."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -54,7 +54,7 @@ class _Driver:
 
     async def body(
         self,
-        items: AsyncIterator[ChoiceEvent | APIError],
+        items: AsyncGenerator[ChoiceEvent | APIError, None],
         frame: Callable[[dict], str],
         error_frame: Callable[[APIError], str],
     ) -> AsyncIterator[str]:
@@ -86,7 +86,7 @@ async def answer(
         await collect(state, request, prepared.specs, driver.on_event)
         return JSONResponse(driver.finish()[1])
 
-    def body(first: ChoiceEvent, events: AsyncIterator) -> AsyncIterator[str]:
+    def body(first: ChoiceEvent, events: AsyncGenerator) -> AsyncIterator[str]:
         return driver.body(chain(first, events), frame, error_frame)
 
     return await open_stream(state, request, prepared.specs, body)

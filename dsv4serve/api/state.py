@@ -15,6 +15,7 @@ from fastapi import Request
 from dsv4serve.api.engine import Engine
 from dsv4serve.api.errors import APIError, bad_request
 from dsv4serve.api.metrics import Metrics
+from dsv4serve.api.protocol import _Model
 from dsv4serve.api.tokenizer import TextTokenizer
 from dsv4serve.ipc.messages import Ready
 
@@ -97,7 +98,7 @@ async def read_json(request: Request) -> dict:
     return await get_state(request).off_loop(parse_json, raw)
 
 
-M = TypeVar("M")
+M = TypeVar("M", bound=_Model)
 
 
 async def read_request(request: Request, model: type[M]) -> tuple[AppState, M]:

@@ -11,7 +11,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -77,7 +77,7 @@ class Reply:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, **fields}
 
 
-async def collect(state, request, specs: list[ChoiceSpec], on_event: Callable[[ChoiceEvent], None]) -> None:
+async def collect(state, request, specs: list[ChoiceSpec], on_event: Callable[[ChoiceEvent], object]) -> None:
     """Run the choices to their end, handing each event to `on_event`; an engine error is raised (the
     route's error handler answers it in the API's envelope)."""
     async with contextlib.aclosing(fan_in(state, specs, request)) as events:
@@ -99,7 +99,7 @@ async def complete(state, request, reply: Reply, specs: list[ChoiceSpec]) -> JSO
     return JSONResponse(body)
 
 
-StreamBody = Callable[[ChoiceEvent, AsyncIterator], AsyncIterator[str]]
+StreamBody = Callable[[ChoiceEvent, AsyncGenerator], AsyncIterator[str]]
 
 
 async def open_stream(state, request, specs: list[ChoiceSpec], body: StreamBody):
@@ -120,7 +120,7 @@ async def open_stream(state, request, specs: list[ChoiceSpec], body: StreamBody)
     )
 
 
-async def chain(first: ChoiceEvent, events: AsyncIterator) -> AsyncIterator[ChoiceEvent | APIError]:
+async def chain(first: ChoiceEvent, events: AsyncGenerator) -> AsyncGenerator[ChoiceEvent | APIError, None]:
     """The first event, then the rest, ending after an engine error; the events are closed at the end."""
     try:
         item = first
@@ -137,7 +137,7 @@ async def chain(first: ChoiceEvent, events: AsyncIterator) -> AsyncIterator[Choi
 
 
 async def stream(state, request, reply: Reply, specs: list[ChoiceSpec], include_usage: bool, continuous_usage: bool):
-    def body(first: ChoiceEvent, events: AsyncIterator) -> AsyncIterator[str]:
+    def body(first: ChoiceEvent, events: AsyncGenerator) -> AsyncIterator[str]:
         return _stream_body(reply, chain(first, events), include_usage, continuous_usage)
 
     return await open_stream(state, request, specs, body)
@@ -154,7 +154,7 @@ async def respond(state, request, reply: Reply, specs: list[ChoiceSpec], req: An
 
 
 async def _stream_body(
-    reply: Reply, items: AsyncIterator[ChoiceEvent | APIError], include_usage: bool, continuous_usage: bool
+    reply: Reply, items: AsyncGenerator[ChoiceEvent | APIError, None], include_usage: bool, continuous_usage: bool
 ) -> AsyncIterator[str]:
     chunk_obj = reply.object + ".chunk" if reply.object == "chat.completion" else reply.object
     usage = Usage()

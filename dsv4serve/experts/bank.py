@@ -133,6 +133,11 @@ def bank_bytes(specs: dict[int, list[TensorSpec]]) -> int:
     return sum(s.nbytes for layer in specs.values() for s in layer)
 
 
+def _expert(spec: TensorSpec) -> int:
+    assert spec.expert is not None, f"{spec.name}: a routed-expert tensor names its expert"
+    return spec.expert
+
+
 def _dtype(spec: TensorSpec) -> torch.dtype:
     return torch.int8 if spec.role == "fp4_weight" else torch.uint8
 
@@ -165,14 +170,14 @@ def load_expert_bank(
             pageable, pin_it = pageable + size, False
         else:
             left += size
-            mapped[layer] = {(s.expert, _part(s)): s.name for s in layer_specs}
+            mapped[layer] = {(_expert(s), _part(s)): s.name for s in layer_specs}
             bar.update(size)
             continue
         parts = {
             p: torch.empty((n_experts, *shape), dtype=dtype, pin_memory=pin_it) for p, (shape, dtype) in shapes.items()
         }
         for s in layer_specs:
-            parts[_part(s)][s.expert].copy_(ckpt.source.read(s.name).view(_dtype(s)))
+            parts[_part(s)][_expert(s)].copy_(ckpt.source.read(s.name).view(_dtype(s)))
             bar.update(s.nbytes)
         ram[layer] = parts
     bar.close()

@@ -170,6 +170,11 @@ class ExpertSlotCache:
         self._boundary()
         self._begun = True
 
+    def end_step(self) -> None:
+        """The step began with `begin_step` ran without the layers' Python hooks (a CUDA graph's replay): the
+        next eager step's first MoE layer is a boundary again."""
+        self._begun = False
+
     def collect_usage(self) -> None:
         """Fold the usage counts that have arrived into the stats and scores (no promotion, no wait)."""
         grown = self._counts.collect()

@@ -281,6 +281,7 @@ def _honour_user_cap(
     memory_why: str,
     common: dict,
 ) -> ChunkPlan:
+    assert cap.value is not None, "plan_chunk calls this only for an explicit cap"
     n = int(cap.value)
     margin = PLATFORM_MARGIN_BYTES[snapshot.platform]
     flag = who("max_prefill_length", cap)  # the flag, or DSV4SERVE_MAX_PREFILL_LENGTH

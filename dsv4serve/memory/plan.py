@@ -143,6 +143,14 @@ class PlanSettings:
         )
 
 
+def _explicit(setting: Setting[int | None]) -> int | None:
+    """The user's value, or None when the setting was not given (an explicit value is a parsed positive int)."""
+    if not setting.source.explicit:
+        return None
+    assert setting.value is not None, "an explicit setting always carries a value"
+    return setting.value
+
+
 # ----------------------------------------------------------------------------------- output
 
 
@@ -364,8 +372,9 @@ class _Reservations:
         kv = kv_geometry(args, include_mtp)
         model_len = s.max_model_len.value
         geo = prefill_geometry(args, model_len, s.max_num_seqs.value)  # context upper bound: conservative
-        if s.num_tokens.source.explicit:
-            kv_floor = s.num_tokens.value
+        explicit_kv = _explicit(s.num_tokens)
+        if explicit_kv is not None:
+            kv_floor = explicit_kv
             if s.max_model_len.source.explicit and model_len > kv_floor:
                 raise ConfigError(
                     f"{who('max_model_len', s.max_model_len)} {model_len} needs a KV cache of at least "
@@ -374,8 +383,8 @@ class _Reservations:
                 )
         else:
             kv_floor = model_len if s.max_model_len.source.explicit else min(model_len, KV_FLOOR_TOKENS)
-        cap = s.max_prefill_length.value if s.max_prefill_length.source.explicit else None
-        explicit_slots = s.moe_cache_size.value if s.moe_cache_size.source.explicit else None
+        cap = _explicit(s.max_prefill_length)
+        explicit_slots = _explicit(s.moe_cache_size)
         min_slots = min(explicit_slots, weights.n_experts) if explicit_slots else args.n_activated_experts
         r = cls(
             kv,
@@ -447,8 +456,9 @@ def _experts(r: _Reservations, w: WeightBytes, s: PlanSettings, decisions: list[
     res_target = r.act(r.cap if r.cap is not None else min(RESIDENT_CHUNK_TARGET, model_len))
     off_target = r.act(r.cap if r.cap is not None else min(OFFLOAD_CHUNK_TARGET, model_len))
     all_bytes = w.n_experts * slot
-    if s.moe_cache_size.source.explicit:
-        slots = min(s.moe_cache_size.value, w.n_experts)
+    explicit_slots = _explicit(s.moe_cache_size)
+    if explicit_slots is not None:
+        slots = min(explicit_slots, w.n_experts)
         decisions.append(
             f"expert slots: {slots} ({who('moe_cache_size', s.moe_cache_size)}, honoured), {_g(slots * slot)}"
         )
@@ -482,8 +492,9 @@ def _experts(r: _Reservations, w: WeightBytes, s: PlanSettings, decisions: list[
 
 
 def _kv_tokens(r: _Reservations, s: PlanSettings, rest: int, kv_target: int, act_target: int) -> int:
-    if s.num_tokens.source.explicit:
-        return s.num_tokens.value
+    explicit_kv = _explicit(s.num_tokens)
+    if explicit_kv is not None:
+        return explicit_kv
     tokens = min(kv_target, kv_tokens_for(r.kv, rest - act_target))
     tokens = min(max(tokens, r.kv_floor), kv_tokens_for(r.kv, rest - r.act_floor))  # the chunk floor first
     aligned = (tokens // r.unit) * r.unit

@@ -41,7 +41,7 @@ class WeightBytes:
 
 def weight_bytes(specs: list[TensorSpec], args: ModelArgs) -> WeightBytes:
     non_expert = routed = mtp = 0
-    one: dict[tuple[int, int], int] = {}
+    one: dict[tuple[int | None, int | None], int] = {}  # (layer, expert) -> bytes; only counted and maxed
     for s in specs:
         if s.layer is not None and s.layer >= args.n_layers:
             mtp += s.nbytes

@@ -45,6 +45,8 @@ def sparse_attention(
 
 
 class Attention(nn.Module):
+    freqs: torch.Tensor  # a registered buffer: [rope_head_dim / 2] fp32
+
     def __init__(self, layer_id: int, args: ModelArgs):
         super().__init__()
         self.layer_id = layer_id
@@ -69,7 +71,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, layout: BatchLayout, cache: LayerCache, num: Numerics) -> torch.Tensor:
         """x [N, D] compute dtype (attn_norm output) -> [N, D] compute dtype."""
         kernels = num.backends.token_ops == "triton"
-        rot = Rotation.of(self.freqs, layout.positions, kernels)
+        rot = Rotation.of(self.freqs, layout.positions if kernels else layout.positions64, kernels)
         # shared by wq_a and wkv; the FP8 GEMM kernel quantizes its input itself (never twice)
         in_kernel = self.wq_a.quantizes_in_kernel(num) and self.wkv.quantizes_in_kernel(num)
         xq = x if in_kernel else act_quant(x, num)
@@ -113,11 +115,12 @@ class Attention(nn.Module):
     ) -> dict[str, torch.Tensor]:
         """Per-token inputs of the compressors and indexer, computed on all packed tokens at once."""
         out: dict[str, torch.Tensor] = {}
+        xf = x.float() if self.compressor is not None else x  # the compressors' fp32 input, cast once for both
         if self.compressor is not None:
-            out["kv"], out["gate"] = self.compressor.project(x, num)
+            out["kv"], out["gate"] = self.compressor.project(xf, num)
         if self.indexer is not None:
             out["iq"], out["iw"] = self.indexer.queries(x, qr, rot, num)
-            out["ikv"], out["igate"] = self.indexer.compressor.project(x, num)
+            out["ikv"], out["igate"] = self.indexer.compressor.project(xf, num)
         return out
 
     def _update_compressors(
@@ -131,6 +134,7 @@ class Attention(nn.Module):
         if self.indexer is not None:
             pairs.append((self.indexer.compressor, extras["ikv"], extras["igate"], cache.idx))
         for compressor, kv, gate, target in pairs:
+            assert target is not None, "a layer with a compressor has that compressor's cache tier"
             if vector:
                 compressor.update_decode(kv, gate, layout, target, self.freqs, num)
                 continue
@@ -164,6 +168,7 @@ class Attention(nn.Module):
         allowed = (delta >= 0) & (delta < window)  # the window includes the query itself
         self._store_window(ring, kv, start_pos)
         if self.compressor is not None:
+            assert cache.comp is not None, "a layer with a compressor has its compressed cache tier"
             entries = cache.comp.read(layout.pages(span), (start_pos + n_new) // self.compress_ratio)
             n_ready = (q_pos + 1) // self.compress_ratio  # entries a query may use: w < (t+1)/ratio
             visible = torch.arange(entries.shape[0], device=dev)[None, :] < n_ready[:, None]

@@ -24,22 +24,22 @@ from dsv4serve.model.kv_pool import CompressedCache
 def store_window(swa: torch.Tensor, kv: torch.Tensor, layout: BatchLayout) -> None:
     """swa [slots, W, d] ring, kv [B, d] the rows' new keys -> written at (slot, position % W)."""
     window = swa.shape[1]
-    swa[layout.seq_slot.long(), layout.positions.long() % window] = kv.to(swa.dtype)
+    swa[layout.slots64, layout.positions64 % window] = kv.to(swa.dtype)
 
 
 def window_keys(swa: torch.Tensor, layout: BatchLayout) -> tuple[torch.Tensor, torch.Tensor]:
     """The W keys of each row's window, positions p - W + 1 .. p (after `store_window`):
     ([B, W, d], valid [B, W] bool)."""
     window = swa.shape[1]
-    k_pos = layout.positions.long()[:, None] - (window - 1) + torch.arange(window, device=swa.device)  # [B, W]
-    keys = swa[layout.seq_slot.long()[:, None], k_pos % window]
+    k_pos = layout.positions64[:, None] - (window - 1) + torch.arange(window, device=swa.device)  # [B, W]
+    keys = swa[layout.slots64[:, None], k_pos % window]
     return keys, k_pos >= 0
 
 
 def gather_entries(cache: CompressedCache, layout: BatchLayout, index: torch.Tensor) -> torch.Tensor:
     """Entries `index` [B, M] (int, -1 allowed: garbage, masked by the caller) of each row -> [B, M, d]."""
     idx = index.long().clamp_min(0)
-    pages = layout.block_table.long().gather(1, torch.div(idx, cache.per_page, rounding_mode="floor"))
+    pages = layout.table64.gather(1, torch.div(idx, cache.per_page, rounding_mode="floor"))
     return cache.entries[pages, idx % cache.per_page]
 
 
@@ -68,7 +68,7 @@ def attend_decode(
         else:
             cols = torch.arange(entry_count_bound(layout, comp.ratio), device=q.device)
             index = cols.expand(q.shape[0], -1)
-            visible = cols[None, :] < ((layout.positions.long() + 1) // comp.ratio)[:, None]
+            visible = cols[None, :] < ((layout.positions64 + 1) // comp.ratio)[:, None]
         keys = torch.cat((keys, gather_entries(comp, layout, index)), dim=1)
         valid = torch.cat((valid, visible), dim=1)
     kf = keys.float()  # [B, L, d]
@@ -89,7 +89,7 @@ def select_decode(
     bound = entry_count_bound(layout, cache.ratio)
     cols = torch.arange(bound, device=q.device)
     keys = gather_entries(cache, layout, cols.expand(q.shape[0], -1))  # [B, M, d_I]
-    visible = cols[None, :] < ((layout.positions.long() + 1) // cache.ratio)[:, None]
+    visible = cols[None, :] < ((layout.positions64 + 1) // cache.ratio)[:, None]
     scores = torch.einsum("bhd,bmd->bhm", q.float(), keys.float()).relu_()
     scores = (scores * weights.unsqueeze(-1)).sum(dim=1).masked_fill(~visible, float("-inf"))  # [B, M]
     k = min(index_topk, bound)

@@ -5,7 +5,10 @@ One field per kernel of kernels/dsv4_kernels: `attention` (paged sparse attentio
 (projections stored in FP8), `fp4_moe` (the routed experts, MXFP4), `head` (the output head, fp32
 logits from the bf16 weight as stored), `hc` (the mHC mixing: hc_pre, hc_post and the HC head, one
 launch each instead of ~120 small torch ops), `token_ops` (the per-token chains around the GEMMs: RMSNorm,
-q / kv norm + RoPE + FP8 simulation, the indexer query, inverse RoPE, compressor entries; one launch each).
+q / kv norm + RoPE + FP8 simulation, the indexer query, inverse RoPE, compressor entries; one launch each),
+`router` (the MoE gate: logits, scores, top-k with bias or hash ids, normalized weights; two launches,
+one on a hash layer). The shared expert has no field of its own: it is FP8-stored, and with `fp8_gemm`
+on Triton it runs as two FP8 launches (w1 + w3 with the SwiGLU epilogue, then w2).
 The setting travels inside
 `Numerics`, the frozen value every model function already receives, so dispatch needs no model
 state beyond the packed weights that `Transformer.use_kernels` prepares.
@@ -17,7 +20,7 @@ Triton but the MoE; a kernel not named keeps the base (the device default unless
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 
@@ -35,6 +38,7 @@ class KernelBackends:
     head: Backend = "torch"
     hc: Backend = "torch"
     token_ops: Backend = "torch"
+    router: Backend = "torch"
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -83,7 +87,7 @@ def parse_backends(spec: str, base: KernelBackends = TORCH) -> KernelBackends:
         if kernel == "all":
             result = KernelBackends.every(backend)  # type: ignore[arg-type]
         elif kernel in names:
-            result = replace(result, **{kernel: backend})
+            result = replace(result, **{kernel: cast(Backend, backend)})
         else:
             raise ValueError(
                 f"kernel backends {spec!r}: part {part!r} names kernel {kernel!r}; expected 'all' or one of {names}"

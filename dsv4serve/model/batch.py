@@ -12,6 +12,7 @@ max_model_len) so that a decode step's shapes depend only on its row count (CUDA
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -57,7 +58,22 @@ class BatchLayout:
 
     def pages(self, span: RowSpan) -> torch.Tensor:
         """The row's page table on the device, [W] int64 (-1 padded): for the per-row (prefill) paths."""
-        return self.block_table[span.index].long()
+        return self.table64[span.index]
+
+    # int64 views for torch indexing, converted once per step (not once per layer and use). A layout reused
+    # across steps (worker/graphs.py's static buffers) must be copied (dataclasses.replace) for each step or
+    # capture, so that these are computed from the current buffer.
+    @functools.cached_property
+    def positions64(self) -> torch.Tensor:
+        return self.positions.long()
+
+    @functools.cached_property
+    def slots64(self) -> torch.Tensor:
+        return self.seq_slot.long()
+
+    @functools.cached_property
+    def table64(self) -> torch.Tensor:
+        return self.block_table.long()
 
 
 class HostStaging:

@@ -3,8 +3,10 @@
 CSA (ratio 4) windows overlap: each token projects to 2d values; the first half (`A`) joins the
 next window, the second half (`B`) its own, so entry w pools 2*ratio slots. HCA windows do not
 overlap. Entries are RMS-normed, rotated at the window's first position, then QAT-simulated: FP8 on
-the nope dims for attention keys, Hadamard + FP4 for indexer keys (`rotate`). The pooling runs in
-torch or in the compressor_pool kernel (`num.backends.compressor`).
+the nope dims for attention keys, Hadamard + FP4 for indexer keys (`rotate`). With
+`num.backends.compressor == "triton"` the pooling runs in the compressor_pool kernel, and a decode step
+(`update_decode`) is one compressor_decode launch: carry, pooling, entry and previous half together.
+The two fp32 projections wkv and wgate run as one matmul over their concatenated weights (`project`).
 """
 
 from __future__ import annotations
@@ -40,11 +42,35 @@ class Compressor(nn.Module):
         self.wgate = Linear(args.dim, coff * head_dim, fp8_act=False)
         self.ape = nn.Parameter(torch.empty(ratio, coff * head_dim))
         self.norm = RMSNorm(head_dim, args.norm_eps)
+        self._fused: tuple[tuple, torch.Tensor] | None = None  # (the weights' identity, [wkv; wgate] fp32)
 
     def project(self, x: torch.Tensor, num: Numerics) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [N, D] -> (kv, gate) [N, coff * d] fp32; the reference compresses in fp32."""
-        xf = x.float()
-        return matmul(xf, self.wkv.weight.float(), num), matmul(xf, self.wgate.weight.float(), num)
+        """x [N, D] (fp32, or cast to it) -> (kv, gate) [N, coff * d] fp32 views of one fp32 matmul; the
+        reference compresses in fp32."""
+        both = matmul(x.float(), self._fused_weight(), num)  # [N, 2 * coff * d]
+        width = self.wkv.weight.shape[0]
+        return both[:, :width], both[:, width:]
+
+    def _fused_weight(self) -> torch.Tensor:
+        """[wkv; wgate] as one fp32 [2 * coff * d, D] tensor, built on first use. fp32 weights (both loaders
+        hold them so) then become views into it: no second copy, and a later in-place load into them lands
+        in it; a weight replaced or moved (a new tensor) makes it rebuild. Weights of another dtype keep an
+        fp32 copy beside them, rebuilt when either changes (their version counters)."""
+        wkv, wgate = self.wkv.weight, self.wgate.weight
+        width = wkv.shape[0]
+        key = (wkv.data_ptr(), wgate.data_ptr(), wkv.device, wkv.dtype, wgate.dtype, wkv._version, wgate._version)
+        if self._fused is not None:
+            known, fused = self._fused
+            views = wkv.dtype == wgate.dtype == torch.float32 and wkv.device == fused.device
+            views = views and wkv.data_ptr() == fused.data_ptr() and wgate.data_ptr() == fused[width:].data_ptr()
+            if views or known == key:
+                return fused
+        with torch.inference_mode(False), torch.no_grad():  # a normal tensor: params may be loaded into later
+            fused = torch.cat((wkv.detach().float(), wgate.detach().float()))
+            if wkv.dtype == wgate.dtype == torch.float32:
+                wkv.data, wgate.data = fused[:width], fused[width:]
+        self._fused = (key, fused)
+        return fused
 
     def update(
         self,
@@ -94,15 +120,25 @@ class Compressor(nn.Module):
         entry of the row's current window is computed for every row and written at its index p // ratio
         (its page holds position p, so it exists): a window that did not close yet writes a partial entry
         nobody reads (reads stop at (t + 1) // ratio) and that its closing overwrites. The overlap half
-        moves to `prev` only for the rows whose window closed."""
+        moves to `prev` only for the rows whose window closed. On Triton: all of it in one launch."""
+        if num.backends.compressor == "triton":
+            from dsv4_kernels.compressor_decode import compressor_decode  # lazy: kernels build on import
+
+            compressor_decode(
+                kv, gate, self.ape, layout.positions, layout.seq_slot, layout.block_table, cache.pending_kv,
+                cache.pending_score, cache.prev_kv, cache.prev_score, cache.entries, self.norm.weight, self.norm.eps,
+                freqs, self._entry_mode(num), num.compute_dtype, self.head_dim - self.rope_head_dim,
+            )  # fmt: skip
+            return
         ratio = self.ratio
-        pos, slots = layout.positions.long(), layout.seq_slot.long()
+        pos, slots = layout.positions64, layout.slots64
         j = pos % ratio
         cache.pending_kv[slots, j] = kv
         cache.pending_score[slots, j] = gate + self.ape.float()[j]
         win_kv, win_score = cache.pending_kv[slots], cache.pending_score[slots]  # [B, ratio, coff * d]
         entry_idx = pos // ratio
         if self.overlap:
+            assert cache.prev_kv is not None and cache.prev_score is not None, "an overlapping cache keeps prev_*"
             d = self.head_dim
             has_prev = (entry_idx > 0)[:, None, None]
             prev_kv = torch.where(has_prev, cache.prev_kv[slots], 0.0)
@@ -113,7 +149,7 @@ class Compressor(nn.Module):
             win_kv = torch.cat((prev_kv, win_kv[..., d:]), dim=1)
             win_score = torch.cat((prev_score, win_score[..., d:]), dim=1)
         entry = self._finish(self._pool(win_kv, win_score, num), pos, ratio, freqs, num)  # [B, d]
-        pages = layout.block_table.long().gather(1, (entry_idx // cache.per_page)[:, None])[:, 0]
+        pages = layout.table64.gather(1, (entry_idx // cache.per_page)[:, None])[:, 0]
         cache.entries[pages, entry_idx % cache.per_page] = entry.to(cache.entries.dtype)
 
     @staticmethod
@@ -129,6 +165,7 @@ class Compressor(nn.Module):
         self, kv: torch.Tensor, score: torch.Tensor, cache: CompressedCache, slot: int, has_prev: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """[W, ratio, 2d] -> [W, 2*ratio, d]: window w-1's A halves, then window w's B halves."""
+        assert cache.prev_kv is not None and cache.prev_score is not None, "an overlapping cache keeps prev_*"
         d = self.head_dim
         prev_kv = kv.new_zeros(kv.shape[0], self.ratio, d)
         prev_score = score.new_full((kv.shape[0], self.ratio, d), float("-inf"))
@@ -146,16 +183,19 @@ class Compressor(nn.Module):
         if num.backends.token_ops == "triton":
             from dsv4_kernels.token_ops import Angles, compressed_entry
 
-            if self.rotate:
-                mode = "index" if num.indexer_fp4 else "plain"
-            else:
-                mode = "kv" if num.kv_fp8 else "plain"
             angles = Angles.at(positions, freqs, window)
             nope = self.head_dim - self.rope_head_dim
+            mode = self._entry_mode(num)
             return compressed_entry(pooled, self.norm.weight, self.norm.eps, angles, mode, num.compute_dtype, nope)
         entry = self.norm(pooled.to(num.compute_dtype))
         first = torch.div(positions.long(), window, rounding_mode="floor") * window
         return self._simulate(apply_rope(entry, *rope_cos_sin(freqs, first)), num)
+
+    def _entry_mode(self, num: Numerics) -> str:
+        """The QAT simulation of an entry, as token_ops.compressed_entry names it."""
+        if self.rotate:
+            return "index" if num.indexer_fp4 else "plain"
+        return "kv" if num.kv_fp8 else "plain"
 
     def _simulate(self, entry: torch.Tensor, num: Numerics) -> torch.Tensor:
         if self.rotate:

@@ -75,15 +75,18 @@ class CompressedCache:
     ) -> CompressedCache:
         overlap = ratio == 4
         width = (2 if overlap else 1) * d
-        f32 = dict(dtype=torch.float32, device=device)
+
+        def carry(cols: int) -> torch.Tensor:  # [num_slots, ratio, cols] fp32
+            return torch.zeros(num_slots, ratio, cols, dtype=torch.float32, device=device)
+
         return cls(
             ratio,
             page_tokens // ratio,
             torch.zeros(num_pages, page_tokens // ratio, d, dtype=dtype, device=device),
-            torch.zeros(num_slots, ratio, width, **f32),
-            torch.zeros(num_slots, ratio, width, **f32),
-            torch.zeros(num_slots, ratio, d, **f32) if overlap else None,
-            torch.zeros(num_slots, ratio, d, **f32) if overlap else None,
+            carry(width),
+            carry(width),
+            carry(d) if overlap else None,
+            carry(d) if overlap else None,
         )
 
     def _where(self, pages: torch.Tensor, first: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,7 +109,7 @@ class CompressedCache:
     def grow(self, num_pages: int, num_slots: int) -> None:
         self.entries = _grow(self.entries, num_pages)
         self.pending_kv, self.pending_score = _grow(self.pending_kv, num_slots), _grow(self.pending_score, num_slots)
-        if self.prev_kv is not None:
+        if self.prev_kv is not None and self.prev_score is not None:  # both or neither (CSA only)
             self.prev_kv, self.prev_score = _grow(self.prev_kv, num_slots), _grow(self.prev_score, num_slots)
 
     def tensors(self) -> list[torch.Tensor]:
@@ -224,6 +227,7 @@ class KvPool:
         seq.pages = []
 
     def _resize(self, num_pages: int, num_slots: int) -> None:
+        assert self._pages is not None and self._slots is not None, "only a standalone pool grows"
         for layer in self.layers:
             layer.swa = _grow(layer.swa, num_slots)
             for c in (layer.comp, layer.idx):

@@ -43,7 +43,9 @@ class Linear(nn.Module):
         shape = tuple(self.weight.shape)
         if w8.dtype != torch.float8_e4m3fn or tuple(w8.shape) != shape:
             raise ValueError(f"packed FP8 weight {w8.dtype} {tuple(w8.shape)} does not fit {shape}")
-        self.weight = None
+        # typed Parameter for every reader: only an FP8-stored projection (read by the kernel alone, see
+        # `forward`) drops it, a value-dependent fact that the attribute's type cannot carry
+        self.weight = None  # type: ignore[assignment]
         self.weight_fp8, self.weight_fp8_scale = w8, scale
 
     def quantizes_in_kernel(self, num: Numerics) -> bool:

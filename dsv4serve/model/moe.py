@@ -12,6 +12,11 @@ or, with a cache, on its slots and bank tensors (the kernel picks the source per
 quantizes x itself, so x is quantized once: `act_quant` runs in torch only for an input that torch
 code reads (the torch experts, or the shared expert when its FP8 GEMM is not the fused kernel).
 
+With `num.backends.router == "triton"` the gate is dsv4_kernels.router (fp32 logits, the score function
+in fp64, top-k with bias or the hash ids, normalized weights: two launches, one on a hash layer); with
+`fp8_gemm` on Triton the shared expert is two FP8 launches (dsv4_kernels.fp8_swiglu: w1 and w3 with
+the clamped SwiGLU and w2's input quantization in the epilogue, then w2).
+
 On torch (the reference) the experts run one by one in ascending order, each on the same dequantized
 values whether resident or lent by the cache, so those two paths give identical results.
 """
@@ -47,6 +52,8 @@ class ExpertSource(Protocol):
 
 
 class Gate(nn.Module):
+    tid2eid: torch.Tensor  # hash layers: [vocab, k] int64, a buffer
+
     def __init__(self, layer_id: int, args: ModelArgs):
         super().__init__()
         self.topk = args.n_activated_experts
@@ -55,6 +62,7 @@ class Gate(nn.Module):
         self.norm_topk_prob = args.norm_topk_prob
         self.hash = args.is_hash_layer(layer_id)
         self.weight = nn.Parameter(torch.empty(args.n_routed_experts, args.dim))
+        self.bias: nn.Parameter | None
         if self.hash:
             self.register_buffer("tid2eid", torch.zeros(args.vocab_size, self.topk, dtype=torch.int64))
             self.bias = None
@@ -63,6 +71,8 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor, num: Numerics) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, D] -> (weights [N, k] fp32, expert ids [N, k] int64)."""
+        if num.backends.router == "triton":
+            return self._kernel(x, token_ids)
         logits = matmul(x.float(), self.weight.float(), num)
         if self.score_func == "softmax":
             scores = in_fp64(lambda z: z.softmax(dim=-1), logits)
@@ -70,7 +80,7 @@ class Gate(nn.Module):
             scores = in_fp64(torch.sigmoid, logits)
         else:
             scores = in_fp64(lambda z: F.softplus(z).sqrt(), logits)
-        if self.hash:
+        if self.bias is None:
             ids = self.tid2eid[token_ids].long()
         else:
             ids = (scores + self.bias.float()).topk(self.topk, dim=-1).indices  # bias selects only
@@ -78,6 +88,16 @@ class Gate(nn.Module):
         if self.score_func != "softmax" and self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights * self.route_scale, ids
+
+    def _kernel(self, x: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same in two Triton launches (one on a hash layer without softmax), no host sync. Exact
+        ties of score + bias go to the lower expert id (torch's CPU topk orders them arbitrarily)."""
+        from dsv4_kernels.router import router  # lazy: kernel modules build their kernels on import
+
+        table, tokens = (self.tid2eid, token_ids) if self.hash else (None, None)
+        return router(
+            x, self.weight, self.bias, self.topk, self.score_func, self.route_scale, self.norm_topk_prob, table, tokens
+        )
 
 
 class Expert(nn.Module):
@@ -91,10 +111,30 @@ class Expert(nn.Module):
         self.swiglu_limit = swiglu_limit
 
     def forward(self, x: torch.Tensor, num: Numerics, weights: torch.Tensor | None = None) -> torch.Tensor:
-        """As `swiglu_expert`, through the Linear modules (so an FP8-stored expert may take the kernel)."""
+        """As `swiglu_expert`, through the Linear modules; the FP8-stored (shared) expert with fp8_gemm on
+        Triton runs as two kernel launches instead (`_fp8_kernels`)."""
+        if weights is None and self.w1.quantizes_in_kernel(num):
+            return self._fp8_kernels(x)
         gate, up = self.w1(x, num, x_quantized=True), self.w3(x, num, x_quantized=True)
         act = swiglu(gate, up, self.swiglu_limit, weights)
         return self.w2(act.to(num.compute_dtype), num)
+
+    def _fp8_kernels(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, D] bf16 (raw: quantized in the kernel) -> bf16 [N, D]: w1 and w3 in one FP8 GEMM whose
+        epilogue applies the clamped SwiGLU and quantizes the result as w2's input, then the w2 FP8 GEMM
+        on it (dsv4_kernels.fp8_swiglu). The arithmetic of the torch path (bf16 gate / up, SwiGLU in
+        fp32 with silu in fp64, bf16 act) up to the GEMMs' fp32 summation order."""
+        w1, w3, w2 = self.w1, self.w3, self.w2
+        if w1.weight_fp8 is None or w3.weight_fp8 is None or w2.weight_fp8 is None:
+            raise RuntimeError("fp8_gemm=triton needs packed FP8 weights: call Transformer.use_kernels first")
+        from dsv4_kernels.fp8_swiglu import shared_expert  # lazy: kernel modules build their kernels on import
+
+        rows = x.reshape(-1, x.shape[-1])
+        out = shared_expert(
+            rows, w1.weight_fp8, w1.weight_fp8_scale, w3.weight_fp8, w3.weight_fp8_scale,
+            w2.weight_fp8, w2.weight_fp8_scale, self.swiglu_limit,
+        )  # fmt: skip
+        return out.view(*x.shape[:-1], out.shape[-1])
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, swiglu_limit: float, weights: torch.Tensor | None) -> torch.Tensor:
@@ -191,7 +231,7 @@ class MoE(nn.Module):
             y = self._routed_torch(xq, weights, ids, num)
         if xq is None and not self.shared_experts.w1.quantizes_in_kernel(num):
             xq = act_quant(x, num)
-        y += self.shared_experts(x if xq is None else xq, num).float()
+        y += self.shared_experts(x if xq is None else xq, num)  # fp32 += compute dtype: one launch, exact upcast
         return y.to(num.compute_dtype)
 
     def _routed_kernel(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -201,11 +241,16 @@ class MoE(nn.Module):
         if self.expert_source is not None:
             src = self.expert_source.kernel_sources(self.layer_id, ids)
             slots = ExpertSlots(src.slot_of_expert, src.slots)
-            return fp4_moe(x, *src.bank, weights, ids, self.swiglu_limit, slots=slots, usage=src.usage)
+            w1, w1_s, w3, w3_s, w2, w2_s = src.bank
+            return fp4_moe(
+                x, w1, w1_s, w3, w3_s, w2, w2_s, weights, ids, self.swiglu_limit, slots=slots, usage=src.usage
+            )
         if self.w1_fp4 is None:
             raise RuntimeError("fp4_moe=triton needs packed MXFP4 experts: call Transformer.use_kernels first")
-        stacks = [getattr(self, f"{part}_fp4{kind}") for part in ("w1", "w3", "w2") for kind in ("", "_scale")]
-        return fp4_moe(x, *stacks, weights, ids, self.swiglu_limit)
+        w1, w1_s, w3, w3_s, w2, w2_s = (
+            getattr(self, f"{p}_fp4{kind}") for p in ("w1", "w3", "w2") for kind in ("", "_scale")
+        )
+        return fp4_moe(x, w1, w1_s, w3, w3_s, w2, w2_s, weights, ids, self.swiglu_limit)
 
     def _routed_torch(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, num: Numerics) -> torch.Tensor:
         """The routed experts' sum [N, D] fp32, expert by expert in ascending order (resident or cached).

@@ -29,7 +29,7 @@ def inv_freq(args: ModelArgs, compressed_layer: bool) -> torch.Tensor:
     if not compressed_layer or args.original_seq_len <= 0:
         return freqs
     low = max(math.floor(_correction_dim(args.beta_fast, dim, base, args.original_seq_len)), 0)
-    high = min(math.ceil(_correction_dim(args.beta_slow, dim, base, args.original_seq_len)), dim - 1)
+    high: float = min(math.ceil(_correction_dim(args.beta_slow, dim, base, args.original_seq_len)), dim - 1)
     if low == high:
         high += 0.001
     ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
@@ -76,7 +76,7 @@ class Rotation:
             from dsv4_kernels.token_ops import Angles
 
             return cls(angles=Angles.at(positions, freqs))
-        cos, sin = rope_cos_sin(freqs, positions.long())
+        cos, sin = rope_cos_sin(freqs, positions)
         return cls(cos, sin)
 
     def apply(self, x: torch.Tensor, inverse: bool = False) -> torch.Tensor:

@@ -47,6 +47,14 @@ def _hc_params(module: nn.Module, prefix: str, n_mix: int, hc_dim: int, n_scales
 
 
 class Block(nn.Module):
+    # the hyper-connection mixing parameters `_hc_params` registers under the checkpoint's names
+    hc_attn_fn: nn.Parameter
+    hc_attn_base: nn.Parameter
+    hc_attn_scale: nn.Parameter
+    hc_ffn_fn: nn.Parameter
+    hc_ffn_base: nn.Parameter
+    hc_ffn_scale: nn.Parameter
+
     def __init__(self, layer_id: int, args: ModelArgs):
         super().__init__()
         self.layer_id = layer_id
@@ -76,6 +84,10 @@ class Block(nn.Module):
 class MTPBlock(Block):
     """The multi-token-prediction draft block: a standard block fed with the main model's streams
     and the embedding of the next token; it shares `embed` and `head` with the main model."""
+
+    hc_head_fn: nn.Parameter  # registered by `_hc_params`
+    hc_head_base: nn.Parameter
+    hc_head_scale: nn.Parameter
 
     def __init__(self, layer_id: int, args: ModelArgs):
         super().__init__(layer_id, args)
@@ -134,6 +146,10 @@ def _pool_of(rows: list[BatchRow], num: Numerics) -> KvPool:
 
 
 class Transformer(nn.Module):
+    hc_head_fn: nn.Parameter  # registered by `_hc_params`
+    hc_head_base: nn.Parameter
+    hc_head_scale: nn.Parameter
+
     def __init__(self, args: ModelArgs, include_mtp: bool = True):
         super().__init__()
         self.args = args
@@ -231,6 +247,7 @@ class Transformer(nn.Module):
         """Draft logits from MTP block `depth`: row i pairs main streams hidden[i] [T, hc, D] at
         positions p.. with the tokens that follow them (`token_ids`, positions p+1..)."""
         block = self.mtp[depth]
+        assert isinstance(block, MTPBlock)  # self.mtp holds only MTP blocks (ModuleList items are typed Module)
         pool = _pool_of(rows, num)
         if len(pool.layers) <= block.layer_id:
             raise ValueError("this KV pool holds no MTP layers")

@@ -123,7 +123,15 @@ def build_engine(launch: WorkerLaunch) -> EngineParts:
     if device.type == "cuda" and not launch.enforce_eager.value:
         # the decode step captured per batch bucket; padding rows use the pool's last slot and page
         graphs = DecodeGraphs(
-            model, pool, numerics, limits.max_running, max_len, pool.num_slots - 1, pool.num_pages - 1, capture=True
+            model,
+            pool,
+            numerics,
+            limits.max_running,
+            max_len,
+            pool.num_slots - 1,
+            pool.num_pages - 1,
+            capture=True,
+            expert_cache=expert_cache,
         )
     runner = Runner(
         model,

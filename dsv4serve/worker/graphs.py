@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from dsv4serve.experts.slot_cache import ExpertSlotCache
 from dsv4serve.model.batch import BatchLayout, RowSpan
 from dsv4serve.model.kv_pool import KvPool
 from dsv4serve.model.numerics import Numerics
@@ -75,12 +76,15 @@ class DecodeGraphs:
         pad_slot: int,
         pad_page: int,
         capture: bool,
+        expert_cache: ExpertSlotCache | None = None,
+        sizes: tuple[int, ...] | None = None,
     ):
         self.model, self.pool, self.numerics = model, pool, numerics
+        self.expert_cache = expert_cache
         self.device = model.embed.weight.device
         self.width = -(-max_model_len // pool.page_tokens)
         self.max_end, self.pad_slot, self.pad_page = max_model_len, pad_slot, pad_page
-        self.buckets = {n: self._bucket(n) for n in bucket_sizes(max_rows)}
+        self.buckets = {n: self._bucket(n) for n in (sizes or bucket_sizes(max_rows))}
         self.report = self._capture() if capture else GraphReport(tuple(self.buckets), False, 0.0, 0)
 
     @property
@@ -134,7 +138,11 @@ class DecodeGraphs:
         if b.device is not b.host:
             b.device.copy_(b.host, non_blocking=True)  # pinned: the host never waits for it
         if b.graph is not None:
+            if self.expert_cache is not None:  # the layers' hooks do not run in a replay: the boundary is here
+                self.expert_cache.begin_step()
             b.graph.replay()
+            if self.expert_cache is not None:
+                self.expert_cache.end_step()
             assert b.logits is not None
             return b.logits[: len(entries)]
         # eager: the host spans too (the per-row paths of --batch-invariant read positions and slots there)
@@ -154,11 +162,15 @@ class DecodeGraphs:
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):  # warm-up: lazy initializations and Triton compiles, outside the graph
-                self.model.run(b.layout, self.pool, self.numerics)
+                self.model.run(dataclasses.replace(b.layout), self.pool, self.numerics)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=mempool):
-                out = self.model.run(b.layout, self.pool, self.numerics)
+            if self.expert_cache is not None:  # the boundary (host decisions, copies) stays outside the graph
+                self.expert_cache.begin_step()
+            with torch.cuda.graph(graph, pool=mempool):  # a fresh layout: its int64 views are captured too
+                out = self.model.run(dataclasses.replace(b.layout), self.pool, self.numerics)
+            if self.expert_cache is not None:
+                self.expert_cache.end_step()
             b.graph, b.logits = graph, out.last_logits
         torch.cuda.synchronize(self.device)
         report = GraphReport(

@@ -6,7 +6,7 @@ then stops the start with the kernel's name, the error and a fix, instead of kil
 
 What a failure does, by kernel:
 - a kernel left on auto whose torch path reads the same weights (attention, indexer, compressor, head,
-  hc) falls back to torch, with a warning naming it;
+  hc, token_ops, router) falls back to torch, with a warning naming it;
 - a kernel named in --kernels, and the FP8 GEMM / FP4 MoE on any setting (their torch path needs the
   weights loaded dense, about four times the memory), stop the start (KernelCheckError).
 
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from dsv4serve.model.args import ModelArgs, args_from_dicts
-from dsv4serve.model.backends import KernelBackends, kernel_names
+from dsv4serve.model.backends import Backend, KernelBackends, kernel_names
 from dsv4serve.model.numerics import NUMERICS_ON, Numerics
 from dsv4serve.model.transformer import BatchRow, Transformer
 
@@ -125,7 +125,8 @@ def run_check(kernels: list[str], device: torch.device) -> list[Verdict]:
     want = _scenario(model, NUMERICS_ON)
     verdicts = []
     for kernel in kernels:
-        num = dataclasses.replace(NUMERICS_ON, backends=KernelBackends(**{kernel: "triton"}))
+        alone: dict[str, Backend] = {kernel: "triton"}
+        num = dataclasses.replace(NUMERICS_ON, backends=KernelBackends(**alone))
         try:
             verdicts.append(_compare(kernel, _scenario(model, num), want))
         except Exception as exc:
@@ -175,4 +176,5 @@ def check_kernels(backends: KernelBackends, device: torch.device, named: frozens
         len(verdicts) - len(failed),
         len(failed),
     )
-    return dataclasses.replace(backends, **{v.kernel: "torch" for v in failed})
+    fallback: dict[str, Backend] = {v.kernel: "torch" for v in failed}
+    return dataclasses.replace(backends, **fallback)

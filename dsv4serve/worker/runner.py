@@ -19,8 +19,12 @@ from dsv4serve.model.numerics import Numerics
 from dsv4serve.model.transformer import ForwardOutput, Transformer
 from dsv4serve.worker.grammar import GrammarBook, RequestGrammar
 from dsv4serve.worker.graphs import DecodeGraphs
+from dsv4serve.worker.sampler_inputs import HostReader
 from dsv4serve.worker.sampling import SamplingRow, make_generator, sample
 from dsv4serve.worker.step import EMPTY_OUTPUT, NewRequest, PromptLogprobs, ScheduledRow, StepOutput, StepPlan
+
+# the sampler row of a batch row that samples nothing this step (a prefill chunk that is not the prompt's last)
+_PLACEHOLDER = SamplingRow(SamplingParams(temperature=0.0), (), (), None)
 
 
 @dataclass
@@ -57,6 +61,8 @@ class Runner:
         # a step's activations would pass this many bytes (tokens x activation_bytes_per_token)
         self.oom_above_bytes, self.activation_bytes_per_token = oom_above_bytes, activation_bytes_per_token
         self.staging = HostStaging(device)  # the step's metadata: one copy to the device, from pinned memory
+        self.sampler_staging = HostStaging(device)  # the sampler's parameters: one more, also from pinned memory
+        self.reader = HostReader(device)  # the sampled tokens (and logprobs): one copy back, the step's one wait
         self.graphs = graphs  # decode steps on static buffers (CUDA graphs), or None: every step eager
         # structured output: compiled grammars (built on first use; the bundled tokenizer unless given)
         self.grammars = grammars or GrammarBook("", model.args.vocab_size, eos_token_id)
@@ -96,19 +102,27 @@ class Runner:
         state.pages.extend(r.new_pages)
         return state
 
-    def _sample(self, logits: torch.Tensor, request_ids: list[str]) -> list[TokenOut]:
-        reqs = [self.requests[rid] for rid in request_ids]
+    def _sample(self, logits: torch.Tensor, request_ids: list[str | None]) -> list[TokenOut]:
+        """logits [B, V] fp32 -> the next token of each row with a request id (None: a row that does not
+        sample, given a greedy placeholder so that the logits need no gather). The rows' parameters go to
+        the device in one copy from pinned memory; the results come back in one copy, the step's only wait."""
+        reqs = [self.requests[rid] if rid is not None else None for rid in request_ids]
         rows = [
             SamplingRow(r.sampling, r.prompt_token_ids, r.output_token_ids, self.eos_token_id, r.generator)
+            if r is not None
+            else _PLACEHOLDER
             for r in reqs
         ]
-        out = sample(logits, rows, token_mask=self.grammars.step_mask([r.grammar for r in reqs]))
+        mask = self.grammars.step_mask([r.grammar if r is not None else None for r in reqs])
+        out = sample(logits, rows, token_mask=mask, staging=self.sampler_staging).to_host(self.reader)
         tokens = []
         for i, req in enumerate(reqs):
-            top = out.row_top(i)
+            if req is None:
+                continue
+            top = out.top[i]
             tok = TokenOut(
-                int(out.token_ids[i]),
-                float(out.logprobs[i]) if req.sampling.logprobs is not None else None,
+                out.token_ids[i],
+                out.logprobs[i] if req.sampling.logprobs is not None else None,
                 [TokenLogprob(t, lp) for t, lp in top] if top else None,
             )
             req.output_token_ids.append(tok.token_id)
@@ -173,19 +187,18 @@ class Runner:
         picks = [i for i, r in enumerate(plan.rows) if r.sample]
         if not picks:
             return StepOutput({}, prompt_lps)
-        logits = self._picked_logits(out, picks, len(plan.rows))  # [B, vocab] fp32
-        ids = [plan.rows[i].request_id for i in picks]
-        return StepOutput(dict(zip(ids, self._sample(logits, ids))), prompt_lps)
+        logits = self._last_logits(out, len(plan.rows))  # [rows, vocab] fp32
+        ids = [r.request_id if r.sample else None for r in plan.rows]
+        return StepOutput(dict(zip([plan.rows[i].request_id for i in picks], self._sample(logits, ids))), prompt_lps)
 
     @staticmethod
-    def _picked_logits(out, picks: list[int], n_rows: int) -> torch.Tensor:
-        """The sampled rows' last-position logits, without copying the [rows, vocab] block when every
-        row samples (the common decode step: a copy costs ~30 ms at 64 rows on a CPU)."""
+    def _last_logits(out: ForwardOutput, n_rows: int) -> torch.Tensor:
+        """Every row's last-position logits [n_rows, vocab] fp32, without a copy when the forward gave them
+        (the common step); the rows that do not sample get a placeholder row in the sampler rather than a
+        gather (whose index would be one more host-to-device copy)."""
         if out.last_logits is None:  # all positions were asked for (prompt logprobs)
-            return torch.stack([out.logits[i][-1] for i in picks]).float()
-        if len(picks) == n_rows:
-            return out.last_logits.float()
-        return out.last_logits.index_select(0, torch.tensor(picks, device=out.last_logits.device)).float()
+            return torch.stack([out.logits[i][-1] for i in range(n_rows)]).float()
+        return out.last_logits.float()
 
     def _prompt_logprobs(self, row: ScheduledRow, logits: torch.Tensor) -> PromptLogprobs:
         """logits [T, vocab] of the row's positions -> (prompt position, logprob of that prompt token)."""
@@ -194,13 +207,18 @@ class Runner:
         n = min(len(row.token_ids), len(prompt) - 1 - row.start_position)  # positions with a next prompt token
         logp = torch.log_softmax(logits[:n].float(), dim=-1)  # [n, vocab]
         targets = prompt[row.start_position + 1 : row.start_position + 1 + n]
-        index = torch.tensor(targets, device=logp.device).unsqueeze(1)  # gather wants it beside logp
-        chosen = logp.gather(1, index).squeeze(1).tolist()
+        # the targets travel without blocking the host; everything comes back in one read
+        index = torch.tensor(targets, dtype=torch.long).to(logp.device, non_blocking=True)
+        chosen = logp.gather(1, index[:, None])  # [n, 1]
         k = req.sampling.prompt_logprobs or 0
-        top_v, top_i = logp.topk(k, dim=-1) if k else (None, None)
-        top_vs, top_is = (top_v.tolist(), top_i.tolist()) if k else ([], [])  # one host sync each, not one a row
+        parts = [chosen.double()]
+        if k:
+            top_v, top_i = logp.topk(k, dim=-1)  # [n, k] each, best first
+            parts += [top_v.double(), top_i.double()]  # token ids are exact in fp64
+        values = self.reader.read(torch.cat(parts, dim=1).flatten())  # [n * (1 + 2k)]
         out = []
         for j in range(n):
-            top = [TokenLogprob(int(t), float(v)) for t, v in zip(top_is[j], top_vs[j])] if k else None
-            out.append((row.start_position + 1 + j, TokenOut(int(targets[j]), float(chosen[j]), top)))
+            row_values = values[j * (1 + 2 * k) : (j + 1) * (1 + 2 * k)]
+            top = [TokenLogprob(int(t), v) for v, t in zip(row_values[1 : 1 + k], row_values[1 + k :])] if k else None
+            out.append((row.start_position + 1 + j, TokenOut(int(targets[j]), row_values[0], top)))
         return out

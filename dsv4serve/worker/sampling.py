@@ -4,8 +4,10 @@ Order of operations: penalties -> EOS/stop masking (min_tokens, ignore_eos) -> l
 allowed_token_ids -> the grammar bitmask of structured output (worker/grammar.py) -> forced tokens (a row
 with one due keeps only it) -> greedy argmax for
 greedy rows; for the others temperature -> top-k -> top-p -> min-p -> draw. Every stage is a tensor
-op over the whole [B, V] batch on the logits' device; Python loops only over rows, to build the small
-per-row parameter tensors.
+op over the whole [B, V] batch on the logits' device. The rows' parameters are packed on the host and
+reach the device in one copy (worker/sampler_inputs.py); which stages run is decided on the host from
+what the rows ask for, so no stage reads a device value and the host never waits inside `sample`: it
+waits once, for the packed results (`SampleOutput.to_host`).
 
 Where this differs from vLLM V1, on purpose: min-p runs after top-k/top-p (vLLM V0's order; V1
 applies min-p first, which changes the result only when min-p and top-p are combined), and
@@ -23,28 +25,36 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any
 
 import torch
+import xgrammar as xgr
 
-from dsv4serve.ipc.sampling import SamplingParams
+from dsv4serve.model.batch import HostStaging
+from dsv4serve.worker.sampler_inputs import (
+    HostReader,
+    SamplerInputs,
+    SamplingRow,
+    TokenMask,
+    changes_logits,
+    forced_token,
+    pack_inputs,
+    stop_tokens_to_mask,
+)
+
+__all__ = ["HostSample", "SampleOutput", "SamplingRow", "TokenMask", "forced_token", "make_generator", "sample"]
+__all__ += ["stop_tokens_to_mask"]
 
 _NEG_INF = float("-inf")
 
 
 @dataclass(frozen=True)
-class SamplingRow:
-    """What the sampler needs to know about one request at this step."""
+class HostSample:
+    """A step's results on the host, from one device-to-host copy."""
 
-    params: SamplingParams
-    prompt_token_ids: Sequence[int]  # repetition_penalty looks at prompt + output
-    output_token_ids: Sequence[int]  # presence/frequency penalties and min_tokens count these only
-    eos_token_id: int | None
-    generator: torch.Generator | None = None  # required when params.seed is set; on the logits' device
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
+    token_ids: list[int]  # [B]
+    logprobs: list[float | None]  # [B] raw logprob of the chosen token; None where not asked
+    top: list[list[tuple[int, float]] | None]  # per row: the alternatives asked for, best first; None: not asked
 
 
 @dataclass(frozen=True)
@@ -56,12 +66,40 @@ class SampleOutput:
     num_top_logprobs: tuple[int | None, ...]  # per row: alternatives asked for, None = not asked
 
     def row_top(self, row: int) -> list[tuple[int, float]] | None:
-        """The (token id, logprob) alternatives row `row` asked for, best first."""
+        """The (token id, logprob) alternatives row `row` asked for, best first (reads the device: for
+        tests; a step reads everything at once with `to_host`)."""
         n = self.num_top_logprobs[row]
         if n is None or self.top_token_ids is None or self.top_logprobs is None:
             return None
         ids = self.top_token_ids[row, :n].tolist()
         return list(zip(ids, self.top_logprobs[row, :n].tolist()))
+
+    def packed(self) -> torch.Tensor:
+        """[B] int64 token ids; with logprobs asked, [B + B + 2 B N] fp64: ids, chosen logprobs, top ids, top
+        logprobs (token ids < 2^53 and fp32 values are exact in fp64): one tensor, one copy to the host."""
+        if all(n is None for n in self.num_top_logprobs):
+            return self.token_ids
+        parts = [self.token_ids, self.logprobs]
+        if self.top_token_ids is not None and self.top_logprobs is not None:
+            parts += [self.top_token_ids.flatten(), self.top_logprobs.flatten()]
+        return torch.cat([x.to(torch.float64) for x in parts])
+
+    def to_host(self, reader: HostReader | None = None) -> HostSample:
+        """Everything the rows asked for, in one device-to-host copy (the only one of a step)."""
+        values = (reader or HostReader(self.token_ids.device)).read(self.packed())
+        rows = len(self.num_top_logprobs)
+        ids = [int(x) for x in values[:rows]]
+        if len(values) == rows:  # no row asked for logprobs
+            return HostSample(ids, [None] * rows, [None] * rows)
+        chosen, n = values[rows : 2 * rows], (len(values) - 2 * rows) // (2 * rows)
+        top_ids, top_lps = values[2 * rows : 2 * rows + rows * n], values[2 * rows + rows * n :]
+        logprobs: list[float | None] = []
+        top: list[list[tuple[int, float]] | None] = []
+        for b, asked in enumerate(self.num_top_logprobs):
+            logprobs.append(None if asked is None else chosen[b])
+            pairs = [(int(top_ids[b * n + j]), top_lps[b * n + j]) for j in range(min(asked or 0, n))]
+            top.append(None if asked is None else pairs)
+        return HostSample(ids, logprobs, top)
 
 
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
@@ -71,10 +109,14 @@ def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
     return generator
 
 
-class TokenMask(Protocol):
-    """A step's grammar bitmask (worker/grammar.TokenMask): masks the constrained rows in place."""
-
-    def apply(self, logits: torch.Tensor) -> None: ...
+def _check(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    if logits.dim() != 2 or logits.shape[0] != len(rows):
+        raise ValueError(f"logits must be [B, V] with B = {len(rows)} rows, got {tuple(logits.shape)}")
+    for row in rows:
+        if row.params.seed is not None and row.generator is None:
+            raise ValueError("a row with a seed needs its own generator (make_generator)")
+        if row.generator is not None and row.generator.device.type != logits.device.type:
+            raise ValueError(f"a row's generator is on {row.generator.device}, the logits on {logits.device}")
 
 
 @torch.no_grad()
@@ -83,244 +125,159 @@ def sample(
     rows: Sequence[SamplingRow],
     generator: torch.Generator | None = None,
     token_mask: TokenMask | None = None,
+    staging: HostStaging | None = None,
 ) -> SampleOutput:
     """logits [B, V] (fp32; other float types are upcast) -> one token per row.
 
     `generator` drives the rows without a seed (None: torch's default generator); `token_mask` is the
-    structured-output bitmask of the step's constrained rows.
+    structured-output bitmask of the step's constrained rows; `staging` the pinned buffers the rows'
+    parameters go through to the device (a GPU worker's; None: a plain copy).
     """
-    if logits.dim() != 2 or logits.shape[0] != len(rows):
-        raise ValueError(f"logits must be [B, V] with B = {len(rows)} rows, got {tuple(logits.shape)}")
-    for row in rows:
-        if row.params.seed is not None and row.generator is None:
-            raise ValueError("a row with a seed needs its own generator (make_generator)")
-        if row.generator is not None and row.generator.device.type != logits.device.type:
-            raise ValueError(f"a row's generator is on {row.generator.device}, the logits on {logits.device}")
+    _check(logits, rows)
     raw = logits.float()  # [B, V] fp32, never modified: logprobs come from it
-    is_greedy = [row.params.is_greedy for row in rows]
-    if all(is_greedy) and token_mask is None and not any(_changes_logits(row) for row in rows):
-        token_ids = raw.argmax(dim=-1)  # the common decode case: one pass, no copy
+    inputs = pack_inputs(rows, raw.shape[1], raw.device, token_mask, staging)
+    if inputs.all_greedy and token_mask is None and not any(changes_logits(row) for row in rows):
+        token_ids = raw.argmax(dim=-1)  # the common greedy decode case: one pass, no copy
     else:
         work = raw.clone()  # [B, V] fp32, modified in place stage by stage
-        apply_penalties(work, rows)
-        mask_stop_tokens(work, rows)
-        apply_token_limits(work, rows)
-        if token_mask is not None:
-            token_mask.apply(work)
-        apply_forced_tokens(work, rows)
+        apply_inputs(work, inputs)
         token_ids = work.argmax(dim=-1)  # [B] the greedy choice, also for rows sampled below
-        if not all(is_greedy):
-            apply_temperature(work, rows)
-            apply_top_k(work, rows)
-            apply_top_p(work, rows)
-            apply_min_p(work, rows)
-            drawn = draw(work, rows, generator)
-            token_ids = torch.where(torch.tensor(is_greedy, device=raw.device), token_ids, drawn)
-    chosen, top_ids, top_values = logprobs_of(raw, token_ids, rows)
+        if not inputs.all_greedy:
+            _truncate(work, inputs)
+            drawn = draw(work, inputs, rows, generator)
+            token_ids = drawn if inputs.greedy is None else torch.where(inputs.greedy != 0, token_ids, drawn)
+    chosen, top_ids, top_values = logprobs_of(raw, token_ids, inputs)
     return SampleOutput(token_ids, chosen, top_ids, top_values, tuple(row.params.logprobs for row in rows))
 
 
-def _changes_logits(row: SamplingRow) -> bool:
-    """Whether a greedy row's logits need penalties, stop masking or forcing before the argmax."""
-    return (
-        row.params.has_penalties
-        or bool(row.params.logit_bias)
-        or row.params.allowed_token_ids is not None
-        or bool(stop_tokens_to_mask(row))
-        or forced_token(row.params, row.output_token_ids) is not None
-    )
+def apply_inputs(work: torch.Tensor, x: SamplerInputs) -> None:
+    """The stages before the greedy argmax, in place on work [B, V] fp32 (module doc's order)."""
+    _penalize(work, x)
+    flat = work.view(-1)  # [B * V]: the (row, token) positions come as row * V + token
+    if x.stop_flat is not None:
+        flat.index_fill_(0, x.stop_flat, _NEG_INF)
+    if x.restricted_rows is not None and x.allowed_flat is not None:
+        kept = flat.index_select(0, x.allowed_flat)
+        work.index_fill_(0, x.restricted_rows, _NEG_INF)
+        flat.index_copy_(0, x.allowed_flat, kept)
+    if x.bias_flat is not None and x.bias is not None:
+        flat.index_add_(0, x.bias_flat, x.bias)  # added before temperature, as OpenAI and vLLM do
+    _apply_bitmask(work, x)
+    if x.forced_rows is not None and x.forced_tokens is not None:
+        # a forced token keeps its logit (0 when it was masked), every other token of its row goes
+        kept = work[x.forced_rows, x.forced_tokens]
+        kept = torch.where(kept.isfinite(), kept, 0.0)
+        work.index_fill_(0, x.forced_rows, _NEG_INF)
+        work.index_put_((x.forced_rows, x.forced_tokens), kept)
 
 
-def forced_token(params: SamplingParams, output_token_ids: Sequence[int]) -> int | None:
-    """The token this row must produce next (SamplingParams.forced_tokens), or None."""
-    if not params.forced_tokens:
-        return None
-    start = 0
-    if params.forced_after is not None:
-        try:
-            start = list(output_token_ids).index(params.forced_after) + 1
-        except ValueError:
-            return None  # the trigger has not come yet
-    done = len(output_token_ids) - start
-    return params.forced_tokens[done] if done < len(params.forced_tokens) else None
+def _apply_bitmask(work: torch.Tensor, x: SamplerInputs) -> None:
+    """Tokens a constrained row's grammar refuses -> -inf, with xgrammar's kernel (Triton on a GPU, C++ on
+    the CPU) on the bitmask that came with the step's parameters. The GPU kernel takes the rows as a device
+    tensor (a list would be one more blocking copy); the CPU kernel reads a list (a tensor: a `tolist`)."""
+    if x.bitmask is None or x.constrained_rows is None:
+        return
+    if work.device.type != "cuda":
+        xgr.apply_token_bitmask_inplace(work, x.bitmask, vocab_size=work.shape[1], indices=list(x.constrained))
+        return
+    # annotated as a list, but handed as is to the Triton backend, whose annotation takes a tensor too
+    rows: Any = x.constrained_rows
+    xgr.apply_token_bitmask_inplace(work, x.bitmask, vocab_size=work.shape[1], indices=rows)
 
 
-def apply_forced_tokens(work: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
-    """Rows with a forced token due keep only that token (every sampling stage then picks it)."""
-    for i, row in enumerate(rows):
-        token = forced_token(row.params, row.output_token_ids)
-        if token is not None:
-            keep = work[i, token].clone()
-            work[i].fill_(_NEG_INF)
-            work[i, token] = keep if torch.isfinite(keep) else 0.0
-
-
-def apply_token_limits(work: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
-    """allowed_token_ids (every other token -> -inf), then logit_bias (added to the logits, as OpenAI
-    and vLLM do: before temperature)."""
-    device, vocab_size = work.device, work.shape[1]
-    for i, row in enumerate(rows):
-        allowed = row.params.allowed_token_ids
-        if allowed is not None:
-            keep = torch.zeros(vocab_size, dtype=torch.bool, device=device)
-            keep[torch.tensor([t for t in allowed if t < vocab_size], dtype=torch.long, device=device)] = True
-            work[i].masked_fill_(~keep, _NEG_INF)
-    pairs = [(i, t, b) for i, row in enumerate(rows) for t, b in row.params.logit_bias if t < vocab_size]
-    if pairs:
-        row_index = torch.tensor([p[0] for p in pairs], device=device)
-        token_index = torch.tensor([p[1] for p in pairs], device=device)
-        work.index_put_((row_index, token_index), _row_tensor([p[2] for p in pairs], work), accumulate=True)
-
-
-def _row_tensor(values: list, like: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(values, dtype=like.dtype, device=like.device)
-
-
-def token_counts(sequences: Sequence[Sequence[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
-    """How often each token occurs in each sequence: [N, V] fp32."""
-    max_len = max((len(s) for s in sequences), default=0)
-    # pad with an extra bin (vocab_size) that is cut off afterwards, as vLLM does
-    ids = torch.full((len(sequences), max_len), vocab_size, dtype=torch.long)
-    for i, seq in enumerate(sequences):
-        if len(seq):
-            ids[i, : len(seq)] = torch.as_tensor(seq, dtype=torch.long)
-    counts = torch.zeros(len(sequences), vocab_size + 1, device=device)
-    counts.scatter_add_(1, ids.to(device), torch.ones(ids.shape, device=device))
+def _token_counts(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """ids [P, L] int64 (padded with vocab_size) -> how often each token occurs per row, [P, V] fp32."""
+    counts = torch.zeros(ids.shape[0], vocab_size + 1, device=ids.device)
+    counts.scatter_add_(1, ids, torch.ones(ids.shape, device=ids.device))  # the pad bin is cut off, as vLLM does
     return counts[:, :vocab_size]
 
 
-def apply_penalties(work: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+def _penalize(work: torch.Tensor, x: SamplerInputs) -> None:
     """vLLM's penalties, in place on [B, V]: repetition (prompt + output), then frequency, presence."""
-    picked = [i for i, row in enumerate(rows) if row.params.has_penalties]
-    if not picked:
+    if x.penalty_rows is None or x.output_ids is None:
         return
-    vocab_size, device = work.shape[1], work.device
-    params = [rows[i].params for i in picked]
-    index = torch.tensor(picked, device=device)
-    sub = work.index_select(0, index)  # [P, V]
-    outputs = token_counts([rows[i].output_token_ids for i in picked], vocab_size, device)  # [P, V]
-    if any(p.repetition_penalty != 1.0 for p in params):
-        prompts = token_counts(
-            [rows[i].prompt_token_ids if p.repetition_penalty != 1.0 else () for i, p in zip(picked, params)],
-            vocab_size,
-            device,
-        )  # [P, V]
-        repetition = _row_tensor([p.repetition_penalty for p in params], work)[:, None]
-        scale = torch.where((prompts > 0) | (outputs > 0), repetition, 1.0)
+    vocab_size = work.shape[1]
+    sub = work.index_select(0, x.penalty_rows)  # [P, V]
+    outputs = _token_counts(x.output_ids, vocab_size)  # [P, V]
+    if x.prompt_ids is not None and x.repetition is not None:
+        prompts = _token_counts(x.prompt_ids, vocab_size)
+        scale = torch.where((prompts > 0) | (outputs > 0), x.repetition[:, None], 1.0)
         sub = torch.where(sub > 0, sub / scale, sub * scale)
-    if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params):
-        frequency = _row_tensor([p.frequency_penalty for p in params], work)[:, None]
-        presence = _row_tensor([p.presence_penalty for p in params], work)[:, None]
-        sub -= frequency * outputs + presence * (outputs > 0)
-    work.index_copy_(0, index, sub)
+    if x.frequency is not None and x.presence is not None:
+        sub -= x.frequency[:, None] * outputs + x.presence[:, None] * (outputs > 0)
+    work.index_copy_(0, x.penalty_rows, sub)
 
 
-def stop_tokens_to_mask(row: SamplingRow) -> list[int]:
-    """EOS while ignore_eos or below min_tokens; stop_token_ids below min_tokens."""
-    below_min = row.num_output_tokens < row.params.min_tokens
-    banned = list(row.params.stop_token_ids) if below_min else []
-    if row.eos_token_id is not None and (below_min or row.params.ignore_eos):
-        banned.append(row.eos_token_id)
-    return banned
+def apply_penalties(work: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """The penalties stage alone, in place on work [B, V] (for tests)."""
+    _penalize(work, pack_inputs(rows, work.shape[1], work.device))
 
 
-def mask_stop_tokens(work: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
-    vocab_size = work.shape[1]
-    row_index: list[int] = []
-    token_index: list[int] = []
-    for i, row in enumerate(rows):
-        # a token id the model cannot emit needs no mask
-        banned = [t for t in stop_tokens_to_mask(row) if 0 <= t < vocab_size]
-        row_index += [i] * len(banned)
-        token_index += banned
-    if row_index:
-        index = (torch.tensor(row_index, device=work.device), torch.tensor(token_index, device=work.device))
-        work.index_put_(index, torch.tensor(_NEG_INF, device=work.device))
+def _truncate(work: torch.Tensor, x: SamplerInputs) -> None:
+    """Temperature, then top-k, top-p and min-p, in place (the sampled rows' distribution)."""
+    if x.temperature is not None:
+        work.div_(x.temperature[:, None])
+    if x.top_k is not None and x.top_k_index is not None:
+        # keep the k largest logits per row (ties with the k-th are kept, as in vLLM)
+        best = work.topk(x.top_k_max, dim=-1).values  # [B, k_max] descending
+        threshold = best.gather(1, x.top_k_index[:, None])  # [B, 1]
+        work.masked_fill_((x.top_k[:, None] > 0) & (work < threshold), _NEG_INF)
+    if x.top_p is not None:
+        # the smallest set of most likely tokens whose mass reaches top_p (vLLM's numerics: ascending
+        # sort, cumulative sum from the least likely, drop while the sum <= 1 - p)
+        top_p = x.top_p[:, None]
+        sorted_logits, order = work.sort(dim=-1, descending=False)  # [B, V] ascending
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop_sorted = (cumulative <= 1.0 - top_p) & (top_p < 1.0)
+        drop_sorted[:, -1] = False  # the most likely token always stays
+        drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
+        work.masked_fill_(drop, _NEG_INF)
+    if x.min_p is not None:
+        # drop tokens whose probability is below min_p times the row's largest probability
+        probs = work.softmax(dim=-1)
+        floor = x.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+        work.masked_fill_(probs < floor, _NEG_INF)
 
 
-def apply_temperature(work: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
-    # greedy rows divide by 1: their token is the argmax taken before this stage
-    temperatures = [1.0 if r.params.is_greedy else r.params.temperature for r in rows]
-    work.div_(_row_tensor(temperatures, work)[:, None])
-
-
-def apply_top_k(work: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
-    """Keep the k largest logits per row (ties with the k-th are kept, as in vLLM)."""
-    vocab_size = work.shape[1]
-    ks = [r.params.top_k if 0 < r.params.top_k < vocab_size else 0 for r in rows]
-    k_max = max(ks)
-    if k_max == 0:
-        return
-    best = work.topk(k_max, dim=-1).values  # [B, k_max] descending
-    kth_index = torch.tensor([max(k, 1) - 1 for k in ks], device=work.device)[:, None]
-    threshold = best.gather(1, kth_index)  # [B, 1]
-    enabled = torch.tensor(ks, device=work.device)[:, None] > 0
-    work.masked_fill_(enabled & (work < threshold), _NEG_INF)
-
-
-def apply_top_p(work: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
-    """Keep the smallest set of most likely tokens whose mass reaches top_p (vLLM's numerics:
-    ascending sort, cumulative sum from the least likely, drop while the sum <= 1 - p)."""
-    ps = [r.params.top_p for r in rows]
-    if all(p >= 1.0 for p in ps):
-        return
-    top_p = _row_tensor(ps, work)[:, None]
-    sorted_logits, order = work.sort(dim=-1, descending=False)  # [B, V] ascending
-    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-    drop_sorted = (cumulative <= 1.0 - top_p) & (top_p < 1.0)
-    drop_sorted[:, -1] = False  # the most likely token always stays
-    drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
-    work.masked_fill_(drop, _NEG_INF)
-
-
-def apply_min_p(work: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
-    """Drop tokens whose probability is below min_p times the row's largest probability."""
-    min_ps = [r.params.min_p for r in rows]
-    if not any(p > 0.0 for p in min_ps):
-        return
-    probs = work.softmax(dim=-1)
-    floor = _row_tensor(min_ps, work)[:, None] * probs.amax(dim=-1, keepdim=True)
-    work.masked_fill_(probs < floor, _NEG_INF)
-
-
-def draw(work: torch.Tensor, rows: Sequence[SamplingRow], generator: torch.Generator | None) -> torch.Tensor:
+def draw(
+    work: torch.Tensor, x: SamplerInputs, rows: Sequence[SamplingRow], generator: torch.Generator | None
+) -> torch.Tensor:
     """One token per row from softmax(work): argmax(p / E) with E ~ Exp(1). -> [B] int64"""
     probs = work.softmax(dim=-1)  # [B, V]
-    noise = torch.empty_like(probs)
-    shared = [i for i, r in enumerate(rows) if r.generator is None]
-    if shared:
-        index = torch.tensor(shared, device=work.device)
-        fresh = torch.empty((len(shared), work.shape[1]), device=work.device)
-        noise.index_copy_(0, index, fresh.exponential_(generator=generator))
-    for i, row in enumerate(rows):
-        if row.generator is None:
-            continue
-        if row.params.is_greedy:  # its token is the argmax; leave its generator where it is
-            noise[i].fill_(1.0)
-        else:
-            noise[i].exponential_(generator=row.generator)
+    if x.num_shared == len(rows):  # no seeded row: one draw for the batch, as the shared rows' block below
+        noise = torch.empty_like(probs).exponential_(generator=generator)
+    else:
+        noise = torch.empty_like(probs)
+        if x.shared_rows is not None:
+            fresh = torch.empty((x.num_shared, work.shape[1]), device=work.device)
+            noise.index_copy_(0, x.shared_rows, fresh.exponential_(generator=generator))
+        for i, row in enumerate(rows):
+            if row.generator is None:
+                continue
+            if row.params.is_greedy:  # its token is the argmax; leave its generator where it is
+                noise[i].fill_(1.0)
+            else:
+                noise[i].exponential_(generator=row.generator)
     # a zero draw would make 0/0 = NaN for a masked token, and argmax favours NaN
     noise.clamp_min_(torch.finfo(noise.dtype).tiny)
     return probs.div_(noise).argmax(dim=-1)
 
 
 def logprobs_of(
-    raw: torch.Tensor, token_ids: torch.Tensor, rows: Sequence[SamplingRow]
+    raw: torch.Tensor, token_ids: torch.Tensor, x: SamplerInputs
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Raw logprob of each chosen token ([B] fp32; NaN for rows that did not ask for logprobs) and the
     N most likely alternatives ([B, N] int64 ids, [B, N] fp32 logprobs, best first; None when no row
     asked). Only the rows that asked pay for the full-vocabulary log-normalizer."""
     chosen = torch.full((raw.shape[0],), float("nan"), device=raw.device)
-    asked = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-    if not asked:
+    if x.asked_rows is None:
         return chosen, None, None
-    index = torch.tensor(asked, device=raw.device)
+    index = x.asked_rows
     sub = raw.index_select(0, index)
     log_norm = torch.logsumexp(sub, dim=-1)  # [A]
     chosen[index] = sub.gather(1, token_ids.index_select(0, index)[:, None]).squeeze(1) - log_norm
-    n = min(max(rows[i].params.logprobs for i in asked), raw.shape[1])
-    values, ids = sub.topk(n, dim=-1)  # sorted, best first
-    top_ids = torch.zeros((raw.shape[0], n), dtype=torch.long, device=raw.device)
-    top_values = torch.full((raw.shape[0], n), float("nan"), device=raw.device)
+    values, ids = sub.topk(x.num_top, dim=-1)  # sorted, best first
+    top_ids = torch.zeros((raw.shape[0], x.num_top), dtype=torch.long, device=raw.device)
+    top_values = torch.full((raw.shape[0], x.num_top), float("nan"), device=raw.device)
     top_ids[index], top_values[index] = ids, values - log_norm[:, None]
     return chosen, top_ids, top_values

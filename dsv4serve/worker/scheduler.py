@@ -155,8 +155,8 @@ class Scheduler:
             for r in rows
             if not (req := self.requests[r.request_id]).announced
         )
-        for n in new:
-            self.requests[n.request_id].announced = True
+        for announced in new:
+            self.requests[announced.request_id].announced = True
         dropped, self._to_drop = tuple(self._to_drop), []
         finished, self._to_forget = tuple(self._to_forget), []
         finished_now, self._finished_now = tuple(self._finished_now), []
@@ -232,6 +232,7 @@ class Scheduler:
         return n
 
     def _row(self, req: Request, n: int) -> ScheduledRow:
+        assert req.slot is not None, "only a running request (which holds a sequence slot) is scheduled"
         start = req.num_computed_tokens
         restore, req.restore_slot = req.restore_slot, None
         new_pages, req.pages_sent = tuple(req.pages[req.pages_sent :]), len(req.pages)

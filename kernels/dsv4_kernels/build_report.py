@@ -67,11 +67,15 @@ def _build_in_this_process(keys: list[str]) -> dict:
                 cubin.write(built.asm["cubin"])
                 cubin.flush()
                 usage = subprocess.run([cuobjdump, "-res-usage", cubin.name], capture_output=True, text=True)
-            regs, stack, _, _ = map(int, RES_USAGE.search(usage.stdout).groups())
+            res_usage = RES_USAGE.search(usage.stdout)
+            target = re.search(r"\.target\s+(\w+)", ptx)
+            if res_usage is None or target is None:  # reported as this build's error, like any other failure
+                raise RuntimeError(f"no resource usage or .target: {usage.stdout[:200]!r} {usage.stderr[:200]!r}")
+            regs, stack, _, _ = map(int, res_usage.groups())
             results[key] = {
                 "mma": sorted(set(MMA.findall(ptx))),
                 "cubin_bytes": len(built.asm["cubin"]),
-                "target": re.search(r"\.target\s+(\w+)", ptx).group(1),
+                "target": target.group(1),
                 "shared": built.metadata.shared,
                 "regs": regs,
                 "stack": stack,

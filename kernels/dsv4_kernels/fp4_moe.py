@@ -210,7 +210,7 @@ def fp4_moe_gemm(
     out: torch.Tensor | None = None,
     out_scale: torch.Tensor | None = None,
     quant_out: bool = False,
-    slots: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None,
+    slots: tuple[torch.Tensor, ...] | None = None,  # (w, w_scale) or, gate/up, (w1, w1_scale, w3, w3_scale)
     slot_of_expert: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """One grouped GEMM launch. `a`: e4m3 [rows, K] with fp32 `a_scale` [rows, ceil(K/128)], or bf16 /
@@ -231,13 +231,18 @@ def fp4_moe_gemm(
         raise ValueError(f"quant_out is the gate/up epilogue with block_n {GATE_UP_BLOCK_N}")
     a = a if a.stride(-1) == 1 else a.contiguous()
     quant_a = a_scale is None
-    a_scale = a if quant_a else a_scale.float().contiguous()  # QUANT_A: a pointer never read
+    a_scale = a if a_scale is None else a_scale.float().contiguous()  # QUANT_A: a pointer never read
     w, w_scale = _u8(w), _u8(w_scale)
-    w3, w3_scale = (_u8(w3), _u8(w3_scale)) if gate_up else (w, w_scale)
+    if w3 is None:
+        w3, w3_scale, route_w = w, w_scale, a_scale  # never read outside the gate/up form
+    elif w3_scale is None or topk_weights is None:
+        raise ValueError("the gate/up form (w3 given) needs w3_scale and topk_weights")
+    else:
+        w3, w3_scale = _u8(w3), _u8(w3_scale)
+        route_w = topk_weights.float().contiguous().flatten()
     if gate_up and not (_same_layout(w3, w) and _same_layout(w3_scale, w_scale)):
         raise ValueError("w1 and w3 must share one layout")
     sources = _slot_sources(slots, slot_of_expert, (w, w_scale, w3, w3_scale), gate_up, e_)
-    route_w = topk_weights.float().contiguous().flatten() if gate_up else a_scale
     if quant_out:
         out = output_buffer(out, (num_routes, n), torch.float8_e4m3fn, a.device)
         out_scale = output_buffer(out_scale, (num_routes, triton.cdiv(n, 128)), torch.float32, a.device)
@@ -404,6 +409,7 @@ def fp4_moe(
         slots=slots.parts[4:] if slots is not None else None,
         slot_of_expert=slot_map,
     )
+    assert isinstance(y, torch.Tensor)  # without quant_out the GEMM returns one tensor, not a pair
     return torch.sum(y.view(t, k, -1), dim=1, dtype=torch.float32)
 
 
@@ -473,7 +479,9 @@ COMPILE_CONFIGS = tuple(
     for phase, bm, bk in _PHASES[form]
     for slots in (False, True)
 )
-LAUNCH_OPTIONS = {name: {"num_warps": _num_warps(cx["GATE_UP"], cx["BLOCK_M"])} for name, _, cx in COMPILE_CONFIGS}
+LAUNCH_OPTIONS = {
+    name: {"num_warps": _num_warps(bool(cx["GATE_UP"]), cx["BLOCK_M"])} for name, _, cx in COMPILE_CONFIGS
+}
 LAUNCH_ARCHS = {
     **{name: (90,) for name, _, _ in COMPILE_CONFIGS if name.startswith("gate_up_prefill") and "bk32" not in name},
     **{name: (120,) for name, _, _ in COMPILE_CONFIGS if "bk32" in name},

@@ -228,7 +228,7 @@ def _launch(
     a = a if a.stride(-1) == 1 else a.contiguous()  # any row stride; K must be contiguous
     b = b.contiguous()
     b_scale = b_scale.contiguous().view(torch.uint8)
-    if quant_a:
+    if a_scale is None:
         a_scale = a  # never read (QUANT_A); a pointer of the right kind for the signature
     bm, bn, swap_ab = blocks or pick_blocks(m)
     out = output_buffer(out, (m, n), store_dtype(), a.device)

@@ -17,11 +17,10 @@ Split of the work:
   [Hi, Di] x [Di, BLOCK_E] tensor-core product, so a key is read once per BLOCK_T rows (decode:
   BLOCK_T = 1, one program per (request, key block) reading the keys once for all heads). It writes
   every column of its rows: -inf where an entry is not visible, so the score matrix needs no fill.
-- The choice runs in torch on the device (`select_topk`): each fp32 score becomes an order-preserving
-  int64 key (score bits in the high word, S - 1 - e in the low word), so the keys are distinct and
-  `torch.topk` (a radix select, no full sort) returns exactly the stable-sort choice. A Triton top-k
-  would save one pass over [N, S], but torch's select is already one read of that matrix and needs no
-  tie logic of our own.
+- The choice is one more launch (`select_topk`, the kernel in indexer_topk_select.py): a radix select of
+  each row's k-th best score, then the chosen entries sorted by one distinct int64 key each (score bits
+  high, S - 1 - e low), which is exactly the stable-sort choice; given the step's layout a row scans only
+  its visible columns. (It was ~15 torch launches: the keys, torch.topk, the -1 padding.)
 
 Under the interpreter bf16 tiles are upcast to fp32 after loading (UPCAST; bf16 `tl.dot` is wrong
 there). fp32 operands on a GPU use `input_precision="ieee"` (no silent TF32).
@@ -34,6 +33,7 @@ import triton
 import triton.language as tl
 
 from dsv4_kernels.indexer_topk_ref import visible_counts
+from dsv4_kernels.indexer_topk_select import topk_select
 from dsv4_kernels.outputs import output_buffer
 
 
@@ -180,21 +180,13 @@ def indexer_scores(
     return out
 
 
-def select_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
+def select_topk(
+    scores: torch.Tensor, topk: int, layout: tuple[torch.Tensor, torch.Tensor, int] | None = None
+) -> torch.Tensor:
     """scores [N, S] fp32 (-inf = not visible) -> [N, topk] int32, best first, ties to the earlier
-    entry, -1 padding: torch.topk over distinct int64 keys (see the module doc)."""
-    n_rows, num_cols = scores.shape
-    canonical = torch.where(scores == 0, 0.0, scores)  # -0.0 and +0.0 are one score
-    bits = canonical.view(torch.int32)
-    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)  # signed order == float order
-    later_first = num_cols - 1 - torch.arange(num_cols, device=scores.device)
-    keys = (ordered << 32) | later_first
-    k = min(topk, num_cols)
-    chosen = keys.topk(k, dim=1).indices
-    chosen = torch.where(scores.gather(1, chosen) > float("-inf"), chosen, -1).to(torch.int32)
-    if k < topk:
-        chosen = torch.nn.functional.pad(chosen, (0, topk - k), value=-1)
-    return chosen
+    entry, -1 padding; one launch (indexer_topk_select). `layout` = (cu_seqlens, start_pos, ratio) lets each
+    row scan only its visible columns (all scores past them must be -inf, as indexer_scores writes them)."""
+    return topk_select(scores, topk, layout)
 
 
 def indexer_topk(
@@ -219,7 +211,7 @@ def indexer_topk(
     scores = indexer_scores(
         q, weights, idx_k, block_table, cu_seqlens, start_pos, ratio, max(num_cols, 1), max_rows_per_request
     )
-    return select_topk(scores, topk)
+    return select_topk(scores, topk, (cu_seqlens, start_pos, ratio))
 
 
 COMPILE_SIGNATURE = {

@@ -76,16 +76,25 @@ class _Mode(TorchDispatchMode):
             if name in SYNC_OPS or bool_index:
                 self.sync(name)
             out = func(*args, **kwargs)
-            if name not in VIEW_OPS and name not in ("_local_scalar_dense", "item") and not _returns_input(args, out):
+            if (
+                name not in VIEW_OPS
+                and name not in ("_local_scalar_dense", "item")
+                and not _returns_input(func, args, out)
+            ):
                 self.seen.aten[name] += 1
             return out
         return func(*args, **kwargs)
 
 
-def _returns_input(args, out) -> bool:
+def _returns_input(func, args, out) -> bool:
     """True for an op that handed back its input unchanged (`to` the same dtype, `contiguous` of a
-    contiguous tensor): no kernel ran."""
-    return bool(args) and isinstance(args[0], torch.Tensor) and out is args[0]
+    contiguous tensor): no kernel ran. An in-place or out= op (`add_`, `copy_`, `index_put_`) also returns
+    its input, and does launch a kernel: its schema marks the argument it writes."""
+    if not (bool(args) and isinstance(args[0], torch.Tensor) and out is args[0]):
+        return False
+    schema = getattr(func, "_schema", None)
+    writes = schema is not None and any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+    return not writes
 
 
 @contextmanager

@@ -113,7 +113,11 @@ def moe_align(
         raise ValueError(f"topk_ids must be contiguous int32/int64, got {ids.dtype}")
     if (usage is None) != (slot_of_expert is None):
         raise ValueError("usage and slot_of_expert come together")
-    if usage is not None and (usage.shape != (num_experts + 1,) or slot_of_expert.shape != (num_experts,)):
+    if (
+        usage is not None
+        and slot_of_expert is not None
+        and (usage.shape != (num_experts + 1,) or slot_of_expert.shape != (num_experts,))
+    ):
         raise ValueError(f"usage must be [{num_experts + 1}] and slot_of_expert [{num_experts}]")
     num_routes = ids.numel()
     num_blocks = align_blocks(num_routes, num_experts, block_m)

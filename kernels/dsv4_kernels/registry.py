@@ -117,12 +117,26 @@ KERNELS: tuple[KernelSpec, ...] = (
         test_module="tests/kernels/test_indexer_topk.py",
         compile_configs="dsv4_kernels.indexer_topk:COMPILE_CONFIGS",
     ),
+    KernelSpec(  # the indexer's choice: a radix select of each row's k-th score, ties to the earlier entry
+        name="indexer_topk_select",
+        kernel="dsv4_kernels.indexer_topk_select:topk_select_kernel",
+        references=("dsv4_kernels.indexer_topk_ref:topk_from_scores_ref",),
+        test_module="tests/kernels/test_indexer_topk.py",
+        compile_configs="dsv4_kernels.indexer_topk_select:COMPILE_CONFIGS",
+    ),
     KernelSpec(
         name="compressor_pool",
         kernel="dsv4_kernels.compressor_pool:compressor_pool_kernel",
         references=("dsv4_kernels.compressor_pool_ref:compressor_pool_ref",),
         test_module="tests/kernels/test_compressor_pool.py",
         compile_configs="dsv4_kernels.compressor_pool:COMPILE_CONFIGS",
+    ),
+    KernelSpec(  # a decode step's compressor update: carry, pooling, entry and previous half in one launch
+        name="compressor_decode",
+        kernel="dsv4_kernels.compressor_decode:compressor_decode_kernel",
+        references=("dsv4_kernels.compressor_decode_ref:compressor_decode_ref",),
+        test_module="tests/kernels/test_compressor_decode.py",
+        compile_configs="dsv4_kernels.compressor_decode:COMPILE_CONFIGS",
     ),
     KernelSpec(
         name="head_logits",
@@ -155,6 +169,27 @@ KERNELS: tuple[KernelSpec, ...] = (
         ),
         test_module="tests/kernels/test_token_ops.py",
         compile_configs="dsv4_kernels.token_ops:COMPILE_CONFIGS",
+    ),
+    KernelSpec(  # the MoE router's fp32 logits, as partial sums over D slices (learned layers)
+        name="router_logits",
+        kernel="dsv4_kernels.router:router_logits_kernel",
+        references=("dsv4_kernels.router_ref:router_ref",),
+        test_module="tests/kernels/test_router.py",
+        compile_configs="dsv4_kernels.router:LOGITS_CONFIGS",
+    ),
+    KernelSpec(  # one token a program: scores, top-k with bias or hash ids, gather, normalize, scale
+        name="router_select",
+        kernel="dsv4_kernels.router:router_select_kernel",
+        references=("dsv4_kernels.router_ref:router_ref", "dsv4_kernels.router_ref:scores_ref"),
+        test_module="tests/kernels/test_router.py",
+        compile_configs="dsv4_kernels.router:SELECT_CONFIGS",
+    ),
+    KernelSpec(  # the shared expert's w1 + w3 FP8 GEMM with the clamped SwiGLU and FP8 quantization epilogue
+        name="fp8_swiglu",
+        kernel="dsv4_kernels.fp8_swiglu:fp8_swiglu_kernel",
+        references=("dsv4_kernels.fp8_swiglu_ref:fp8_swiglu_ref", "dsv4_kernels.fp8_swiglu_ref:shared_expert_ref"),
+        test_module="tests/kernels/test_fp8_swiglu.py",
+        compile_configs="dsv4_kernels.fp8_swiglu:COMPILE_CONFIGS",
     ),
 )
 

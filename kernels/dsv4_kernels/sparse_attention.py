@@ -385,7 +385,8 @@ def paged_sparse_attention(
     num_topk = 0 if topk_idx is None else topk_idx.shape[1]
     block_h = block_h or max(16, min(64, triton.next_power_of_2(num_heads)))
     if q.is_cuda:
-        smem = torch.cuda.get_device_properties(q.device).shared_memory_per_block_optin
+        # CUDA builds of torch define this field (torch/csrc/cuda/Module.cpp); the bundled .pyi stub omits it
+        smem = torch.cuda.get_device_properties(q.device).shared_memory_per_block_optin  # type: ignore[attr-defined]
         default_block_n, num_warps, num_stages = launch_shape(smem, block_h)
     else:
         default_block_n, num_warps, num_stages = 32, 4, 1

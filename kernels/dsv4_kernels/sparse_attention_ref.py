@@ -97,6 +97,7 @@ def paged_sparse_attention_ref(
         req, pos = req_all[rows], pos_all[rows]
         keys, valid = _window_keys(req, pos, cu_seqlens, start_pos, seq_slot, new_kv, swa_kv)
         if comp_kv is not None:
+            assert block_table is not None, "compressed keys are paged: comp_kv comes with its block_table"
             comp, comp_valid = _compressed_keys(
                 req, pos, comp_kv, block_table, None if topk_idx is None else topk_idx[rows], ratio
             )

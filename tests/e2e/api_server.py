@@ -14,6 +14,10 @@ from pathlib import Path
 
 import httpx
 
+# a server's worker computing on one torch thread: on a 2-core machine shared with the API process and the
+# test, two threads hand work to each other through a descheduled peer (dsv4-tiny steps 5-20x slower)
+ONE_TORCH_THREAD = {"OMP_NUM_THREADS": "1"}
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -22,11 +26,11 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, cache_dir: Path, log_path: Path, *args: str):
+    def __init__(self, cache_dir: Path, log_path: Path, *args: str, env: dict[str, str] | None = None):
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        env = {**os.environ, "DSV4SERVE_CACHE_DIR": str(cache_dir)}
+        env = {**os.environ, "DSV4SERVE_CACHE_DIR": str(cache_dir), **(env or {})}
         cmd = [sys.executable, "-m", "dsv4serve", "--model", "dsv4-tiny", "--port", str(self.port), *args]
         self._log = open(log_path, "w")  # noqa: SIM115 (closed by stop())
         self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT)
@@ -70,9 +74,11 @@ class ServerProcess:
 
 
 @contextmanager
-def running_server(cache_dir: Path, log_path: Path, *args: str) -> Iterator[ServerProcess]:
+def running_server(
+    cache_dir: Path, log_path: Path, *args: str, env: dict[str, str] | None = None
+) -> Iterator[ServerProcess]:
     """A healthy server for the block (a module fixture's body), stopped at its end."""
-    srv = ServerProcess(cache_dir, log_path, *args)
+    srv = ServerProcess(cache_dir, log_path, *args, env=env)
     try:
         srv.wait_healthy()
         yield srv

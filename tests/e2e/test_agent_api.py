@@ -16,7 +16,9 @@ import jsonschema
 import openai
 import pytest
 
-from .api_server import running_server
+from dsv4serve.api.tokenizer import TextTokenizer
+
+from .api_server import ONE_TORCH_THREAD, running_server
 
 MAX_MODEL_LEN = 1024
 THINK_END = 128822
@@ -37,14 +39,7 @@ TOOLS = [
     {
         "name": "get_weather",
         "description": "Weather in a city",
-        "input_schema": {
-            "type": "object",
-            "properties": {
-                "city": {"enum": ["Paris", "Oslo"]},
-                "days": {"type": "integer", "minimum": 1, "maximum": 7},
-            },
-            "required": ["city", "days"],
-        },
+        "input_schema": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"]},
     }
 ]
 
@@ -52,7 +47,8 @@ TOOLS = [
 @pytest.fixture(scope="module")
 def server(tiny_cache, tmp_path_factory):
     log = tmp_path_factory.mktemp("agents") / "server.log"
-    with running_server(tiny_cache, log, "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "16") as srv:
+    args = ("--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "16")
+    with running_server(tiny_cache, log, *args, env=ONE_TORCH_THREAD) as srv:
         yield srv
 
 
@@ -132,7 +128,7 @@ def test_anthropic_sdk_round_trip(claude):
     forced = claude.messages.create(
         model="dsv4-tiny",
         max_tokens=300,
-        messages=[{"role": "user", "content": "Weather in Paris for two days?"}],
+        messages=[{"role": "user", "content": "Weather in Paris?"}],
         tools=TOOLS,
         tool_choice={"type": "tool", "name": "get_weather"},
         thinking={"type": "disabled"},
@@ -170,53 +166,66 @@ def test_request_body_limit_through_the_server(server):
 
 
 @pytest.mark.slow
-def test_health_and_a_stream_keep_answering_while_maximal_prompts_tokenize(server):
+def test_health_and_a_stream_keep_answering_while_maximal_prompts_tokenize(server, tiny_dir):
     """The largest prompt the server tokenizes (just under the length that proves it too long: the
     longest DeepSeek-V4 token is 128 characters), one after another for 3 s: /health answers within
-    100 ms and a running stream keeps its pace meanwhile."""
+    100 ms (more than it takes under the same CPU load alone) and a running stream keeps its pace.
+
+    The worker shares the CPU with the tokenizer (2 cores in CI), so its steps slow down whatever the
+    server does: the bounds are taken against a control window just before, in which this test process
+    tokenizes the same text itself, loading the CPU the same way without the server's part in it. A
+    tokenization on the event loop (~0.2 s a prompt) shows in /health; a stalled stream in its gaps."""
     chars = (MAX_MODEL_LEN - 1) * 128 - 1000
-    big = {"messages": [{"role": "user", "content": "ab " * (chars // 3)}], "max_tokens": 1}
+    text = "ab " * (chars // 3)
+    big = {"messages": [{"role": "user", "content": text}], "max_tokens": 1}
     stream_body = {"messages": HELLO, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    tokenizer = TextTokenizer.for_model(tiny_dir)
+    window_s = 3.0
 
     async def run():
         async with httpx.AsyncClient(base_url=server.base, timeout=300) as client:
             arrivals: list[float] = []
-            heavy_window: list[float] = []
+            marks: list[float] = []  # control start, heavy start, heavy end
+            latencies: list[tuple[float, float]] = []  # (sent at, seconds)
 
             async def stream():
                 async with client.stream("POST", "/v1/chat/completions", json=stream_body) as resp:
                     async for line in resp.aiter_lines():
                         if line.startswith("data: {"):
                             arrivals.append(time.monotonic())
-                        if heavy_window and len(heavy_window) == 2 and arrivals[-1] > heavy_window[1] + 1:
+                        if len(marks) == 3 and arrivals and arrivals[-1] > marks[2] + 1:
                             return
 
-            async def heavy():
-                while len(arrivals) < 8:  # the stream runs: measure its pace first
+            async def load():
+                while len(arrivals) < 8:  # the stream runs: first its pace alone
                     await asyncio.sleep(0.05)
-                heavy_window.append(time.monotonic())
-                while time.monotonic() < heavy_window[0] + 3:  # one maximal prompt after another, for 3 s
+                marks.append(time.monotonic())
+                while time.monotonic() < marks[0] + window_s:  # control: the same tokenizing, in this process
+                    await asyncio.to_thread(tokenizer.encode, text)
+                marks.append(time.monotonic())
+                while time.monotonic() < marks[1] + window_s:  # one maximal prompt after another
                     resp = await client.post("/v1/chat/completions", json=big)
                     assert resp.status_code == 400 and "input tokens" in resp.text  # tokenized, then refused
-                heavy_window.append(time.monotonic())
+                marks.append(time.monotonic())
 
             async def health():
-                latencies = []
-                while len(heavy_window) < 2:
+                while len(marks) < 3:
                     start = time.monotonic()
                     assert (await client.get("/health")).status_code == 200
-                    if heavy_window:
-                        latencies.append(time.monotonic() - start)
+                    latencies.append((start, time.monotonic() - start))
                     await asyncio.sleep(0.02)
-                return latencies
 
-            _, _, latencies = await asyncio.gather(stream(), heavy(), health())
-            return arrivals, heavy_window, latencies
+            await asyncio.gather(stream(), load(), health())
+            return arrivals, marks, latencies
 
-    arrivals, (start, end), latencies = asyncio.run(run())
-    gaps = [(b - a, b) for a, b in zip(arrivals, arrivals[1:])]
-    before = max(g for g, at in gaps if at < start)
-    during = max(g for g, at in gaps if start <= at <= end + 0.5)
-    assert latencies and max(latencies) < 0.1, max(latencies)
-    # the worker shares the CPU with the tokenizer: its steps may slow, but nothing stalls the stream
-    assert during < 1.5 * before + 0.1, (before, during)
+    arrivals, (control, heavy, end), latencies = asyncio.run(run())
+    assert arrivals[-1] > end, "the stream ended before the heavy window did: raise its max_tokens"
+
+    def worst(pairs, lo, hi):
+        return max(value for at, value in pairs if lo <= at < hi)
+
+    gaps = [(b, b - a) for a, b in zip(arrivals, arrivals[1:])]
+    health_control, health_heavy = worst(latencies, control, heavy), worst(latencies, heavy, end)
+    gap_control, gap_heavy = worst(gaps, control, heavy), worst(gaps, heavy, end + 0.5)
+    assert health_heavy < 0.1 + health_control, (health_control, health_heavy)
+    assert gap_heavy < 2 * gap_control + 0.25, (gap_control, gap_heavy)

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from .api_server import running_server
+from .api_server import ONE_TORCH_THREAD, running_server
 
 MAX_MODEL_LEN = 2048
 HELLO = [{"role": "user", "content": "Hello!"}]
@@ -28,7 +28,8 @@ TOOLS = [
 @pytest.fixture(scope="module")
 def server(tiny_cache, tmp_path_factory):
     log = tmp_path_factory.mktemp("api") / "server.log"
-    with running_server(tiny_cache, log, "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "4") as srv:
+    args = ("--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "4")
+    with running_server(tiny_cache, log, *args, env=ONE_TORCH_THREAD) as srv:
         yield srv
 
 

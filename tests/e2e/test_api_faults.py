@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from .api_server import ServerProcess
+from .api_server import ONE_TORCH_THREAD, ServerProcess
 
 HELLO = [{"role": "user", "content": "Hello!"}]
 LONG = {"messages": HELLO, "max_tokens": 1000, "ignore_eos": True, "stream": True}
@@ -18,7 +18,8 @@ LONG = {"messages": HELLO, "max_tokens": 1000, "ignore_eos": True, "stream": Tru
 
 @pytest.fixture(scope="module")
 def server(tiny_cache, tmp_path_factory):
-    srv = ServerProcess(tiny_cache, tmp_path_factory.mktemp("faults") / "server.log", "--max-model-len", "2048")
+    log = tmp_path_factory.mktemp("faults") / "server.log"
+    srv = ServerProcess(tiny_cache, log, "--max-model-len", "2048", env=ONE_TORCH_THREAD)
     try:
         srv.wait_healthy()
         yield srv

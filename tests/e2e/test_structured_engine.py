@@ -14,11 +14,15 @@ import pytest
 from dsv4serve.api.tokenizer import TextTokenizer
 from dsv4serve.ipc.sampling import SamplingParams, StructuredOutput
 
+from .api_server import ONE_TORCH_THREAD
 from .conftest import LoopThread, launch_for, start_client
 
+# bounded, so the grammar's end is always reached within max_tokens: at most 46 bytes of JSON (a 6-character
+# string of 4-byte characters, 3 digits) plus EOS, each token at least one byte. An unbounded integer
+# ([1-9][0-9]*) almost never ends on random weights: ~1,100 digit tokens against one `}` at every step
 SCHEMA = {
     "type": "object",
-    "properties": {"name": {"type": "string", "maxLength": 6}, "n": {"type": "integer", "minimum": 0}},
+    "properties": {"name": {"type": "string", "maxLength": 6}, "n": {"type": "integer", "minimum": 0, "maximum": 999}},
     "required": ["name", "n"],
     "additionalProperties": False,
 }
@@ -27,8 +31,10 @@ PROMPT_TOKENS = 30  # 2 pages each: four prompts fill the pool, so growing repli
 
 
 @pytest.mark.slow
-def test_replies_validate_through_preemption(tiny_dir):
+def test_replies_validate_through_preemption(tiny_dir, monkeypatch):
     tokenizer = TextTokenizer.for_model(Path(tiny_dir))
+    for name, value in ONE_TORCH_THREAD.items():
+        monkeypatch.setenv(name, value)  # read by the worker this test spawns
     lt = LoopThread()
     client = start_client(lt, launch_for(tiny_dir, num_tokens=KV_TOKENS, max_num_seqs=4, max_model_len=KV_TOKENS))
     params = SamplingParams(
@@ -54,5 +60,5 @@ def test_replies_validate_through_preemption(tiny_dir):
     # the pool cannot hold the four replies at once: at least one request was preempted and recomputed
     assert sum(PROMPT_TOKENS + len(tokens) for tokens, _ in results) > KV_TOKENS
     for tokens, reason in results:
-        assert reason == "stop" and tokens[-1] == 1
+        assert reason == "stop" and tokens[-1] == 1, (reason, tokenizer.decode(tokens, skip_special_tokens=False))
         jsonschema.validate(json.loads(tokenizer.decode(tokens[:-1], skip_special_tokens=False)), SCHEMA)

@@ -86,6 +86,18 @@ EXPECTED = {
     **{("hc_mix", f"{form}_bn64", 120): HC_MMA_SYNC for form in ("pre", "head")},
     # the per-token chains (norms, RoPE, FP8 / Hadamard + FP4 quantize-dequantize): elementwise, no matrix product
     **{("token_rows", c, sm): "" for c in ("rms_norm_4096", "rms_norm_1024", *TOKEN_ROPE) for sm in (90, 120)},
+    # the compressor's decode update (pooling, norm, RoPE, quantization of one row) and the indexer's radix
+    # select: elementwise work, reductions and a sort, no matrix product
+    **{("compressor_decode", c, sm): "" for c in ("csa_kv", "csa_index", "hca_kv") for sm in (90, 120)},
+    **{("indexer_topk_select", c, sm): "" for c in ("layout", "plain") for sm in (90, 120)},
+    # the MoE router: fp32 logits as IEEE FMA sums (no TF32 tensor cores), then one token a program
+    **{("router_logits", "logits", sm): "" for sm in (90, 120)},
+    **{("router_select", c, sm): "" for c in ("select_topk", "select_hash") for sm in (90, 120)},
+    # the shared expert's w1 + w3 FP8 GEMM (two accumulators; the prefill tile's N split over 2 warpgroups)
+    ("fp8_swiglu", "decode", 90): "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3",
+    ("fp8_swiglu", "prefill", 90): "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3",
+    ("fp8_swiglu", "decode", 120): "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32",
+    ("fp8_swiglu", "prefill_s2", 120): "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32",
 }
 
 # local-memory stack bytes (register spills) each launched build may have, as measured with triton 3.7.1;
@@ -101,6 +113,7 @@ STACK_BUDGET = {
     # not a spill: libdevice's cosf / sinf keep their Payne-Hanek reduction words in a 28-byte local array
     # (a bare tl.cos kernel has it too), touched only for angles beyond ~1e5 rad (positions past ~100K)
     **{("token_rows", config, sm): 32 for config in TOKEN_ROPE for sm in (90, 120)},
+    **{("compressor_decode", c, sm): 32 for c in ("csa_kv", "csa_index", "hca_kv") for sm in (90, 120)},  # the same
 }
 
 # rough cold build seconds on the 2-core CI machine, only to balance the two child processes

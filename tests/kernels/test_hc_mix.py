@@ -217,8 +217,10 @@ def test_empty_batch_and_bad_shapes() -> None:
 
 
 def test_block_choice_is_data_independent_and_invariant_when_asked() -> None:
-    assert [pick_block_n(n) for n in (1, 64, 65, 2048, 2049, 16384)] == [1, 1, 16, 16, 64, 64]
-    assert {pick_block_n(n, batch_invariant=True) for n in (1, 100, 16384)} == {1}
+    gpu = [pick_block_n(n, interpreter=False) for n in (1, 64, 65, 2048, 2049, 16384)]
+    assert gpu == [1, 1, 16, 16, 64, 64]
+    assert [pick_block_n(n, interpreter=True) for n in (1, 2, 64, 16384)] == [1, 16, 16, 16]
+    assert {pick_block_n(n, batch_invariant=True, interpreter=i) for n in (1, 100, 16384) for i in (False, True)} == {1}
 
 
 def _model_numerics(backend: str, batch_invariant: bool):

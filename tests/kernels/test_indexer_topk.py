@@ -27,6 +27,7 @@ from dsv4_kernels.indexer_topk_ref import (
     topk_from_scores_ref,
     visible_counts,
 )
+from dsv4_kernels.indexer_topk_select import topk_select
 from dsv4_kernels.testing import into_poisoned
 
 RATIO = 4
@@ -188,3 +189,68 @@ def test_reference_matches_model_indexer_select() -> None:
     ref_mask = torch.zeros(n_rows, n_entries + 1, dtype=torch.bool).scatter_(1, ref.long() % (n_entries + 1), True)
     assert torch.equal(chosen, ref_mask[:, :n_entries])
     assert torch.equal(indexer_topk(**p, ratio=RATIO, topk=args.index_topk), ref)
+
+
+# ---- the choice kernel alone (indexer_topk_select), against the stable sort ----
+
+
+def _select_poisoned(scores: torch.Tensor, topk: int, layout=None) -> torch.Tensor:
+    """topk_select into a poisoned int32 view (-7 outside what it must write: int32 has no NaN)."""
+    big = torch.full((scores.shape[0] + 3, topk + 3), -7, dtype=torch.int32)
+    got = topk_select(scores, topk, layout, out=big[1:-2, 1:-2])
+    border = big.clone()
+    border[1:-2, 1:-2] = -7
+    assert bool((border == -7).all()), "the kernel stored outside its output"
+    return got
+
+
+def _tied_rows(n_rows: int, num_cols: int, seed: int) -> torch.Tensor:
+    """Scores as the indexer's are on dsv4-tiny: many exact zeros (+0.0 and -0.0), a few small integers
+    (ties among them), random values that share their high bits (the radix rounds' later digits decide),
+    -inf here and there."""
+    gen = torch.Generator().manual_seed(seed)
+    kind = torch.randint(0, 5, (n_rows, num_cols), generator=gen)
+    scores = torch.randn(n_rows, num_cols, generator=gen)
+    scores = torch.where(kind == 0, 0.0, scores)
+    scores = torch.where(kind == 1, -0.0, scores)
+    scores = torch.where(kind == 2, torch.randint(-2, 3, (n_rows, num_cols), generator=gen).float(), scores)
+    near = 1.0 + torch.randint(0, 64, (n_rows, num_cols), generator=gen).float() * 2.0**-23  # 1 + a few ulps
+    scores = torch.where(kind == 3, near, scores)
+    return scores.masked_fill(torch.rand(n_rows, num_cols, generator=gen) < 0.05, float("-inf"))
+
+
+@pytest.mark.parametrize(("num_cols", "topk"), [(37, 4), (300, 64), (2500, 512), (40, 64)])
+def test_select_kernel_matches_the_stable_sort(num_cols: int, topk: int) -> None:
+    """Ties everywhere; rows of several 1024-column passes (2500); k above every row's count (40, 64)."""
+    scores = _tied_rows(5, num_cols, seed=num_cols)
+    assert torch.equal(_select_poisoned(scores, topk), topk_from_scores_ref(scores, topk))
+
+
+def test_select_kernel_breaks_zero_ties_at_the_kth_entry() -> None:
+    """Exact zeros straddle the k-th place: the earlier zeros are chosen (-0.0 like +0.0), in column order
+    after the better scores; a row of only zeros and -inf keeps its first k zeros."""
+    inf = float("inf")
+    scores = torch.tensor(
+        [
+            [0.0, 3.0, -0.0, 0.0, 1.0, -0.0, 0.0, -1.0, 0.0],  # k = 4: 3, 1, then the first two zeros
+            [-inf, -0.0, -inf, 0.0, 0.0, -0.0, -inf, 0.0, 0.0],  # k = 4: the first four zeros
+            [-2.0, -2.0, -2.0, -2.0, -2.0, -inf, -2.0, -2.0, 5.0],  # ties below zero
+            [-inf] * 9,  # nothing visible: all -1
+        ]
+    )
+    expected = torch.tensor([[1, 4, 0, 2], [1, 3, 4, 5], [8, 0, 1, 2], [-1, -1, -1, -1]], dtype=torch.int32)
+    assert torch.equal(_select_poisoned(scores, 4), expected)
+    assert torch.equal(topk_from_scores_ref(scores, 4), expected)
+
+
+def test_select_kernel_scans_only_the_visible_columns() -> None:
+    """With the layout, a row reads only its (position + 1) // ratio columns: NaN past them changes nothing."""
+    requests = [(5, 1), (130, 1), (2, 1), (21, 9)]  # decode rows and a chunk; one row sees no entry
+    cu = torch.tensor([0, 1, 2, 3, 12], dtype=torch.int32)
+    start = torch.tensor([s for s, _ in requests], dtype=torch.int32)
+    visible = visible_counts(cu, start, RATIO)
+    scores = _tied_rows(12, 40, seed=3)
+    past = torch.arange(40)[None, :] >= visible[:, None]
+    expected = topk_from_scores_ref(scores.masked_fill(past, float("-inf")), 8)
+    got = _select_poisoned(scores.masked_fill(past, float("nan")), 8, (cu, start, RATIO))
+    assert torch.equal(got, expected)

@@ -61,7 +61,7 @@ from dsv4serve.model.compressor import Compressor
 from dsv4serve.model.indexer import Indexer
 from dsv4serve.model.layers import RMSNorm
 from dsv4serve.model.numerics import KV_BLOCK, Numerics, fp8_quant_dequant
-from dsv4serve.model.rope import apply_rope, inv_freq, rope_cos_sin
+from dsv4serve.model.rope import Rotation, apply_rope, inv_freq, rope_cos_sin
 
 EPS = 1e-6
 ULP_BOUND = {torch.bfloat16: 2.0**-7, torch.float32: 2.0**-19}  # relative, see the module doc
@@ -364,7 +364,7 @@ def _model_chains(args: ModelArgs, dtype: torch.dtype, n: int, gen: torch.Genera
                    lambda out: rope(o, at, True, out=out), None))  # fmt: skip
     qr = torch.randn(n, args.q_lora_rank, generator=gen).to(dtype)
     iq = indexer.wq_b(qr, num).unflatten(-1, (args.index_n_heads, args.index_head_dim))
-    chains.append(("indexer q", indexer.queries(x, qr, cos, sin, num)[0], indexer_q_ref(iq, tables, True),
+    chains.append(("indexer q", indexer.queries(x, qr, Rotation(cos, sin), num)[0], indexer_q_ref(iq, tables, True),
                    lambda out: indexer_q(iq, at, True, out=out), ("fp4", args.index_head_dim)))  # fmt: skip
     for comp, kind in ((kv_comp, "kv"), (idx_comp, "index")):  # tokens at positions, rotated at window starts
         pooled, starts = torch.randn(n, comp.head_dim, generator=gen), (positions // 4) * 4

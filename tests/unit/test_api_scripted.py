@@ -13,8 +13,8 @@ from dsv4serve.api.app import ServeOptions, create_app
 from dsv4serve.api.tokenizer import TextTokenizer
 from dsv4serve.chat.tools import render_tool_calls
 from dsv4serve.ipc.messages import Ready, RequestOutput, TokenLogprob, TokenOut
-from dsv4serve.supervisor import RequestRejected, WorkerDied
 from dsv4serve.memory.chunk_planner import ChunkPlan
+from dsv4serve.supervisor import RequestRejected, WorkerDied
 
 EOS = 1
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4serve.memory.plan import kv_geometry
-from dsv4serve.model.args import read_model_args
 from dsv4serve.memory import capacity
 from dsv4serve.memory.chunk_planner import PLATFORM_MARGIN_BYTES, MemorySnapshot, prefill_geometry
+from dsv4serve.memory.plan import kv_geometry
+from dsv4serve.model.args import read_model_args
 
 GIB = 2**30
 CUDA = torch.device("cuda")

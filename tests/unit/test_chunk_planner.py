@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 
 from dsv4serve.config import ConfigError, Setting, Source
-from dsv4serve.model.args import read_model_args
 from dsv4serve.memory.chunk_planner import (
     GEOMETRY_SAFETY_FACTOR,
     PLATFORM_MARGIN_BYTES,
@@ -20,6 +19,7 @@ from dsv4serve.memory.chunk_planner import (
     shrink_after_oom,
 )
 from dsv4serve.memory.probe import SimulatedBudget, detect_platform, measure_activation_bytes, take_snapshot
+from dsv4serve.model.args import read_model_args
 
 PACKAGE = Path(__file__).resolve().parents[2] / "dsv4serve"
 MIB, GIB = 1024**2, 1024**3

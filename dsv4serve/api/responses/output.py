@@ -81,6 +81,7 @@ class ResponseAssembler:
 
     def _open_item(self, kind: str) -> list[dict]:
         events = self._close()
+        item: dict[str, Any]
         if kind == "reasoning":
             item = {"id": item_id("rs"), "type": "reasoning", "summary": [], "content": [], "status": "in_progress"}
         else:
@@ -108,7 +109,7 @@ class ResponseAssembler:
         events = self._open_item(kind) if self._open != kind else []
         self.items[-1]["content"][0]["text"] += text
         name = "reasoning_text.delta" if kind == "reasoning" else "output_text.delta"
-        extra = {} if kind == "reasoning" else {"logprobs": []}
+        extra: dict[str, Any] = {} if kind == "reasoning" else {"logprobs": []}
         return events + [self._ev(name, **self._where(), content_index=0, delta=text, **extra)]
 
     def _call(self, call: dict[str, Any]) -> list[dict]:

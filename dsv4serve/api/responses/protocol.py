@@ -154,6 +154,8 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     if req.store:
         raise bad_request(f"store: true is not supported: {STATELESS}", "store")
     effort = (req.reasoning or {}).get("effort")
+    if effort is not None and not isinstance(effort, str):
+        raise bad_request("reasoning.effort must be a string", "reasoning")
     fields: dict[str, Any] = {
         "model": req.model,
         "messages": chat_messages(req),
@@ -163,7 +165,7 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
         "tools": chat_tools(req.tools),
         "tool_choice": chat_tool_choice(req.tool_choice) if req.tools else None,
         "parallel_tool_calls": req.parallel_tool_calls,
-        "reasoning_effort": EFFORTS.get(effort, effort),
+        "reasoning_effort": EFFORTS.get(effort, effort) if effort is not None else None,
         "response_format": response_format(req.text),
     }
     return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})

@@ -1,0 +1,237 @@
+"""The decode step as the engine runs it: eager vs CUDA graphs, experts resident vs an expert-slot cache.
+
+DeepSeek-V4-Flash's real dimensions with 2 layers (one CSA, one HCA: end_to_end.bench_args), a random model
+(model.random_init) with the worker's numerics (worker_numerics, --kernels auto: every kernel on Triton on
+CUDA, no batch invariance), at batch 1, 8 and 64. Two ways to run a step:
+  eager:  build_layout (one pinned upload) + Transformer.run, what --enforce-eager runs;
+  graphs: worker/graphs.DecodeGraphs with capture=True (every bucket 1, 2, 4, ..., 64 captured when the
+          first graphs case of an expert home runs), one replay per step.
+and two homes for the routed experts: all resident (the stacked MXFP4 copies), or an ExpertSlotCache whose
+bank is the model's packed experts copied to host memory (pinned on CUDA) and whose device slots hold half
+of them (its initial fill: an equal share per layer; promotions follow the routing).
+
+The rows (_decode_engine.DecodeBench, built by the first case that runs): an engine KvPool as
+worker/engine_setup.py builds it (every row its own sequence slot and pages, then one padding slot and one
+padding page; here also one snapshot slot per row), 64 rows each prefilled with 2,048 random tokens (4 rows
+a forward). Teacher forcing: row r's input at position p is always tokens[r][p], whichever way the step
+runs, so eager and graphs stay in step; batch B runs rows 0..B-1 and each step adds one token to each of
+them (the context stays about 2,048: row 0, in all 12 cases, ends below 2,150).
+
+Cases, per expert home and batch size; `run` is timed, `reference` is computed once, from the state the first
+`run` started at (the rows' slots copied aside before it and back after; their pages are rewritten):
+  `decode_step bs=B eager [...]`:  run an eager step; reference: the same step under
+      torch.cuda.set_sync_debug_mode("error"). Its note says "no host sync", or names the first sync (the
+      error and the project line that made it) and every sync of the step run again under "warn".
+  `decode_step bs=B graphs [...]`: run a replay; reference: the eager step on the layout the replay runs
+      (DecodeGraphs' block-table width and length bound: the same kernels on the same shapes, so a difference
+      is the capture's). Its note: the capture (time, graph memory), the host syncs of the replay path (under
+      "warn"), the engine's own eager step vs the replay (its shorter block table and length bound change
+      the attention's split order: bf16 noise, which can flip a near-tied expert choice and so move a whole
+      row, hence not checked), the slot cache's hits.
+Each case times at most MAX_WARMUP + MAX_REPEATS calls (gpu_check's per-case caps). On an H200 the module
+should take about 1-2 minutes, nearly all of it set-up: drawing and packing the random model (~15 s), 16
+prefill forwards, Triton's first compiles of every decode shape, 2 x 7 bucket captures; the 12 cases' timed
+steps take a few seconds.
+
+`notes` sets eager and graphs side by side (the graphs' speed-up), projects both to 43 layers (ms x 43 / 2:
+the head counted 21.5 times, an upper bound) as tokens/s, and compares with the bandwidth bound at that batch
+size (`step_bytes` over the measured copy bandwidth). Sampling is in no time (the forward only).
+"""
+
+from __future__ import annotations
+
+import re
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from bench.gpu_cases import GpuCase, real_config_dir
+from bench.gpu_cases._decode_engine import DecodeBench
+from bench.gpu_cases._sync_debug import describe_syncs, project_site, sync_debug
+from bench.gpu_cases.end_to_end import N_LAYERS, REAL_LAYERS, bench_args
+
+BATCH_SIZES = (1, 8, 64)
+CONTEXT_TOKENS = 2048
+# every case runs at most 1 + MAX_WARMUP + MAX_REPEATS steps on rows 0..B-1; row 0 is in all 12 cases
+EXTRA_TOKENS = 256
+MAX_WARMUP, MAX_REPEATS = 2, 5
+# bf16 noise through 2 layers of FP8 activation quantization (a flipped rounding moves a logit by ~1e-2):
+# end_to_end's tolerance for logits of the same model
+ATOL, RTOL = 0.05, 0.02
+NAME = re.compile(r"decode_step bs=(\d+) (eager|graphs) \[(.+)\]")
+
+
+@dataclass(frozen=True)
+class StepCase(GpuCase):
+    """A case every call of which is a decode step on shared rows: it caps its own timing, and reports what
+    the step saw besides its time (gpu_check reads `max_warmup`, `max_repeats` and `notes`)."""
+
+    max_warmup: int = MAX_WARMUP
+    max_repeats: int = MAX_REPEATS
+    notes: Callable[[], list[str]] | None = None
+
+
+class StepProbe:
+    """One case: `run` (a step of rows 0..n-1, timed) and `reference` (once, right after the first run: the
+    eager step from the state that run started at, under the sync debug mode for an eager case)."""
+
+    def __init__(self, bench: DecodeBench, mode: str, n: int, replay: bool):
+        self.bench, self.mode, self.n, self.replay = bench, mode, n, replay
+        self.first = True
+        self.out: torch.Tensor | None = None  # the first run's logits
+        self.lines: list[str] = []
+
+    def _step(self) -> torch.Tensor:
+        self.bench.use(self.mode)
+        return self.bench.graph_step(self.mode, self.n) if self.replay else self.bench.eager_step(self.n)
+
+    def run(self) -> torch.Tensor:
+        b = self.bench
+        if not self.first:
+            return self._step()
+        self.first = False
+        b.setup()
+        if self.replay and self.mode not in b.graphs:
+            self.lines.append(f"built {b.decode_graphs(self.mode).report.describe()}")
+        b.snapshot(self.n)
+        if not (self.replay and b.device.type == "cuda"):
+            self.out = self._step().clone()
+            return self.out
+        with sync_debug("warn") as sites:  # the replay path's host side: bucket fill, upload, cache boundary
+            self.out = self._step().clone()
+        self.lines.append(f"replay: {describe_syncs(sites)}")
+        return self.out
+
+    def reference(self) -> torch.Tensor:
+        b = self.bench
+        b.restore()
+        b.use(self.mode)
+        if self.replay:  # the engine's eager step (informative), then the one on the replay's layout (checked)
+            self.lines.append(f"eager step vs replay: {differences(b.eager_step(self.n), self.out)}")
+            b.restore()
+            return b.eager_step(self.n, static=True)
+        if b.device.type != "cuda":
+            self.lines.append("sync debug not run: torch.cuda.set_sync_debug_mode needs CUDA")
+            return b.eager_step(self.n)
+        try:
+            with sync_debug("error"):
+                out = b.eager_step(self.n)
+            self.lines.append("eager step under set_sync_debug_mode('error'): no host sync")
+            return out
+        except RuntimeError as exc:
+            if "synchroniz" not in str(exc):
+                raise
+            first = f"{str(exc).splitlines()[0][:80]} at {project_site(traceback.extract_tb(exc.__traceback__))}"
+        b.restore()  # the failed step stopped part-way: its rows run again from the snapshot
+        with sync_debug("warn") as sites:
+            out = b.eager_step(self.n)
+        self.lines.append(
+            f"eager step under set_sync_debug_mode('error'): {first}; under 'warn': {describe_syncs(sites)}"
+        )
+        return out
+
+    def notes(self, name: str) -> list[str]:
+        lines = [f"{name}: {line}" for line in self.lines]
+        if self.replay and self.mode == "slots" and self.bench.ready:
+            lines.append(f"{name}: {self.bench.cache_line()}")
+        return lines
+
+
+def differences(got: torch.Tensor, want: torch.Tensor) -> str:
+    """got, want [rows, vocab] fp32: the largest difference and the rows past the check's tolerance."""
+    err = (got.float() - want.float()).abs()
+    bad = (~(err <= ATOL + RTOL * want.float().abs())).any(dim=-1)
+    return f"max |diff| {float(err.max()):.3g}, {int(bad.sum())} of {bad.numel()} rows past the tolerance"
+
+
+def step_bytes(args, rows: int) -> int:
+    """Checkpoint bytes (as stored) one decode step of `rows` rows reads: every tensor but the embedding table
+    and the routed experts, plus each layer's routed experts that the rows touch, under uniform routing
+    E (1 - (1 - k / E)^rows) of its E (k / E of them at batch 1: end_to_end.decode_bytes_per_token). The KV
+    cache (about 20 MB a row at 2,048 tokens over 43 layers) is left out."""
+    from dsv4serve.model.schema import checkpoint_schema
+
+    specs = checkpoint_schema(args, include_mtp=False)
+    routed = sum(s.nbytes for s in specs if s.group == "routed_experts")
+    rest = sum(s.nbytes for s in specs if s.group not in ("routed_experts", "embed"))
+    touched = 1 - (1 - args.n_activated_experts / args.n_routed_experts) ** rows
+    return rest + round(routed * touched)
+
+
+def build(device: torch.device, args, batch_sizes: tuple[int, ...], context_tokens: int, extra_tokens: int):
+    from dsv4serve.model.backends import default_backends
+
+    bench = DecodeBench(device, args, max(batch_sizes), context_tokens, extra_tokens)
+    label = "triton" if default_backends(device).uses_triton() else "torch"
+    homes = {"resident": "resident", "slots": f"slot cache {bench.n_slots}/{bench.n_experts}"}
+    cases = []
+    for mode, tag in homes.items():
+        for n in batch_sizes:
+            for replay in (False, True):
+                name = f"decode_step bs={n} {'graphs' if replay else 'eager'} [{tag}, {label}]"
+                probe = StepProbe(bench, mode, n, replay)
+                cases.append(
+                    StepCase(
+                        name,
+                        probe.run,
+                        probe.reference,
+                        ATOL,
+                        RTOL,
+                        bytes_moved=step_bytes(args, n),
+                        notes=partial(probe.notes, name),
+                    )
+                )
+    return cases
+
+
+def cases(device: torch.device) -> list[GpuCase]:
+    from dsv4serve.model.args import read_model_args
+
+    return build(device, bench_args(read_model_args(real_config_dir())), BATCH_SIZES, CONTEXT_TOKENS, EXTRA_TOKENS)
+
+
+def smoke_cases(device: torch.device) -> list[GpuCase]:
+    """dsv4-tiny's architecture, 2 layers, batch 1 and 4, 136-token contexts (the HCA layer's 128-token window
+    closes once); DecodeGraphs(capture=False) stands in for the graphs; no sync debug (it needs CUDA)."""
+    from dsv4serve.env import read_environment
+    from dsv4serve.model.args import read_model_args
+    from dsv4serve.tiny.builder import ensure_tiny
+
+    tiny = read_model_args(ensure_tiny(read_environment().cache_dir))
+    return build(device, bench_args(tiny), (1, 4), 136, 64)
+
+
+def notes(times_ms: dict[str, float], ceilings: dict[str, float]) -> list[str]:
+    """Eager and graphs per batch size and expert home, projected to 43 layers, against the bandwidth bound."""
+    from dsv4serve.model.args import read_model_args
+
+    real = read_model_args(real_config_dir())
+    bandwidth = ceilings["copy_GBps"] * 1e9
+    steps: dict[tuple[str, int], dict[str, float]] = {}
+    for name, ms in times_ms.items():
+        m = NAME.match(name)
+        if m:
+            steps.setdefault((m[3], int(m[1])), {})[m[2]] = ms
+    lines = [
+        f"decode_step: ms per {N_LAYERS}-layer step -> {REAL_LAYERS} layers (x {REAL_LAYERS / N_LAYERS}, head "
+        "included: an upper bound); bound = rows x copy bandwidth / weight bytes a step reads (uniform routing)"
+    ]
+    for (home, n), t in steps.items():
+        bound_bytes = step_bytes(real, n)
+        bound_tps = n * bandwidth / bound_bytes
+        parts = []
+        for kind, ms in sorted(t.items()):
+            full_ms = ms * REAL_LAYERS / N_LAYERS
+            tps = n * 1e3 / full_ms
+            parts.append(
+                f"{kind} {ms:.2f} ms -> {full_ms:.1f} ms = {tps:.1f} tok/s ({100 * tps / bound_tps:.1f}% of the bound)"
+            )
+        speedup = f"; graphs {t['eager'] / t['graphs']:.2f}x eager" if len(t) == 2 else ""
+        lines.append(
+            f"decode_step bs={n} [{home}]: {', '.join(parts)}{speedup}; bound {bound_tps:.0f} tok/s "
+            f"({bound_bytes / 1e9:.1f} GB a step)"
+        )
+    return lines
