@@ -4,7 +4,7 @@ the API process's time per streamed token (IPC decode, detokenize, chat parser, 
 Engine: the real worker parts from `build_engine` on dsv4-tiny, driven in-process by the worker's
 `EngineLoop` with a channel that msgpack-encodes every outgoing message (the real serialization) and
 never blocks. With N requests decoding, each timed step is split into the model forward (the model's
-`forward` wrapped with a timer), the scheduler's `schedule`, the sampler, and the rest; overhead =
+`run` wrapped with a timer), the scheduler's `schedule`, the sampler, and the rest; overhead =
 step - forward. The N levels alternate, one step at a time, so load on this shared machine hits all
 levels alike. Target: overhead < 1 ms per step at 64 running requests.
 
@@ -119,7 +119,8 @@ def start_level(model_path: Path, num_running: int, max_tokens: int) -> Level:
     parts = build_engine(launch_for(model_path, num_running))
     loop = EngineLoop(parts, EncodingChannel())
     timers = Timers()
-    parts.runner.model.forward = timers.wrap("forward", parts.runner.model.forward)
+    # Transformer.run: what the runner's eager step and DecodeGraphs' buckets both call (the same model object)
+    parts.runner.model.run = timers.wrap("forward", parts.runner.model.run)  # type: ignore[method-assign]
     parts.runner._sample = timers.wrap("sample", parts.runner._sample)
     parts.scheduler.schedule = timers.wrap("schedule", parts.scheduler.schedule)
     sampling = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens)

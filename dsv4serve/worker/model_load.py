@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from collections.abc import Mapping
 
 import msgspec
 import torch
@@ -46,7 +47,28 @@ class StartupError(RuntimeError):
 def worker_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise StartupError("--device cuda: no CUDA device is visible to torch; run `dsv4serve doctor`")
+    threads = cpu_worker_threads(os.environ, usable_cores())
+    if name == "cpu" and threads is not None:
+        torch.set_num_threads(threads)
+        log.info(
+            "CPU worker: %d torch thread(s), one core left to the API process (OMP_NUM_THREADS overrides)", threads
+        )
     return torch.device(name)
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask, which containers narrow), else the machine's."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def cpu_worker_threads(env: Mapping[str, str], cores: int) -> int | None:
+    """Torch threads for a worker computing on the CPU: every core but one, which the API process needs while
+    it renders, tokenizes and streams beside the worker (bench/RESULTS.md, issues 17 and 20: on 2 cores, two
+    worker threads served 36 soak requests where one served 141, their hand-offs waiting on a descheduled
+    peer). None (torch's default) when the user set OMP_NUM_THREADS."""
+    if env.get("OMP_NUM_THREADS"):
+        return None
+    return max(1, cores - 1)
 
 
 def worker_numerics(args: ModelArgs, kernels: str, device: torch.device, batch_invariant: bool = False) -> Numerics:
