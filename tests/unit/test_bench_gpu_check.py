@@ -76,6 +76,7 @@ def test_end_to_end_projection_against_the_bandwidth_bound(monkeypatch, real_mod
     assert "prefill 2048 tokens/s" in lines[2] and "~95 tokens/s projected" in lines[2]
 
 
+@pytest.mark.slow  # every GPU case through the Triton interpreter: ~30 s
 def test_the_cpu_smoke_run_checks_every_case_module(gpu_check, tmp_path: Path) -> None:
     """The GPU script's whole path (every module's cases, checks, timing, table) on tiny shapes, so a
     lent GPU's minutes are never lost to a broken case module."""
