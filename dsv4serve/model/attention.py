@@ -263,7 +263,7 @@ class Attention(nn.Module):
         return torch.cat(chosen)
 
     def _project_out(self, o: torch.Tensor, num: Numerics) -> torch.Tensor:
-        """o [N, H, d] -> grouped wo_a [N, G, o_lora] -> wo_b [N, D]. The einsum runs in wo_a's dtype: fp32
+        """o [N, H, d] -> grouped wo_a [N, G, o_lora] -> wo_b [N, D]. The GEMM runs in wo_a's dtype: fp32
         as the dense loader gives it, bf16 as the packed loader holds it (exact; memory/weights.HELD_BF16)."""
         n_tokens = o.shape[0]
         grouped = o.reshape(n_tokens, self.n_groups, -1)
@@ -271,7 +271,9 @@ class Attention(nn.Module):
         grouped = grouped.to(wo_a.dtype)
         if num.batch_invariant:  # per token, decode included, so that every token takes the same path
             z = torch.stack([torch.einsum("gd,grd->gr", grouped[i].clone(), wo_a) for i in range(n_tokens)])
-        else:
-            z = torch.einsum("ngd,grd->ngr", grouped, wo_a)
+        else:  # one batched GEMM over the groups, written straight into [N, G, o_lora]: flatten(1) below is
+            # then a view at every N (an einsum's [G, N, o_lora] result, permuted, needs a copy once N > 1)
+            z = grouped.new_empty(n_tokens, self.n_groups, wo_a.shape[1])
+            torch.bmm(grouped.transpose(0, 1), wo_a.transpose(1, 2), out=z.transpose(0, 1))
         z = z.to(num.compute_dtype)
         return self.wo_b(z.flatten(1), num)
