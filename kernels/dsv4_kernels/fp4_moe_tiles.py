@@ -11,7 +11,7 @@
   of two from above, see fp8_gemm.py), v / scale as a product with the exact power 1 / scale, and
   the e4m3 rounding by the hardware cast on a GPU (cvt.rn.satfinite) or, under the interpreter, whose
   fp32->e4m3 cast rounds half up (ROUND_BITS), by an fp32 add / subtract of 2^(E+20), whose ulp is the
-  e4m3 quantum at |v| (fp8_gemm.py uses the same method).
+  e4m3 quantum at |v|. fp8_gemm.py, fp8_swiglu.py and token_ops_tiles.py call these: one definition.
 """
 
 from __future__ import annotations

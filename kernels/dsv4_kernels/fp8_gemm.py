@@ -49,6 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv4_kernels.fp4_moe_tiles import _pow2_scale, _round_to_e4m3  # the one FP8 activation quantizer's parts
 from dsv4_kernels.fp8_gemm_ref import FP8_AMAX_FLOOR, FP8_BLOCK
 from dsv4_kernels.outputs import output_buffer
 
@@ -58,25 +59,6 @@ AMAX_FLOOR = tl.constexpr(FP8_AMAX_FLOOR)
 def interpreting() -> bool:
     """True when @triton.jit builds interpreter functions (TRITON_INTERPRET=1 at import time)."""
     return not isinstance(fp8_gemm_kernel, triton.runtime.JITFunction)
-
-
-@triton.jit
-def _pow2_scale(amax):
-    """amax fp32 (floored, so normal) -> (s, 1 / s), s = 2^ceil(log2(amax / 448)), from amax's bits."""
-    bits = amax.to(tl.int32, bitcast=True)
-    biased = (bits >> 23) - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)  # 0x600000: mantissa of 1.75
-    return (biased << 23).to(tl.float32, bitcast=True), ((254 - biased) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _round_to_e4m3(v):
-    """fp32 v (|v| <= 448) -> the nearest e4m3 value, ties to even, still fp32 (see the module doc)."""
-    bits = v.to(tl.int32, bitcast=True)
-    mag = bits & 0x7FFFFFFF
-    # 2^(E+20) for |v| in [2^E, 2^(E+1)), E >= -6 (e4m3's smallest normal exponent): its ulp is 2^(E-3)
-    magic = (tl.maximum(mag & 0x7F800000, 121 << 23) + (20 << 23)).to(tl.float32, bitcast=True)
-    rounded = (mag.to(tl.float32, bitcast=True) + magic) - magic
-    return (rounded.to(tl.int32, bitcast=True) | (bits ^ mag)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
