@@ -45,7 +45,7 @@ def hc_pre(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """h [N, hc, D] -> (x [N, D] in h's dtype, post [N, hc] fp32, comb [N, hc, hc] fp32)."""
     if num.backends.hc == "triton":
-        from dsv4_kernels import hc_mix  # lazy, as for the other kernels
+        import dsv4_kernels.hc_mix as hc_mix  # lazy, as for the other kernels
 
         block_n = hc_mix.pick_block_n(h.shape[0], num.batch_invariant)
         return hc_mix.hc_pre(h, fn, scale, base, n_iters, hc_eps, norm_eps, block_n=block_n)
@@ -63,7 +63,7 @@ def hc_pre(
 def hc_post(out: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, num: Numerics) -> torch.Tensor:
     """new[k] = post[k] * out + sum_j comb[j, k] * h[j]; out [N, D], h [N, hc, D] -> [N, hc, D]."""
     if num.backends.hc == "triton":
-        from dsv4_kernels import hc_mix
+        import dsv4_kernels.hc_mix as hc_mix
 
         return hc_mix.hc_post(out, h, post, comb)
     mixed = (comb.unsqueeze(-1) * h.float().unsqueeze(2)).sum(dim=1)  # a plain sum: row-invariant
@@ -81,7 +81,7 @@ def hc_head(
 ) -> torch.Tensor:
     """Final collapse of the streams: h [N, hc, D] -> [N, D] in h's dtype (no Sinkhorn, no post)."""
     if num.backends.hc == "triton":
-        from dsv4_kernels import hc_mix
+        import dsv4_kernels.hc_mix as hc_mix
 
         block_n = hc_mix.pick_block_n(h.shape[0], num.batch_invariant)
         return hc_mix.hc_head(h, fn, scale, base, hc_eps, norm_eps, block_n=block_n)

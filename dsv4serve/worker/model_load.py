@@ -47,8 +47,8 @@ class StartupError(RuntimeError):
 def worker_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise StartupError("--device cuda: no CUDA device is visible to torch; run `dsv4serve doctor`")
-    threads = cpu_worker_threads(os.environ, usable_cores())
-    if name == "cpu" and threads is not None:
+    threads = cpu_worker_threads(os.environ, usable_cores()) if name == "cpu" else None
+    if threads is not None:
         torch.set_num_threads(threads)
         log.info(
             "CPU worker: %d torch thread(s), one core left to the API process (OMP_NUM_THREADS overrides)", threads
