@@ -52,6 +52,13 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError(f"must be 0 or a positive integer, got {value}")
+    return value
+
+
 def port_number(text: str) -> int:
     value = int(text)
     if not 0 < value < 65536:
@@ -174,6 +181,20 @@ class ServeConfig:
         parse=boolean,
         default=False,
         switch=True,
+    )
+    moe_backend: Setting[str] = option(
+        "where routed experts run: all on the GPU, GPU slots fed over PCIe, or hybrid (misses computed on "
+        "the CPU by kt-kernel) [auto: gpu when every expert fits, else hybrid when kt-kernel is installed, "
+        "else offload]",
+        default="auto",
+        choices=("auto", "gpu", "offload", "hybrid"),
+    )
+    speculative_tokens: Setting[int] = option(
+        "multi-token prediction with the checkpoint's MTP block: N draft tokens verified per step; outputs "
+        "unchanged (0 = off)",
+        parse=non_negative_int,
+        default=0,
+        metavar="N",
     )
     log_level: Setting[str] = option("log verbosity", default="info", choices=("debug", "info", "warning", "error"))
 

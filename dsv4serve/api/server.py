@@ -34,6 +34,8 @@ def worker_launch(cfg: ServeConfig, model_path) -> WorkerLaunch:
         kernels=wire(cfg.kernels),
         batch_invariant=wire(cfg.batch_invariant),
         enforce_eager=wire(cfg.enforce_eager),
+        moe_backend=wire(cfg.moe_backend),
+        speculative_tokens=wire(cfg.speculative_tokens),
         log_level=cfg.log_level.value,
         tokenizer_path=str(tokenizer_file(model_path)),
     )

@@ -23,7 +23,7 @@ from dsv4serve.checkpoint.loader import Checkpoint, iter_dense
 from dsv4serve.experts.bank import bank_bytes, check_bankable, expert_specs, load_expert_bank
 from dsv4serve.experts.pinning import PinBudget, measure_pin_budget
 from dsv4serve.experts.slot_cache import ExpertSlotCache
-from dsv4serve.memory.plan import HOST_MARGIN_BYTES
+from dsv4serve.memory.host_plan import HOST_MARGIN_BYTES
 from dsv4serve.memory.probe import host_snapshot
 from dsv4serve.model.moe import MoE
 from dsv4serve.model.transformer import Transformer

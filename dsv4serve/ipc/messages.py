@@ -169,5 +169,7 @@ class WorkerLaunch(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     kernels: Sourced[str] = Sourced("auto")  # --kernels: the model's kernel backends (model/backends.py)
     batch_invariant: Sourced[bool] = Sourced(False)  # --batch-invariant: bitwise batch invariance (slower)
     enforce_eager: Sourced[bool] = Sourced(False)  # --enforce-eager: no CUDA graphs
+    moe_backend: Sourced[str] = Sourced("auto")  # --moe-backend: auto | gpu | offload | hybrid
+    speculative_tokens: Sourced[int] = Sourced(0)  # --speculative-tokens: MTP drafts per step (0 = off)
     log_level: str = "info"
     tokenizer_path: str = ""  # the tokenizer.json the API uses (structured output compiles against it); "": bundled

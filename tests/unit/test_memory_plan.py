@@ -11,8 +11,8 @@ import pytest
 
 from dsv4serve.config import ConfigError, Setting, Source
 from dsv4serve.memory.chunk_planner import PLATFORM_MARGIN_BYTES
+from dsv4serve.memory.host_plan import HOST_MARGIN_BYTES
 from dsv4serve.memory.plan import (
-    HOST_MARGIN_BYTES,
     Machine,
     PlanSettings,
     kv_bytes,
