@@ -6,6 +6,8 @@ a command-line flag wins over its variable. Other variables:
   or $XDG_CACHE_HOME/dsv4serve].
 - DSV4SERVE_TESTING_OOM_ABOVE_BYTES (TESTING ONLY): the worker raises a real torch.OutOfMemoryError
   in any step whose activations would pass this many bytes (tests/e2e: out-of-memory recovery).
+- DSV4SERVE_FLASHINFER_SAMPLING [1]: 0 keeps a CUDA worker's draws on torch even when flashinfer is
+  installed (worker/sampling_flashinfer.py; for comparing the two).
 Hugging Face's own variables (HF_HOME, HF_HUB_OFFLINE, HF_TOKEN, ...) are read by huggingface_hub.
 """
 
@@ -24,6 +26,7 @@ class Environment:
     options: Mapping[str, str]  # option name (max_prefill_length) -> raw text, for DSV4SERVE_* set
     cache_dir: Path
     testing_oom_above_bytes: int | None = None  # TESTING ONLY: fault injection in the worker
+    flashinfer_sampling: bool = True  # a CUDA worker draws with flashinfer's kernels when installed
 
 
 def option_env_name(option: str) -> str:
@@ -40,7 +43,10 @@ def read_environment(environ: Mapping[str, str] | None = None, option_names: tup
     else:
         cache = Path.home() / ".cache" / "dsv4serve"
     return Environment(
-        options=options, cache_dir=cache, testing_oom_above_bytes=_int(env, PREFIX + "TESTING_OOM_ABOVE_BYTES")
+        options=options,
+        cache_dir=cache,
+        testing_oom_above_bytes=_int(env, PREFIX + "TESTING_OOM_ABOVE_BYTES"),
+        flashinfer_sampling=_int(env, PREFIX + "FLASHINFER_SAMPLING") != 0,
     )
 
 

@@ -39,9 +39,11 @@ def kv_capacity(
     memory_ratio: float,
     reserve_tokens: int,
     geometry: PrefillGeometry,
+    graph_bytes: int = 0,
 ) -> int:
     """KV tokens for the pool, aligned down to whole pages. `max_tokens`: what could ever be used
-    (max_model_len x max_num_seqs); `reserve_tokens`: a chunk whose activations stay free (CUDA)."""
+    (max_model_len x max_num_seqs); `reserve_tokens`: a chunk whose activations stay free (CUDA);
+    `graph_bytes`: what the decode graphs captured after the pool will hold (memory/graph_memory.py)."""
     page = args.page_tokens
     if device.type != "cuda":
         return ((num_tokens or min(CPU_KV_CAPACITY_TOKENS, max_tokens)) // page) * page or page
@@ -51,6 +53,7 @@ def kv_capacity(
         PLATFORM_MARGIN_BYTES[snap.platform]
         + kv.seq_state_bytes * num_slots
         + activation_bytes(geometry.activation_bytes_per_token, geometry.fixed_bytes, reserve_tokens, 0)
+        + graph_bytes
     )
     fits = max(0, int((snap.free_bytes - keep) / kv.bytes_per_token)) if kv.bytes_per_token else max_tokens
     fits = (fits // page) * page

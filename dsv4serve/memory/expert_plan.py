@@ -28,6 +28,7 @@ def planned_expert_slots(
         max_num_seqs=Setting.from_wire(launch.max_num_seqs),
         max_model_len=Setting.from_wire(launch.max_model_len),
         max_prefill_length=Setting.from_wire(launch.max_prefill_length),
+        enforce_eager=Setting.from_wire(launch.enforce_eager),
     )
     plan = plan_memory(args, loaded_weight_bytes(specs, args, backends), machine, settings, include_mtp(args))
     note = next((d for d in plan.decisions if d.startswith("routed experts")), "")

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
-from dsv4serve.config import ConfigError, Setting
+from dsv4serve.config import ConfigError, Setting, Source
 from dsv4serve.memory.chunk_planner import (
     GEOMETRY_SAFETY_FACTOR,
     PLATFORM_MARGIN_BYTES,
@@ -52,6 +52,7 @@ from dsv4serve.memory.chunk_planner import (
     plan_chunk,
     prefill_geometry,
 )
+from dsv4serve.memory.graph_memory import decode_graph_bytes
 from dsv4serve.memory.host_plan import HostSplit, host_split
 from dsv4serve.memory.weights import WeightBytes
 from dsv4serve.model.args import ModelArgs
@@ -129,6 +130,7 @@ class PlanSettings:
     max_num_seqs: Setting[int]
     max_model_len: Setting[int]  # resolved: explicit, or the model limit (model-rule)
     max_prefill_length: Setting[int | None]
+    enforce_eager: Setting[bool] = Setting(False, Source.DEFAULT)  # off: decode graphs are captured (and planned)
 
     @classmethod
     def from_config(cls, cfg: Any) -> PlanSettings:
@@ -139,6 +141,7 @@ class PlanSettings:
             cfg.max_num_seqs,
             cfg.max_model_len,
             cfg.max_prefill_length,
+            cfg.enforce_eager,
         )
 
 
@@ -176,11 +179,13 @@ class MemoryPlan:
     decisions: tuple[str, ...]
     warnings: tuple[str, ...]
     host: HostSplit | None = None  # where the expert bank lives in host memory; None: all resident
+    decode_graph_bytes: int = 0  # the decode CUDA graphs' pool (memory/graph_memory.py); 0 with --enforce-eager
 
     @property
     def gpu_used_bytes(self) -> int:
         return (
             self.resident_weight_bytes
+            + self.decode_graph_bytes
             + self.expert_slots * self.expert_slot_bytes
             + self.kv_cache_bytes
             + self.seq_state_bytes
@@ -193,6 +198,7 @@ class MemoryPlan:
             "platform_margin_bytes": self.margin_bytes,
             "resident_weight_bytes": self.resident_weight_bytes,
             "mtp_resident": self.include_mtp,
+            "decode_graph_bytes": self.decode_graph_bytes,
             "experts": {
                 "all_resident": self.experts_resident,
                 "slots": self.expert_slots,
@@ -245,7 +251,8 @@ def plan_memory(
         f"budget {_g(budget)} = {_g(machine.gpu_bytes)} x {s.memory_ratio.value} (--memory-ratio, "
         f"{s.memory_ratio.source.value}); {_g(margin)} {machine.platform} margin is never planned"
     ]
-    avail = budget - margin - resident
+    graphs = 0 if s.enforce_eager.value else decode_graph_bytes(args, seqs, model_len)
+    avail = budget - margin - resident - graphs
     if avail <= 0:
         raise ConfigError(
             f"{who('memory_ratio', s.memory_ratio)} {s.memory_ratio.value}: a budget of {_g(budget)} "
@@ -259,6 +266,12 @@ def plan_memory(
             if include_mtp
             else f" (MTP block, {_g(weights.mtp_bytes)}, not loaded: no speculative decoding in this build)"
         )
+    )
+    decisions.append(
+        "decode graphs: none (--enforce-eager)"
+        if s.enforce_eager.value
+        else f"decode graphs: {_g(graphs)} reserved for the CUDA graphs of decode batches up to {seqs} rows "
+        "(estimate: one forward of the largest bucket; captured before the chunk planner measures free memory)"
     )
     r = _Reservations.make(args, weights, s, avail, include_mtp)
     cap = s.max_prefill_length
@@ -282,7 +295,7 @@ def plan_memory(
         f"{seqs} sequence states ({_g(r.seq_bytes)}); max_model_len {max_len:,}"
         + ("" if max_len == model_len else f" (model limit {model_len:,}, capped by KV capacity)")
     )
-    free = budget - resident - slots * weights.expert_bytes - kvb - r.seq_bytes
+    free = budget - resident - graphs - slots * weights.expert_bytes - kvb - r.seq_bytes
     geometry, chunk = final_chunk(args, machine, s, free, kv_tok, max_len)
     warnings = [chunk.warning] if chunk.warning else []
     host = 0 if resident_all else weights.routed_expert_bytes
@@ -309,6 +322,7 @@ def plan_memory(
         tuple(decisions),
         tuple(warnings),
         split,
+        graphs,
     )
 
 

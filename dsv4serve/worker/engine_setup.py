@@ -15,6 +15,7 @@ from dsv4serve.experts.slot_cache import ExpertSlotCache
 from dsv4serve.ipc.messages import Ready, WorkerLaunch
 from dsv4serve.memory.capacity import PROBE_TOKENS_MAX, CapacityError, kv_capacity, planner_snapshot
 from dsv4serve.memory.chunk_planner import ChunkPlan, PlannerLimits, plan_chunk, prefill_geometry, shrink_after_oom
+from dsv4serve.memory.graph_memory import decode_graph_bytes
 from dsv4serve.memory.weights import include_mtp
 from dsv4serve.model.kv_pool import KvPool, SequenceState
 from dsv4serve.model.numerics import Numerics
@@ -106,6 +107,21 @@ def build_engine(launch: WorkerLaunch) -> EngineParts:
         limits.num_prefix_slots,
         pool.num_bytes / 2**20,
     )
+    graphs = None
+    if device.type == "cuda" and not launch.enforce_eager.value:
+        # the decode step captured per batch bucket; padding rows use the pool's last slot and page. Before the
+        # chunk planner measures free memory, so that the chunk never counts on what the graphs' pool holds
+        graphs = DecodeGraphs(
+            model,
+            pool,
+            numerics,
+            limits.max_running,
+            max_len,
+            pool.num_slots - 1,
+            pool.num_pages - 1,
+            capture=True,
+            expert_cache=expert_cache,
+        )
     planner_limits = PlannerLimits(Setting.from_wire(launch.max_prefill_length), usable, max_len)
     ratio = launch.memory_ratio.value
     probe_tokens = min(
@@ -119,20 +135,6 @@ def build_engine(launch: WorkerLaunch) -> EngineParts:
         log.warning("%s", plan.warning)
     oom_above = read_environment().testing_oom_above_bytes
     grammars = GrammarBook(launch.tokenizer_path, args.vocab_size, args.eos_token_id)  # structured output
-    graphs = None
-    if device.type == "cuda" and not launch.enforce_eager.value:
-        # the decode step captured per batch bucket; padding rows use the pool's last slot and page
-        graphs = DecodeGraphs(
-            model,
-            pool,
-            numerics,
-            limits.max_running,
-            max_len,
-            pool.num_slots - 1,
-            pool.num_pages - 1,
-            capture=True,
-            expert_cache=expert_cache,
-        )
     runner = Runner(
         model,
         pool,
@@ -157,7 +159,7 @@ def build_engine(launch: WorkerLaunch) -> EngineParts:
         kv_pages=pool.num_pages,
         page_tokens=page,
         sequence_slots=pool.num_slots,
-        decode_graphs=_graphs_line(graphs, launch, device),
+        decode_graphs=_graphs_line(graphs, launch, device, _graph_reserve(launch, args, device)),
     )
     return EngineParts(Scheduler(limits), runner, ChunkState(plan), ready, expert_cache)
 
@@ -179,6 +181,7 @@ def _kv_tokens(launch: WorkerLaunch, args, device: torch.device, numerics: Numer
             launch.memory_ratio.value,
             min(launch.max_prefill_length.value or PROBE_TOKENS_MAX, PROBE_TOKENS_MAX),
             geometry,
+            _graph_reserve(launch, args, device),
         )
     except CapacityError as exc:
         raise StartupError(str(exc)) from exc
@@ -193,6 +196,13 @@ def _kv_tokens(launch: WorkerLaunch, args, device: torch.device, numerics: Numer
     return capacity, max_len
 
 
+def _graph_reserve(launch: WorkerLaunch, args, device: torch.device) -> int:
+    """Bytes the KV sizing leaves for the decode graphs captured after the pool (memory/graph_memory.py)."""
+    if device.type != "cuda" or launch.enforce_eager.value:
+        return 0
+    return decode_graph_bytes(args, launch.max_num_seqs.value, launch.max_model_len.value)
+
+
 def _probe(model: Transformer, pool: KvPool, numerics: Numerics, device: torch.device) -> Callable[[int], object]:
     """The calibration prefill: n tokens through slot 0 and the first pages, before any request runs
     (what it leaves in the pool is never read: reads are bounded by each sequence's own length)."""
@@ -204,7 +214,7 @@ def _probe(model: Transformer, pool: KvPool, numerics: Numerics, device: torch.d
     return run
 
 
-def _graphs_line(graphs: DecodeGraphs | None, launch: WorkerLaunch, device: torch.device) -> str:
+def _graphs_line(graphs: DecodeGraphs | None, launch: WorkerLaunch, device: torch.device, planned: int) -> str:
     if graphs is not None:
-        return graphs.report.describe()
+        return f"{graphs.report.describe()} (planned {planned / 2**20:.0f} MiB)"
     return "off (--enforce-eager)" if device.type == "cuda" else "off (CPU: every step eager)"

@@ -18,7 +18,9 @@ Logprobs are vLLM V1's default ("raw_logprobs"): log_softmax of the model's logi
 before penalties, masking, temperature and truncation, so they describe the model, not the sampler.
 
 Draws use the exponential race (argmax of p / E, E ~ Exp(1), as vLLM does): a seeded row takes its
-noise only from its own generator, so its tokens do not depend on what else is in the batch.
+noise only from its own generator, so its tokens do not depend on what else is in the batch. On CUDA
+with flashinfer installed, unseeded rows without min-p are drawn by its sort-free top-k / top-p kernel
+instead (worker/sampling_flashinfer.py: same distribution, other random numbers).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from dsv4serve.worker.sampler_inputs import (
     pack_inputs,
     stop_tokens_to_mask,
 )
+from dsv4serve.worker.sampling_flashinfer import draw_flashinfer, fast_path, flashinfer_sampling
 
 __all__ = ["HostSample", "SampleOutput", "SamplingRow", "TokenMask", "forced_token", "make_generator", "sample"]
 __all__ += ["stop_tokens_to_mask"]
@@ -143,8 +146,12 @@ def sample(
         apply_inputs(work, inputs)
         token_ids = work.argmax(dim=-1)  # [B] the greedy choice, also for rows sampled below
         if not inputs.all_greedy:
-            _truncate(work, inputs)
-            drawn = draw(work, inputs, rows, generator)
+            fi = flashinfer_sampling(work.device)  # CUDA: flashinfer's sort-free kernel, where it draws the same
+            if fi is not None and fast_path(inputs, rows):
+                drawn = draw_flashinfer(fi, work, inputs, generator)
+            else:
+                _truncate(work, inputs)
+                drawn = draw(work, inputs, rows, generator)
             token_ids = drawn if inputs.greedy is None else torch.where(inputs.greedy != 0, token_ids, drawn)
     chosen, top_ids, top_values = logprobs_of(raw, token_ids, inputs)
     return SampleOutput(token_ids, chosen, top_ids, top_values, tuple(row.params.logprobs for row in rows))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -10,7 +11,8 @@ import subprocess
 import pytest
 
 from dsv4serve.config import ConfigError, Setting, Source
-from dsv4serve.memory.chunk_planner import PLATFORM_MARGIN_BYTES
+from dsv4serve.memory.chunk_planner import GEOMETRY_SAFETY_FACTOR, PLATFORM_MARGIN_BYTES, prefill_geometry
+from dsv4serve.memory.graph_memory import decode_graph_bytes
 from dsv4serve.memory.host_plan import HOST_MARGIN_BYTES
 from dsv4serve.memory.plan import (
     Machine,
@@ -46,6 +48,7 @@ def settings(args, **explicit) -> PlanSettings:
         max_num_seqs=pick("max_num_seqs", 32),
         max_model_len=pick("max_model_len", args.max_position_embeddings, Source.MODEL_RULE),
         max_prefill_length=pick("max_prefill_length", None),
+        enforce_eager=pick("enforce_eager", False),
     )
 
 
@@ -259,3 +262,26 @@ def test_plan_cli_prints_and_emits_the_memory_plan(real_model_dir):
     assert "on disk (mmap); pin budget about 64.00 GiB" in text.stdout
     bad = _run(base + ["--max-prefill-length", "65536"])
     assert bad.returncode == 2 and "--max-prefill-length 65536" in bad.stderr and "Traceback" not in bad.stderr
+
+
+# ------------------------------------------------------------------------------- decode graphs
+
+
+def test_decode_graphs_are_reserved_before_the_kv_and_eager_frees_them(real):
+    args, w = real
+    machine = Machine(int(139 * GIB), None, "native")
+    graphs = plan_memory(args, w, machine, settings(args, max_model_len=65536))
+    eager = plan_memory(args, w, machine, settings(args, max_model_len=65536, enforce_eager=True))
+    # one forward of the largest bucket (32 rows): the per-token working set x safety per row + the fixed bytes
+    geometry = prefill_geometry(args, 65536, 32)
+    expected = 32 * math.ceil(geometry.activation_bytes_per_token * GEOMETRY_SAFETY_FACTOR) + geometry.fixed_bytes
+    assert graphs.decode_graph_bytes == decode_graph_bytes(args, 32, 65536) == expected
+    assert 10 * MIB < expected < 1 * GIB
+    assert eager.decode_graph_bytes == 0 and any("none (--enforce-eager)" in d for d in eager.decisions)
+    assert any(d.startswith("decode graphs:") and "32 rows" in d for d in graphs.decisions)
+    assert graphs.to_json()["decode_graph_bytes"] == expected
+    # what the graphs hold comes out of what the rest of the plan may use, never on top of the budget
+    assert graphs.gpu_used_bytes <= graphs.budget_bytes - graphs.margin_bytes
+    assert graphs.expert_slots * graphs.expert_slot_bytes + graphs.kv_cache_bytes < (
+        eager.expert_slots * eager.expert_slot_bytes + eager.kv_cache_bytes
+    )
