@@ -8,6 +8,10 @@
 # What it needs there is what the device image holds (torch, triton, numpy, tqdm); nothing is
 # installed: the repository and kernels/ go on PYTHONPATH. Results land in $OUT (or /tmp): the table
 # and notes in gpu_check.log, the numbers in gpu_check.json, for bench/RESULTS.md.
+# Speculative decoding (issue 19): gpu_cases/spec_decode.py always times the verify sampler; with
+# DSV4_REAL_CHECKPOINT_DIR naming the real checkpoint (and the server's dependencies installed) it also serves
+# it with --speculative-tokens 0, 1 and 2 (extra server flags in DSV4_SPEC_SERVE_ARGS, e.g. an expert-slot
+# cache) and notes tok/s and acceptance; without one it notes that it skipped them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-/tmp}"

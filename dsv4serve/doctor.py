@@ -28,7 +28,7 @@ def add_doctor_options(parser: argparse.ArgumentParser) -> None:
 
 def gather(env: Environment) -> list[Check]:
     """Every check, in the order a person reads them: software, GPUs, platform, memory, disk."""
-    from dsv4serve import doctor_gpu, doctor_host
+    from dsv4serve import doctor_backends, doctor_gpu, doctor_host
 
     platform_check, platform = doctor_host.check_platform()
     checks = [doctor_host.check_python()]
@@ -41,6 +41,7 @@ def gather(env: Environment) -> list[Check]:
         doctor_gpu.check_driver(build, driver, release),
         doctor_gpu.check_triton(),
         doctor_gpu.check_flashinfer(),
+        doctor_backends.check_kt_kernel(),
     ]
     gpu_checks, largest_gpu_bytes = doctor_gpu.check_gpus(torch)
     checks += gpu_checks
@@ -49,6 +50,7 @@ def gather(env: Environment) -> list[Check]:
     checks.append(platform_check)
     host = doctor_host.check_host_ram(platform, largest_gpu_bytes)
     checks += [host, doctor_gpu.check_pinned(torch, platform, host.data.get("available_bytes", 0))]
+    checks += doctor_gpu.check_bandwidths(torch)
     checks += doctor_host.check_storage(env, platform)
     return checks
 

@@ -1,4 +1,5 @@
-"""The GPU half of `dsv4serve doctor`: torch and its CUDA build, driver, triton, flashinfer, GPUs, pinning.
+"""The GPU half of `dsv4serve doctor`: torch and its CUDA build, driver, triton, flashinfer, GPUs, pinning,
+host-to-device bandwidth (pinned and pageable).
 
 Free GPU memory comes from `worker.memory_probe.take_snapshot`, the one module that asks the device
 (habit 8). The pinned-memory budget is measured with the expert bank's own probe
@@ -11,6 +12,7 @@ import ctypes
 import importlib.metadata as metadata
 import re
 import shutil
+import statistics
 import subprocess
 from types import ModuleType
 from typing import Any
@@ -261,3 +263,46 @@ def check_kernels(torch: ModuleType | None) -> Check:
         "the server runs these on torch (slower); fix the error above to get them back",
         data,
     )
+
+
+H2D_COPY_BYTES = 256 * 1024**2  # an expert is 12.75 MiB; a few hundred MB averages out the copy engine's start-up
+
+
+def measure_h2d_bandwidth(torch: ModuleType, pinned: bool, n_bytes: int = H2D_COPY_BYTES, repeats: int = 5) -> float:
+    """Host-to-device copy GB/s on GPU 0 from pinned or pageable memory, median of `repeats` (one warm-up
+    copy first), each timed with CUDA events around one copy."""
+    src = torch.empty(n_bytes, dtype=torch.uint8, pin_memory=pinned)
+    dst = torch.empty(n_bytes, dtype=torch.uint8, device="cuda:0")
+    dst.copy_(src, non_blocking=pinned)
+    seconds = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src, non_blocking=pinned)
+        end.record()
+        end.synchronize()
+        seconds.append(start.elapsed_time(end) / 1e3)
+    return n_bytes / statistics.median(seconds) / 1e9
+
+
+def check_bandwidths(torch: ModuleType | None, measure_host=None) -> list[Check]:
+    """Host memory and host-to-device bandwidth, measured, and the `plan` line that projects decode speed
+    with them (memory/decode_speed.py: misses are copied over PCIe or computed on the CPU)."""
+    from dsv4serve.doctor_host import check_host_bandwidth, plan_command
+
+    host = check_host_bandwidth(measure_host) if measure_host else check_host_bandwidth()
+    gpu = torch is not None and torch.cuda.is_available()
+    if not gpu:
+        h2d = Check("host-to-device", "ok", "no GPU: not measured", data={"pinned_gbps": None, "pageable_gbps": None})
+    else:
+        assert torch is not None
+        try:
+            pinned, pageable = measure_h2d_bandwidth(torch, True), measure_h2d_bandwidth(torch, False)
+        except RuntimeError as exc:
+            h2d = Check("host-to-device", "warn", f"not measured ({str(exc).splitlines()[0]})", data={})
+        else:
+            value = f"pinned {pinned:.1f} GB/s, pageable {pageable:.1f} GB/s (GPU 0, {H2D_COPY_BYTES >> 20} MiB copies)"
+            h2d = Check("host-to-device", "ok", value, data={"pinned_gbps": pinned, "pageable_gbps": pageable})
+    command = plan_command(host.data.get("gbps"), h2d.data.get("pinned_gbps"), gpu)
+    plan = Check("decode projection", "ok", command, data={"command": command})
+    return [host, h2d, plan]

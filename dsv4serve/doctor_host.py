@@ -1,4 +1,5 @@
-"""The host half of `dsv4serve doctor`: Python, WSL2 / container, host RAM, the caches and their disks.
+"""The host half of `dsv4serve doctor`: Python, WSL2 / container, host RAM and its bandwidth, the caches and
+their disks.
 
 The DeepSeek-V4-Flash sizes below are sums over its real tensor list (tests/data, the same
 numbers `dsv4serve plan` prints; tests/unit/test_doctor.py recomputes them from the real config).
@@ -8,7 +9,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import statistics
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from dsv4serve.container import detect_container
@@ -137,3 +141,74 @@ def check_storage(env: Environment, platform: str) -> list[Check]:
     from huggingface_hub import constants
 
     return [check_hf_cache(Path(constants.HF_HUB_CACHE), platform), check_tiny_cache(env.cache_dir)]
+
+
+HOST_COPY_BYTES = 256 * 1024**2  # large enough to leave every cache behind, small enough to take ~10 ms
+BANDWIDTH_REPEATS = 5
+
+
+def median_gbps(n_bytes: int, seconds: list[float]) -> float:
+    """GB/s (10^9 bytes) of the median of timed repeats that each moved n_bytes."""
+    return n_bytes / statistics.median(seconds) / 1e9
+
+
+def _timed_copies(src, dst, n_threads: int, repeats: int) -> list[float]:
+    """Seconds per copy of src into dst split into n_threads slices, one per thread (numpy's copy releases
+    the GIL, so the slices move at once)."""
+    import numpy as np
+
+    n = src.size
+    slices = [slice(i * n // n_threads, (i + 1) * n // n_threads) for i in range(n_threads)]
+    with ThreadPoolExecutor(n_threads) as pool:
+
+        def copy_all() -> None:
+            list(pool.map(lambda s: np.copyto(dst[s], src[s]), slices))
+
+        copy_all()  # faults the pages in and starts the threads
+        seconds = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            copy_all()
+            seconds.append(time.perf_counter() - start)
+    return seconds
+
+
+def measure_host_bandwidth(n_bytes: int = HOST_COPY_BYTES, repeats: int = BANDWIDTH_REPEATS) -> tuple[float, int]:
+    """Host memory bandwidth in GB/s and the thread count that reached it: one buffer copied into another,
+    counted as STREAM counts a copy (bytes read + bytes written), median of `repeats`, with one thread and with
+    one per CPU; the faster of the two (on a loaded machine a second thread can only wait for a core)."""
+    import numpy as np
+
+    src = np.ones(n_bytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    best = (0.0, 1)
+    for n_threads in sorted({1, os.cpu_count() or 1}):
+        gbps = median_gbps(2 * n_bytes, _timed_copies(src, dst, n_threads, repeats))
+        best = max(best, (gbps, n_threads))
+    return best
+
+
+def check_host_bandwidth(measure=measure_host_bandwidth) -> Check:
+    """What CPU experts can stream at most: `plan --host-bandwidth` takes this number."""
+    try:
+        gbps, n_threads = measure()
+    except (RuntimeError, MemoryError) as exc:
+        return Check("host memory bandwidth", "warn", f"not measured ({exc})", data={"gbps": None})
+    value = (
+        f"{gbps:.1f} GB/s (a {HOST_COPY_BYTES >> 20} MiB copy counted read + write, median of {BANDWIDTH_REPEATS}, "
+        f"{n_threads} of {os.cpu_count()} CPUs)"
+    )
+    data = {"gbps": gbps, "threads": n_threads, "copy_bytes": HOST_COPY_BYTES}
+    return Check("host memory bandwidth", "ok", value, data=data)
+
+
+def plan_command(host_gbps: float | None, h2d_gbps: float | None, gpu_present: bool) -> str:
+    """The `dsv4serve plan` line that projects decode speed with the measured bandwidths."""
+    parts = ["dsv4serve plan --model DeepSeek-V4-Flash"]
+    if not gpu_present:  # without --gpu-memory the plan is for this machine's CPU, which has no projection
+        parts.append("--gpu-memory 32GiB")
+    if h2d_gbps is not None:
+        parts.append(f"--h2d-bandwidth {h2d_gbps:.1f}")
+    if host_gbps is not None:
+        parts.append(f"--host-bandwidth {host_gbps:.1f}")
+    return " ".join(parts)

@@ -2,7 +2,8 @@
 
 The plan is for a GPU of --gpu-memory when given; otherwise for the device `serve` would use here: GPU 0
 as measured (dsv4serve/memory/probe.py), or, with no GPU, the CPU and its measured RAM. The output says
-which, and always holds the prefill chunk with the limit that binds it."""
+which, and always holds the prefill chunk with the limit that binds it; for a GPU also the projected batch-1
+decode speed, term by term (plan_decode.py)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from dsv4serve.memory.capacity import CPU_KV_CAPACITY_TOKENS
 from dsv4serve.memory.plan import Machine
 from dsv4serve.model.args import ModelArgs
 from dsv4serve.model.schema import TensorSpec, checkpoint_schema
+from dsv4serve.plan_decode import add_decode_options, decode_plan
 from dsv4serve.report import format_table, settings_json, settings_rows
 from dsv4serve.resolve_cli import resolve_from_cli
 from dsv4serve.units import gib, parse_bytes
@@ -35,6 +37,7 @@ def add_plan_options(parser: argparse.ArgumentParser) -> None:
         help="wsl2 keeps a larger memory margin and a lower pinned-memory budget",
     )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    add_decode_options(parser)
 
 
 def _size_type():
@@ -98,8 +101,9 @@ def build_plan(ns: argparse.Namespace, env: Environment) -> dict[str, Any]:
     weights = weight_bytes_by_group(args, specs)
     chunk = cfg.max_prefill_length
     prefill = {"requested": chunk.value, "source": chunk.source.value, "note": chunk.note}
+    backends = None
     try:
-        memory = _memory_plan(target, cfg, args, specs)
+        memory, backends = _memory_plan(target, cfg, args, specs)
     except ConfigError as exc:
         if ns.gpu_memory is not None:  # the machine the user named cannot hold it: an error, as before
             raise
@@ -108,6 +112,7 @@ def build_plan(ns: argparse.Namespace, env: Environment) -> dict[str, Any]:
     else:
         c = memory.chunk
         prefill.update(effective=c.effective_tokens, binding=c.binding, reason=c.reason, warning=c.warning)
+    decode, decode_text = _decode_speed(ns, cfg, args, specs, target, memory, backends)
     return {
         "model": {
             "name": location.name,
@@ -127,6 +132,8 @@ def build_plan(ns: argparse.Namespace, env: Environment) -> dict[str, Any]:
         "prefill_chunk": prefill,
         "memory_plan": memory.to_json() if memory is not None else None,
         "memory_plan_text": format_memory_plan(memory, target.device) if memory is not None else None,
+        "decode_speed": decode,
+        "decode_speed_text": decode_text,
         "settings": settings_json(cfg),
         "settings_rows": settings_rows(cfg),
     }
@@ -137,6 +144,7 @@ def run_plan(ns: argparse.Namespace, env: Environment) -> int:
     if ns.json:
         plan.pop("settings_rows")
         plan.pop("memory_plan_text")
+        plan.pop("decode_speed_text")
         json.dump(plan, sys.stdout, indent=2)
         print()
         return 0
@@ -152,6 +160,7 @@ def run_plan(ns: argparse.Namespace, env: Environment) -> int:
     else:
         c = plan["prefill_chunk"]
         print(f"\nprefill chunk: requested {c['requested'] or 'auto'} ({c['source']}), bound by none: {c['reason']}")
+    print("\n" + plan["decode_speed_text"])
     if plan["machine"]["device"] == "cpu" and plan["settings"]["num_tokens"]["value"] is None:
         print(f"(the CPU worker keeps at most {CPU_KV_CAPACITY_TOKENS:,} KV tokens unless --num-tokens asks for more)")
     return 0
@@ -165,7 +174,20 @@ def _memory_plan(target: PlanTarget, cfg: Any, args: ModelArgs, specs: list[Tens
     # resident weights as the worker on that device loads them with --kernels, not as the checkpoint stores them
     backends = resolve_backends(cfg.kernels.value, default_backends(target.device))
     settings = PlanSettings.from_config(cfg)
-    return plan_memory(args, loaded_weight_bytes(specs, args, backends), target.machine, settings, include_mtp(args))
+    weights = loaded_weight_bytes(specs, args, backends)
+    mtp = include_mtp(args, cfg.speculative_tokens.value)
+    return plan_memory(args, weights, target.machine, settings, mtp), backends
+
+
+def _decode_speed(ns, cfg, args, specs, target: PlanTarget, memory, backends) -> tuple[dict[str, Any] | None, str]:
+    """The projected batch-1 decode speed of a GPU plan (plan_decode.py); none for the CPU worker or no plan."""
+    if memory is None:
+        return None, "projected decode speed: none (no memory plan)"
+    if target.device != "cuda":
+        return None, "projected decode speed: none for the CPU worker (the projection models a GPU with its host)"
+    from dsv4serve.memory.decode_speed import decode_bytes
+
+    return decode_plan(ns, cfg, memory, decode_bytes(specs, args, backends))
 
 
 def format_memory_plan(p, device: str = "cuda") -> str:
@@ -178,6 +200,7 @@ def format_memory_plan(p, device: str = "cuda") -> str:
         ("routed experts (all)" if p.experts_resident else f"expert slots ({p.expert_slots})", e),
         (f"KV cache ({p.kv_tokens:,} tokens)", p.kv_cache_bytes),
         (f"sequence states ({p.max_running})", p.seq_state_bytes),
+        ("decode CUDA graphs", p.decode_graph_bytes),
         ("free for prefill activations", p.activation_free_bytes),
     ]
     table = format_table(

@@ -2,9 +2,9 @@
 
 Request-level histograms and counters are recorded by the API as requests finish; the engine's own
 numbers (running / waiting, KV usage, prefix cache, chunk, OOM recoveries, restarts, the expert-slot
-cache) are read from the EngineClient at scrape time by a collector, so they are never stale copies.
-The expert-slot cache's hit rate is `expert_cache_hits_total / expert_cache_queries_total`, as for
-the prefix cache.
+cache, speculative decoding) are read from the EngineClient at scrape time by a collector, so they are
+never stale copies. The expert-slot cache's hit rate is `expert_cache_hits_total /
+expert_cache_queries_total`, as for the prefix cache.
 """
 
 from __future__ import annotations
@@ -93,6 +93,13 @@ EXPERT_CACHE_COUNTERS = (
     ("expert_cache_prefetches", "Experts promoted into GPU slots between steps."),
 )
 
+# vLLM's names: mean accepted length = 1 + accepted / drafts, acceptance rate = accepted / draft tokens
+SPEC_DECODE_COUNTERS = (
+    ("spec_decode_num_drafts", "Rows verified with draft tokens (one per row per verify step)."),
+    ("spec_decode_num_draft_tokens", "Draft tokens proposed by the MTP drafter."),
+    ("spec_decode_num_accepted_tokens", "Draft tokens accepted by verification."),
+)
+
 
 class _EngineCollector:
     """Gauges and counters read from the EngineClient at scrape time."""
@@ -131,7 +138,7 @@ class _EngineCollector:
         yield counter(
             "worker_restarts", "Worker processes restarted after a death.", self._engine.worker_restarts_total
         )
-        for name, doc in EXPERT_CACHE_COUNTERS:
+        for name, doc in EXPERT_CACHE_COUNTERS + SPEC_DECODE_COUNTERS:
             yield counter(name, doc, getattr(stats, f"{name}_total") if stats else 0)
 
 

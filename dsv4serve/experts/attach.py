@@ -3,27 +3,31 @@
     cache = attach_expert_cache(model, ckpt, slots, device)   # None: every expert stays resident
     weights = iter_dense(ckpt) if cache is None else iter_resident_dense(ckpt)
     model.load_state_dict(dict(weights), strict=True)
+    hybrid = attach_cpu_experts(model, cache, device)   # --moe-backend hybrid: misses on the CPU (kt-kernel)
 
 `slots` is the memory plan's `expert_slots` (or --moe-cache-size); a count that covers every routed
 expert of the model means "all resident" and nothing changes. Otherwise the bank is read packed from
 the shards (pinned within the measured budget), every MoE layer gets the cache, and the routed
 experts are left out of the dense state dict (`iter_resident_dense` never dequantizes them).
+With --moe-backend hybrid, `attach_cpu_experts` then hands the bank to kt-kernel (experts/hybrid.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import torch
 from tqdm import tqdm
 
 from dsv4serve.checkpoint.loader import Checkpoint, iter_dense
-from dsv4serve.experts.bank import bank_bytes, check_bankable, expert_specs, load_expert_bank
+from dsv4serve.experts.bank import ExpertBank, bank_bytes, check_bankable, expert_specs, load_expert_bank
+from dsv4serve.experts.hybrid import HybridExperts
+from dsv4serve.experts.kt_backend import KtGeometry, kt_threads
 from dsv4serve.experts.pinning import PinBudget, measure_pin_budget
 from dsv4serve.experts.slot_cache import ExpertSlotCache
-from dsv4serve.memory.host_plan import HOST_MARGIN_BYTES
+from dsv4serve.memory.host_plan import HOST_MARGIN_BYTES, KT_COPY_FACTOR, kt_copy_bytes
 from dsv4serve.memory.probe import host_snapshot
 from dsv4serve.model.moe import MoE
 from dsv4serve.model.transformer import Transformer
@@ -87,3 +91,83 @@ def iter_resident_dense(
         for item in iter_dense(dataclasses.replace(ckpt, specs=resident), dtype, progress=False):
             bar.update(1)
             yield item
+
+
+class _LayerParts(Mapping):
+    """The bank's stacked parts of `layers`, a layer at a time: RAM layers as they are, a mapped layer read
+    from the shards into temporaries (freed once kt-kernel has its copy)."""
+
+    def __init__(self, bank: ExpertBank, layers: list[int]):
+        self.bank, self.layers = bank, layers
+
+    def __getitem__(self, layer: int) -> dict[str, torch.Tensor]:
+        if layer in self.bank.layers:
+            return self.bank.layers[layer]
+        experts = [self.bank.expert(layer, e) for e in range(self.bank.n_experts)]
+        return {part: torch.stack([x[part] for x in experts]) for part in self.bank.part_shapes}
+
+    def __iter__(self):
+        return iter(self.layers)
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+
+def bank_ram_beside_kt(specs) -> int:
+    """Host RAM the bank may fill with --moe-backend hybrid: MemAvailable minus HOST_MARGIN_BYTES minus
+    kt-kernel's copy of the routed experts among `specs` (memory/host_plan.py plans the same order)."""
+    experts = sum(s.nbytes for s in specs if s.group == "routed_experts")
+    return max(0, host_snapshot().free_bytes - HOST_MARGIN_BYTES - kt_copy_bytes(experts))
+
+
+def kt_layers(bank: ExpertBank, layers: list[int], room_bytes: int) -> list[int]:
+    """The MoE layers whose kt-kernel copy (KT_COPY_FACTOR x the packed bytes) fits `room_bytes` of host RAM,
+    in order; the others stay on the offload path."""
+    layer_bytes = int(bank.expert_bytes * bank.n_experts * KT_COPY_FACTOR)
+    return layers[: max(0, room_bytes // layer_bytes)]
+
+
+def attach_cpu_experts(
+    model: Transformer, cache: ExpertSlotCache, device: torch.device, room_bytes: int | None = None
+) -> HybridExperts:
+    """--moe-backend hybrid: hand the bank's experts to kt-kernel once (as many layers as host RAM holds
+    beside the bank: `room_bytes`, else MemAvailable minus HOST_MARGIN_BYTES), measure the split's costs,
+    and let every MoE layer compute its CPU misses there."""
+    from dsv4serve.experts.kt_calibrate import measure_split_costs
+    from dsv4serve.experts.kt_experts import KtExperts
+
+    a = model.args
+    geometry = KtGeometry(a.n_routed_experts, a.n_activated_experts, a.dim, a.moe_inter_dim, a.swiglu_limit)
+    if room_bytes is None:
+        room_bytes = max(0, host_snapshot().free_bytes - HOST_MARGIN_BYTES)
+    layers = kt_layers(cache.bank, cache.layers, room_bytes)
+    if not layers:
+        raise ValueError("--moe-backend hybrid: host memory holds no MoE layer's kt-kernel copy beside the bank")
+    kt = KtExperts(_LayerParts(cache.bank, layers), geometry, kt_threads())
+    costs = measure_split_costs(kt, device)
+    hybrid = HybridExperts(kt, cache, costs)
+    for m in moe_layers(model):
+        m.cpu_experts = hybrid
+    log.info(
+        "hybrid MoE: %s (%d of %d offloaded layers, the rest offload only); measured: %s",
+        kt.describe,
+        len(layers),
+        len(cache.layers),
+        costs.describe(cache.bank.expert_bytes),
+    )
+    return hybrid
+
+
+HYBRID_EAGER = "off (--moe-backend hybrid: each MoE layer syncs with the CPU experts)"
+
+
+def cpu_experts_of(model: Transformer) -> HybridExperts | None:
+    """The model's hybrid CPU experts (--moe-backend hybrid), else None."""
+    found = {id(m.cpu_experts): m.cpu_experts for m in moe_layers(model) if m.cpu_experts is not None}
+    return next(iter(found.values()), None)  # type: ignore[return-value]
+
+
+def expert_bank_line(cache: ExpertSlotCache, hybrid: HybridExperts | None) -> str:
+    """The ready report's expert line: where the bank lives, and with hybrid what computes the misses."""
+    line = cache.bank.report.describe()
+    return line if hybrid is None else f"{line}; misses: {hybrid.describe()}"

@@ -161,6 +161,17 @@ class ExpertSlotCache:
                 self.stats.h2d_bytes += self.bank.expert_bytes
             yield e, parts
 
+    def host_slot_map(self, layer: int) -> torch.Tensor:
+        """`layer`'s slot of each expert [E] int32 on the host (-1: not in a slot), as the next step reads it
+        (the hybrid split, experts/hybrid.py)."""
+        return self._map_host[self._row[layer]]
+
+    def record_cpu_uses(self, layer: int, experts: list[int]) -> None:
+        """Count uses of `experts` computed outside the device path (kt-kernel, --moe-backend hybrid): uses,
+        not hits, so the residency scores still see them and promote the hot ones."""
+        row = self._row[layer]
+        self.usage[row, torch.tensor(experts, dtype=torch.long, device=self.usage.device)] += 1
+
     # ------------------------------------------------------------------ step boundaries
 
     def begin_step(self) -> None:

@@ -113,6 +113,10 @@ class Stats(msgspec.Struct, frozen=True, tag="stats", forbid_unknown_fields=True
     expert_cache_h2d_bytes_total: int = 0  # expert bytes copied host -> device into slots (promotions)
     expert_cache_stalls_total: int = 0  # waits for promotion copies, and staging syncs (slot_cache.py)
     expert_cache_prefetches_total: int = 0  # experts promoted into slots between steps
+    # speculative decoding (worker/spec_sampling.SpecDecodeStats, vLLM's meanings); all 0 with --speculative-tokens 0
+    spec_decode_num_drafts_total: int = 0  # rows verified with drafts (one per row per verify step)
+    spec_decode_num_draft_tokens_total: int = 0  # draft tokens proposed
+    spec_decode_num_accepted_tokens_total: int = 0  # draft tokens accepted (bonus tokens not counted)
 
 
 class WorkerFailed(msgspec.Struct, frozen=True, tag="failed", forbid_unknown_fields=True):

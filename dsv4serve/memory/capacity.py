@@ -40,6 +40,7 @@ def kv_capacity(
     reserve_tokens: int,
     geometry: PrefillGeometry,
     graph_bytes: int = 0,
+    include_mtp: bool = False,
 ) -> int:
     """KV tokens for the pool, aligned down to whole pages. `max_tokens`: what could ever be used
     (max_model_len x max_num_seqs); `reserve_tokens`: a chunk whose activations stay free (CUDA);
@@ -47,7 +48,7 @@ def kv_capacity(
     page = args.page_tokens
     if device.type != "cuda":
         return ((num_tokens or min(CPU_KV_CAPACITY_TOKENS, max_tokens)) // page) * page or page
-    kv = kv_geometry(args, entry_bytes=entry_bytes)
+    kv = kv_geometry(args, include_mtp, entry_bytes=entry_bytes)  # the MTP block's KV when it is loaded
     snap = take_snapshot("cuda", memory_ratio)
     keep = (
         PLATFORM_MARGIN_BYTES[snap.platform]

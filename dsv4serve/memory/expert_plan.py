@@ -30,6 +30,7 @@ def planned_expert_slots(
         max_prefill_length=Setting.from_wire(launch.max_prefill_length),
         enforce_eager=Setting.from_wire(launch.enforce_eager),
     )
-    plan = plan_memory(args, loaded_weight_bytes(specs, args, backends), machine, settings, include_mtp(args))
+    mtp = include_mtp(args, launch.speculative_tokens.value)
+    plan = plan_memory(args, loaded_weight_bytes(specs, args, backends), machine, settings, mtp)
     note = next((d for d in plan.decisions if d.startswith("routed experts")), "")
     return (None if plan.experts_resident else plan.expert_slots), note

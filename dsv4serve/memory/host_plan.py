@@ -1,19 +1,33 @@
 """Item 5 of the memory plan (memory/plan.py): the expert bank in host memory, what RAM holds, what
 stays in the checkpoint's shards and pages in from disk, and what may be pinned (pure: no device calls).
 
-    host_split(bank_bytes, machine, decisions, warnings) -> HostSplit
+    host_split(bank_bytes, machine, decisions, warnings, cpu_experts=False) -> HostSplit
+
+With --moe-backend hybrid (`cpu_experts`) kt-kernel keeps its own copy of the experts it computes,
+about KT_COPY_FACTOR times their packed bytes (measured with kt-kernel 0.7.2: 3.19 GiB packed per
+layer of 256 experts): that copy is resident RAM and is planned first; the bank then holds in RAM
+what is left beside it (its pinned part feeds the slots), the rest stays in the shards.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from dsv4serve.memory.plan import Machine
+
+class Machine(Protocol):
+    """What this part reads of the plan's machine (memory/plan.py's Machine; not imported: plan imports us)."""
+
+    @property
+    def host_bytes(self) -> int | None: ...
+
+    @property
+    def platform(self) -> str: ...
+
 
 GIB = 1024**3
 HOST_MARGIN_BYTES = 8 * GIB  # host RAM the expert bank leaves to the OS, the API process and the worker
+KT_COPY_FACTOR = 1.3  # kt-kernel's copy of the experts / their packed MXFP4 bytes (issue 18, measured)
 WSL2_PIN_FRACTION = 0.5  # users.md: WSL2 caps pinned host memory near half of RAM
 
 
@@ -30,10 +44,30 @@ class HostSplit:
     ram_bytes: int | None  # None: host memory not given
     disk_bytes: int | None
     pin_estimate_bytes: int | None  # measured at startup (experts/pinning.py); this is the expectation
+    kt_copy_bytes: int = 0  # hybrid: kt-kernel's own copy of the experts, resident RAM
 
 
-def host_split(bank: int, machine: Machine, decisions: list[str], warnings: list[str]) -> HostSplit:
-    """Item 5 of the plan: the bank against host RAM minus the margin, and the expected pin budget."""
+def plans_cpu_experts(moe_backend: str) -> bool:
+    """Whether offloaded experts would be computed on the CPU: --moe-backend hybrid, or auto with kt-kernel
+    installed (experts/moe_backend.py decides at start-up, with experts/kt_backend.kt_kernel_available; memory
+    imports nothing above it, so the package is looked up here directly, without importing it)."""
+    import importlib.util
+
+    return moe_backend == "hybrid" or (moe_backend == "auto" and importlib.util.find_spec("kt_kernel") is not None)
+
+
+def kt_copy_bytes(bank: int) -> int:
+    """kt-kernel's resident copy of `bank` packed expert bytes (--moe-backend hybrid)."""
+    return int(bank * KT_COPY_FACTOR)
+
+
+def host_split(
+    bank: int, machine: Machine, decisions: list[str], warnings: list[str], cpu_experts: bool = False
+) -> HostSplit:
+    """Item 5 of the plan: the bank against host RAM minus the margin, and the expected pin budget;
+    with `cpu_experts` (hybrid) kt-kernel's copy first (`_kt_copy`)."""
+    if cpu_experts:
+        return _kt_copy(bank, machine, decisions, warnings)
     if machine.host_bytes is None:
         decisions.append(
             f"expert bank {_g(bank)} in host memory (give --host-memory to check it fits; the pin "
@@ -57,3 +91,31 @@ def host_split(bank: int, machine: Machine, decisions: list[str], warnings: list
             "files and page in from disk (mmap) on a miss, and decode slows down"
         )
     return HostSplit(bank, HOST_MARGIN_BYTES, ram, bank - ram, pin)
+
+
+def _kt_copy(bank: int, machine: Machine, decisions: list[str], warnings: list[str]) -> HostSplit:
+    """Hybrid: kt-kernel's copy (resident) planned before the bank; the bank's RAM part is what is left."""
+    kt = kt_copy_bytes(bank)
+    if machine.host_bytes is None:
+        decisions.append(
+            f"hybrid experts: kt-kernel keeps a {_g(kt)} copy of the {_g(bank)} expert bank in host memory "
+            "(give --host-memory to check it fits)"
+        )
+        return HostSplit(bank, HOST_MARGIN_BYTES, None, None, None, kt)
+    room = max(0, machine.host_bytes - HOST_MARGIN_BYTES)
+    kt_held = min(kt, room)
+    ram = min(bank, room - kt_held)
+    cap = int(machine.host_bytes * WSL2_PIN_FRACTION) if machine.platform == "wsl2" else room
+    pin = min(ram, cap)
+    decisions.append(
+        f"hybrid experts: kt-kernel's copy {_g(kt)} ({KT_COPY_FACTOR}x the {_g(bank)} packed bank) in RAM first, "
+        f"then {_g(ram)} of the bank beside it (about {_g(pin)} pinned for the slots), {_g(bank - ram)} left in "
+        "the checkpoint files (mmap)"
+    )
+    if kt > room:
+        warnings.append(
+            f"kt-kernel's copy of the experts ({_g(kt)}) does not fit host memory ({_g(machine.host_bytes)}) minus "
+            f"the {_g(HOST_MARGIN_BYTES)} margin: only the layers that fit ({_g(kt_held)}) are computed on the "
+            "CPU, the rest run as --moe-backend offload"
+        )
+    return HostSplit(bank, HOST_MARGIN_BYTES, ram, bank - ram, pin, kt_held)

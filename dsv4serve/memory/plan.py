@@ -5,8 +5,8 @@
 Budget = gpu bytes x --memory-ratio; the platform margin (chunk_planner.PLATFORM_MARGIN_BYTES) is
 never planned. From the rest, in this priority order:
 1. Resident non-expert weights: everything but routed experts (attention, shared experts, embed,
-   head, norms, hc, compressors, indexer, router). The MTP block is left out unless asked for (no
-   speculative decoding in this build). If they do not fit: error naming --memory-ratio.
+   head, norms, hc, compressors, indexer, router). The MTP block (its weights and KV layer) only with
+   --speculative-tokens N > 0 (memory/weights.include_mtp). If they do not fit: error naming --memory-ratio.
 2. Routed experts: all resident when they fit beside the floors (sequence states, KV floor) and an
    OFFLOAD_CHUNK_TARGET chunk. Otherwise an expert-slot cache of N slots (one slot = one expert's
    w1+w3+w2 with scales, of any layer) with the whole expert bank in host memory; the cache gets
@@ -53,7 +53,7 @@ from dsv4serve.memory.chunk_planner import (
     prefill_geometry,
 )
 from dsv4serve.memory.graph_memory import decode_graph_bytes
-from dsv4serve.memory.host_plan import HostSplit, host_split
+from dsv4serve.memory.host_plan import HostSplit, host_split, plans_cpu_experts
 from dsv4serve.memory.weights import WeightBytes
 from dsv4serve.model.args import ModelArgs
 from dsv4serve.resolve import who
@@ -131,6 +131,7 @@ class PlanSettings:
     max_model_len: Setting[int]  # resolved: explicit, or the model limit (model-rule)
     max_prefill_length: Setting[int | None]
     enforce_eager: Setting[bool] = Setting(False, Source.DEFAULT)  # off: decode graphs are captured (and planned)
+    cpu_experts: bool = False  # --moe-backend hybrid (or auto with kt-kernel): host RAM holds kt-kernel's copy
 
     @classmethod
     def from_config(cls, cfg: Any) -> PlanSettings:
@@ -142,6 +143,7 @@ class PlanSettings:
             cfg.max_model_len,
             cfg.max_prefill_length,
             cfg.enforce_eager,
+            plans_cpu_experts(cfg.moe_backend.value),
         )
 
 
@@ -262,9 +264,9 @@ def plan_memory(
     decisions.append(
         f"non-expert weights resident: {_g(resident)}"
         + (
-            ""
+            f" (the MTP block's {_g(weights.mtp_bytes)} included: it drafts for --speculative-tokens)"
             if include_mtp
-            else f" (MTP block, {_g(weights.mtp_bytes)}, not loaded: no speculative decoding in this build)"
+            else f" (MTP block, {_g(weights.mtp_bytes)}, not loaded: --speculative-tokens 0)"
         )
     )
     decisions.append(
@@ -295,11 +297,14 @@ def plan_memory(
         f"{seqs} sequence states ({_g(r.seq_bytes)}); max_model_len {max_len:,}"
         + ("" if max_len == model_len else f" (model limit {model_len:,}, capped by KV capacity)")
     )
+    if s.cpu_experts and not resident_all and graphs:  # hybrid syncs per layer: its steps run eager
+        decisions.append(f"decode graphs: none after all (hybrid CPU experts); their {_g(graphs)} go to activations")
+        graphs = 0
     free = budget - resident - graphs - slots * weights.expert_bytes - kvb - r.seq_bytes
     geometry, chunk = final_chunk(args, machine, s, free, kv_tok, max_len)
     warnings = [chunk.warning] if chunk.warning else []
     host = 0 if resident_all else weights.routed_expert_bytes
-    split = host_split(host, machine, decisions, warnings) if host else None
+    split = host_split(host, machine, decisions, warnings, s.cpu_experts) if host else None
     return MemoryPlan(
         machine,
         budget,

@@ -93,8 +93,13 @@ class Compressor(nn.Module):
         score = torch.cat((cache.pending_score[slot, :n_pending], gate + self.ape.float()[slots]))
         n_windows = kv.shape[0] // ratio
         cut = n_windows * ratio
-        cache.pending_kv[slot, : kv.shape[0] - cut] = kv[cut:]
-        cache.pending_score[slot, : kv.shape[0] - cut] = score[cut:]
+        # positional, as the decode path writes it: carry row q % ratio holds position q, for the row's last
+        # `ratio` positions (those past the cut are the carry; the others fill rows nobody reads), so that a
+        # speculative forward's rejected positions can be rolled back row by row (model/rollback.py)
+        tail = max(kv.shape[0] - ratio, 0)
+        rows = torch.arange(tail, kv.shape[0], device=dev) % ratio
+        cache.pending_kv[slot, rows] = kv[tail:]
+        cache.pending_score[slot, rows] = score[tail:]
         if n_windows == 0:
             return
         first = start_pos // ratio  # entries closed before this row

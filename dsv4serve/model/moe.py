@@ -23,6 +23,7 @@ values whether resident or lent by the cache, so those two paths give identical 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from typing import Protocol
 
@@ -48,6 +49,15 @@ class ExpertSource(Protocol):
 
     def kernel_sources(self, layer: int, ids: torch.Tensor):
         """The kernel path: a KernelSources (slots, slot map, bank tensors, usage row) for the layer."""
+        ...
+
+
+class CpuExperts(Protocol):
+    """--moe-backend hybrid: the misses computed on the CPU (dsv4serve.experts.hybrid.HybridExperts)."""
+
+    def submit(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
+        """Start the CPU part of the layer (x [N, D] through act_quant, ids / weights [N, k]): a HybridJob
+        (`cpu_experts`, `device_routes(ids, weights)`, `wait(device)` -> [N, D] fp32), or None."""
         ...
 
 
@@ -111,8 +121,9 @@ class Expert(nn.Module):
         self.swiglu_limit = swiglu_limit
 
     def forward(self, x: torch.Tensor, num: Numerics, weights: torch.Tensor | None = None) -> torch.Tensor:
-        """As `swiglu_expert`, through the Linear modules; the FP8-stored (shared) expert with fp8_gemm on
-        Triton runs as two kernel launches instead (`_fp8_kernels`)."""
+        """x [n, D] already through `act_quant` (unless the kernel quantizes it) -> [n, D] compute dtype:
+        w1 and w3, the clamped SwiGLU (times the routing weight [n, 1], in fp32), w2. The FP8-stored (shared)
+        expert with fp8_gemm on Triton runs as two kernel launches instead (`_fp8_kernels`)."""
         if weights is None and self.w1.quantizes_in_kernel(num):
             return self._fp8_kernels(x)
         gate, up = self.w1(x, num, x_quantized=True), self.w3(x, num, x_quantized=True)
@@ -147,23 +158,6 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, swiglu_limit: float, weights: t
     return weights * act if weights is not None else act
 
 
-def swiglu_expert(
-    x: torch.Tensor,
-    w1: torch.Tensor,
-    w3: torch.Tensor,
-    w2: torch.Tensor,
-    swiglu_limit: float,
-    num: Numerics,
-    weights: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """x [n, D] already through `act_quant` -> [n, D] compute dtype; the routing weight [n, 1]
-    scales before w2, in fp32. w1, w3 [I, D], w2 [D, I] dense."""
-    gate = linear(x, w1, num, True, x_quantized=True)
-    up = linear(x, w3, num, True, x_quantized=True)
-    act = swiglu(gate, up, swiglu_limit, weights)
-    return linear(act.to(num.compute_dtype), w2, num, True)
-
-
 class MoE(nn.Module):
     def __init__(self, layer_id: int, args: ModelArgs):
         super().__init__()
@@ -177,6 +171,7 @@ class MoE(nn.Module):
         shared_dim = args.n_shared_experts * args.moe_inter_dim
         self.shared_experts = Expert(args.dim, shared_dim, args.swiglu_limit)
         self.expert_source: ExpertSource | None = None
+        self.cpu_experts: CpuExperts | None = None  # hybrid: some misses computed on the CPU
         for part in FP4_PARTS:  # stacked MXFP4 copies for the fp4_moe kernel: [E, N, K/2] int8, [E, N, K/32] e8m0
             self.register_buffer(f"{part}_fp4", None, persistent=False)
             self.register_buffer(f"{part}_fp4_scale", None, persistent=False)
@@ -218,9 +213,13 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor, num: Numerics) -> torch.Tensor:
         """x [N, D] compute dtype, token_ids [N] -> [N, D] compute dtype."""
         weights, ids = self.gate(x, token_ids, num)
+        # hybrid: the CPU's misses start first (on kt-kernel's threads), so they overlap the device path
+        cpu = self.cpu_experts
+        job = None if cpu is None else cpu.submit(self.layer_id, act_quant(x, num), ids, weights)
         xq = None  # act_quant(x): the FP8 input of every expert, quantized once, where torch reads it
         if num.backends.fp4_moe == "triton":
-            y = self._routed_kernel(x, weights, ids)  # quantizes x in its K loop
+            dev_ids, dev_weights = (ids, weights) if job is None else job.device_routes(ids, weights)
+            y = self._routed_kernel(x, dev_weights, dev_ids)  # quantizes x in its K loop
         elif self.expert_source is None and not len(self.experts):
             raise RuntimeError(
                 f"layer {self.layer_id}: the routed experts were loaded packed for fp4_moe=triton; "
@@ -228,7 +227,9 @@ class MoE(nn.Module):
             )
         else:
             xq = act_quant(x, num)
-            y = self._routed_torch(xq, weights, ids, num)
+            y = self._routed_torch(xq, weights, ids, num, frozenset() if job is None else job.cpu_experts)
+        if job is not None:
+            y += job.wait(y.device)  # the CPU experts' bf16 sum, after the device ones
         if xq is None and not self.shared_experts.w1.quantizes_in_kernel(num):
             xq = act_quant(x, num)
         y += self.shared_experts(x if xq is None else xq, num)  # fp32 += compute dtype: one launch, exact upcast
@@ -252,29 +253,61 @@ class MoE(nn.Module):
         )
         return fp4_moe(x, w1, w1_s, w3, w3_s, w2, w2_s, weights, ids, self.swiglu_limit)
 
-    def _routed_torch(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, num: Numerics) -> torch.Tensor:
-        """The routed experts' sum [N, D] fp32, expert by expert in ascending order (resident or cached).
-        x is already through `act_quant`."""
+    def _routed_torch(
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+        num: Numerics,
+        skip: frozenset[int] = frozenset(),
+    ) -> torch.Tensor:
+        """The routed experts' sum [N, D] fp32, expert by expert in ascending order (resident or cached),
+        but for `skip` (computed on the CPU, hybrid). x is already through `act_quant`.
+
+        Only the GEMMs run per expert, on its (token, expert) pairs in token order; the work between them
+        (SwiGLU, routing weight, w2's FP8 input: elementwise or per token) runs once over every pair, and
+        each token's outputs are summed in ascending expert order: the values of an expert-by-expert loop,
+        in a number of ops that grows by 3 GEMMs, not ~35 ops, per expert used."""
+        n_tokens, k = ids.shape
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         counts = torch.bincount(ids.flatten(), minlength=self.n_routed_experts).tolist()
-        used = [e for e, count in enumerate(counts) if count]
-        outs = self._cached(x, ids, weights, used, num) if self.expert_source is not None else None
-        for e in used:
-            rows, slot = torch.where(ids == e)
-            out = outs.pop(e) if outs is not None else self.experts[e](x[rows], num, weights[rows, slot, None])
-            y.index_add_(0, rows, out.float())
+        used = [e for e, count in enumerate(counts) if count and e not in skip]
+        if not used:
+            return y
+        order = ids.flatten().argsort(stable=True)  # [N * k] pairs n * k + j by expert, then by token
+        pairs = order  # the pairs computed here: every pair but those of `skip`
+        if sum(counts[e] for e in used) < order.numel():
+            pairs = torch.cat([order[sum(counts[:e]) : sum(counts[: e + 1])] for e in used])
+        xs = x.index_select(0, torch.div(pairs, k, rounding_mode="floor"))  # [P, D] each pair's token
+        dense = self._cached(used) if self.expert_source is not None else [self._resident(e) for e in used]
+        bounds = list(itertools.accumulate((counts[e] for e in used), initial=0))
+        segments = [slice(a, b) for a, b in zip(bounds, bounds[1:])]
+        gate = torch.cat([linear(xs[s], w1, num, True, x_quantized=True) for s, (w1, _, _) in zip(segments, dense)])
+        up = torch.cat([linear(xs[s], w3, num, True, x_quantized=True) for s, (_, w3, _) in zip(segments, dense)])
+        act = swiglu(gate, up, self.swiglu_limit, weights.flatten().index_select(0, pairs)[:, None])
+        act = act_quant(act.to(num.compute_dtype), num)  # w2's FP8 input (per token: the same for all at once)
+        out = torch.cat([linear(act[s], w2, num, True, x_quantized=True) for s, (_, _, w2) in zip(segments, dense)])
+        # back to pair order (pairs not computed here stay 0: adding +0.0 to a sum that starts at +0.0 is exact),
+        # then each token's pairs by ascending expert, added one by one: no atomics, the loop's order
+        by_pair = out.new_zeros(n_tokens * k, out.shape[1]).index_copy_(0, pairs, out).view(n_tokens, k, -1)
+        rank = ids.argsort(dim=1, stable=True)  # [N, k]
+        by_expert = by_pair.gather(1, rank[..., None].expand(-1, -1, by_pair.shape[2]))
+        for j in range(k):
+            y += by_expert[:, j].float()
         return y
 
-    def _cached(
-        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, used: list[int], num: Numerics
-    ) -> dict[int, torch.Tensor]:
-        """Each used expert's output [n_e, D], from the parts the cache lends, dequantized."""
+    def _resident(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        expert = self.experts[e]
+        assert isinstance(expert, Expert)  # ModuleList items are typed Module
+        return expert.w1.weight, expert.w3.weight, expert.w2.weight
+
+    def _cached(self, used: list[int]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """The used experts' dense (w1, w3, w2), ascending, from the parts the cache lends, dequantized."""
         assert self.expert_source is not None
         dtype = self.gate.weight.dtype  # the dtype the resident experts would be loaded in (the shared
         # expert's weight may be held packed only, see Linear.load_fp8)
-        outs: dict[int, torch.Tensor] = {}
+        dense = {}
         for e, p in self.expert_source.layer_experts(self.layer_id, used):
             w1, w3, w2 = (dequant_fp4(p[w], p[f"{w}_scale"], dtype) for w in ("w1", "w3", "w2"))
-            rows, slot = torch.where(ids == e)
-            outs[e] = swiglu_expert(x[rows], w1, w3, w2, self.swiglu_limit, num, weights[rows, slot, None])
-        return outs
+            dense[e] = (w1, w3, w2)
+        return [dense[e] for e in used]

@@ -29,12 +29,13 @@ The FP8 GEMM and MXFP4 MoE kernels always quantize activations and round to bf16
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from dsv4_kernels.formats import FP4_MAX, FP8_MAX, pow2_ceil, round_e2m1
+from dsv4_kernels.formats import E2M1_VALUES, FP4_MAX, FP8_MAX
 from dsv4serve.model.backends import TORCH, KernelBackends
 
 FP8_AMAX_FLOOR = 1e-4
@@ -75,22 +76,53 @@ def _blocked(x: torch.Tensor, block: int) -> tuple[torch.Tensor, int]:
     return x.unflatten(-1, (-1, block)), k
 
 
+def _pow2_ceil(ratio: torch.Tensor) -> torch.Tensor:
+    """Smallest power of two >= ratio, for positive normal fp32 ratios (the amax floors keep them so):
+    the exponent field rounded up when a mantissa bit is set. The value of formats.pow2_ceil (frexp,
+    compare, ldexp) in 3 ops instead of 6: these run before every projection of the reference path."""
+    return ((ratio.view(torch.int32) + 0x7FFFFF) & -0x800000).view(torch.float32)
+
+
+def _blocks_back(q: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """[..., n, block] fp32 -> [..., k] in dtype (cutting the zero padding of a partial last block)."""
+    flat = q.flatten(-2)
+    return (flat if flat.shape[-1] == k else flat[..., :k]).to(dtype)
+
+
 def fp8_quant_dequant(x: torch.Tensor, block: int) -> torch.Tensor:
     """Round x to e4m3 with one ue8m0 scale per `block` channels; same shape and dtype as x."""
     xb, k = _blocked(x.float(), block)
-    amax = xb.abs().amax(dim=-1, keepdim=True).clamp_min(FP8_AMAX_FLOOR)
-    scale = pow2_ceil(amax / FP8_MAX)
-    q = (xb / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
-    return (q * scale).flatten(-2)[..., :k].to(x.dtype)
+    scale = _pow2_ceil(xb.abs().amax(dim=-1, keepdim=True).clamp_min_(FP8_AMAX_FLOOR).div_(FP8_MAX))
+    q = (xb / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
+    return _blocks_back(q.mul_(scale), k, x.dtype)
+
+
+@functools.cache
+def _e2m1_bounds(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the 8 e2m1 magnitudes, the 7 fp32 bounds between them) on `device`, made once: a bound is the
+    midpoint of two neighbours, one ulp lower where a tie must go to the upper (even) code, so that the
+    number of bounds below |v| is the code round-to-nearest-even gives."""
+    with torch.inference_mode(False), torch.no_grad():
+        mags = torch.tensor(E2M1_VALUES[:8], dtype=torch.float32, device=device)
+        mid = (mags[1:] + mags[:-1]) / 2  # exact: 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5
+        lower = torch.nextafter(mid, torch.zeros_like(mid))
+        odd = torch.arange(7, device=device) % 2 == 1  # between codes 1|2, 3|4, 5|6: the tie goes up
+        return mags, torch.where(odd, lower, mid)
+
+
+def _round_e2m1(v: torch.Tensor) -> torch.Tensor:
+    """v fp32, |v| <= 6 -> the nearest e2m1 value (ties to the even code), sign kept: formats.round_e2m1's
+    values in 2 ops (a bucketize) instead of its ~10 over [..., 8] distance tensors."""
+    mags, bounds = _e2m1_bounds(v.device)
+    return torch.copysign(mags[torch.bucketize(v.abs(), bounds)], v)
 
 
 def fp4_quant_dequant(x: torch.Tensor, block: int = FP4_BLOCK) -> torch.Tensor:
     """Round x to e2m1 with one ue8m0 scale per `block` channels; same shape and dtype as x."""
     xb, k = _blocked(x.float(), block)
-    amax = xb.abs().amax(dim=-1, keepdim=True).clamp_min(FP4_AMAX_FLOOR)
-    scale = pow2_ceil(amax / FP4_MAX)
-    q = round_e2m1((xb / scale).clamp(-FP4_MAX, FP4_MAX))
-    return (q * scale).flatten(-2)[..., :k].to(x.dtype)
+    scale = _pow2_ceil(xb.abs().amax(dim=-1, keepdim=True).clamp_min_(FP4_AMAX_FLOOR).div_(FP4_MAX))
+    q = _round_e2m1((xb / scale).clamp_(-FP4_MAX, FP4_MAX))
+    return _blocks_back(q.mul_(scale), k, x.dtype)
 
 
 def hadamard(x: torch.Tensor) -> torch.Tensor:

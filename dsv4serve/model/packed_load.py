@@ -62,13 +62,15 @@ def load_packed(
     include_mtp: bool,
     expert_cache_slots: int | None = None,
     progress: bool = True,
+    bank_ram_bytes: int | None = None,
 ) -> tuple[Transformer, ExpertSlotCache | None]:
     """The model for `backends` on `device`, loaded packed (see the module doc), and its expert-slot
-    cache (None: the routed experts are resident). `expert_cache_slots` as for attach_expert_cache."""
+    cache (None: the routed experts are resident). `expert_cache_slots` and `bank_ram_bytes` (its
+    `ram_bytes`) as for attach_expert_cache."""
     _check_packable(ckpt, backends)
     with torch.device("meta"):
         model = Transformer(ckpt.args, include_mtp=include_mtp)
-    cache = attach_expert_cache(model, ckpt, expert_cache_slots, device, progress=progress)
+    cache = attach_expert_cache(model, ckpt, expert_cache_slots, device, ram_bytes=bank_ram_bytes, progress=progress)
     specs = model_specs(ckpt.specs, ckpt.args, include_mtp)
     kinds = {s.name: spec_kind(s, backends, cache is None) for s in specs}
     with tqdm(

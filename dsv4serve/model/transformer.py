@@ -186,8 +186,11 @@ class Transformer(nn.Module):
         packed already (by the packed loader, model/packed_load.py) are left as they are. With the head
         kernel on Triton the head weight is held in bf16 when that is exact (a checkpoint stores it so),
         else it stays fp32 on torch, with a warning. The other kernels need no preparation;
-        `Numerics.backends` picks the path at each forward."""
+        `Numerics.backends` picks the path at each forward. The head on torch on the CPU is held K-major
+        (layers.Linear.hold_k_major: MKL's fast layout for it)."""
         head = self.head.weight
+        if backends.head == "torch" and head.device.type == "cpu":
+            self.head.hold_k_major()
         if backends.head == "triton" and head.dtype != torch.bfloat16:
             if torch.equal(head.to(torch.bfloat16).to(head.dtype), head):
                 self.head.weight = nn.Parameter(head.to(torch.bfloat16), requires_grad=False)
@@ -227,17 +230,29 @@ class Transformer(nn.Module):
 
     @torch.inference_mode()
     def run(
-        self, layout: BatchLayout, pool: KvPool, num: Numerics, all_logits: bool = False, return_hidden: bool = False
+        self,
+        layout: BatchLayout,
+        pool: KvPool,
+        num: Numerics,
+        all_logits: bool = False,
+        return_hidden: bool = False,
+        picks: torch.Tensor | None = None,
     ) -> ForwardOutput:
         """The forward over a prepared layout (the engine's path: the runner builds the layout and advances
-        the sequences itself); the states are not touched."""
+        the sequences itself); the states are not touched. `picks` [M] int (packed token indices): the logits
+        of exactly those tokens, as `last_logits` [M, vocab] (speculative verification); else every row's
+        last token (or every token with `all_logits`)."""
         h = self.embed(layout.token_ids).to(num.compute_dtype)
         h = h.unsqueeze(1).expand(-1, self.args.hc_mult, -1).contiguous()  # [N, hc, D]
         for i, layer in enumerate(self.layers):
             h = layer(h, layout, pool.layers[i], num)
+        hidden = [h[s.begin : s.end] for s in layout.spans] if return_hidden else None
+        if picks is not None:
+            picked = h.index_select(0, picks)
+            logits = self.logits(picked, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, self.norm, num)
+            return ForwardOutput([], hidden, logits)
         picked = h if all_logits else h.index_select(0, layout.last_token)
         logits = self.logits(picked, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, self.norm, num)
-        hidden = [h[s.begin : s.end] for s in layout.spans] if return_hidden else None
         return ForwardOutput(self._split(logits, layout, all_logits), hidden, None if all_logits else logits)
 
     @torch.inference_mode()
@@ -246,20 +261,41 @@ class Transformer(nn.Module):
     ) -> ForwardOutput:
         """Draft logits from MTP block `depth`: row i pairs main streams hidden[i] [T, hc, D] at
         positions p.. with the tokens that follow them (`token_ids`, positions p+1..)."""
-        block = self.mtp[depth]
-        assert isinstance(block, MTPBlock)  # self.mtp holds only MTP blocks (ModuleList items are typed Module)
         pool = _pool_of(rows, num)
-        if len(pool.layers) <= block.layer_id:
-            raise ValueError("this KV pool holds no MTP layers")
         layout = layout_of(rows, self.embed.weight.device, use_mtp_pos=True)
-        e = self.embed(layout.token_ids).to(num.compute_dtype)
-        h = block.embed_inputs(torch.cat(hidden).to(num.compute_dtype), e, num)
-        h = block(h, layout, pool.layers[block.layer_id], num)
+        out = self.run_mtp(layout, pool, torch.cat(hidden), num, depth, all_logits)
         for row, span in zip(rows, layout.spans):
             row.state.mtp_num_tokens += span.num_tokens
+        return out
+
+    @torch.inference_mode()
+    def run_mtp(
+        self,
+        layout: BatchLayout,
+        pool: KvPool,
+        hidden: torch.Tensor,
+        num: Numerics,
+        depth: int = 0,
+        all_logits: bool = False,
+    ) -> ForwardOutput:
+        """MTP block `depth` over a prepared layout (positions = the MTP layer's own, `mtp_num_tokens`):
+        hidden [N, hc, D] the streams of the packed tokens' previous positions; the states are not touched.
+        Returns the draft logits and the block's output streams per row (the next depth's, or the next
+        recurrent draft's, input)."""
+        block = self.mtp[depth]
+        assert isinstance(block, MTPBlock)  # self.mtp holds only MTP blocks (ModuleList items are typed Module)
+        if len(pool.layers) <= block.layer_id:
+            raise ValueError("this KV pool holds no MTP layers")
+        e = self.embed(layout.token_ids).to(num.compute_dtype)
+        h = block.embed_inputs(hidden.to(num.compute_dtype), e, num)
+        h = block(h, layout, pool.layers[block.layer_id], num)
         picked = h if all_logits else h.index_select(0, layout.last_token)
         logits = self.logits(picked, block.hc_head_fn, block.hc_head_scale, block.hc_head_base, block.norm, num)
-        return ForwardOutput(self._split(logits, layout, all_logits), [h[s.begin : s.end] for s in layout.spans])
+        return ForwardOutput(
+            self._split(logits, layout, all_logits),
+            [h[s.begin : s.end] for s in layout.spans],
+            None if all_logits else logits,
+        )
 
     def logits(
         self, h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm: RMSNorm, num: Numerics

@@ -11,6 +11,7 @@ import torch
 from dsv4serve.checkpoint.loader import open_checkpoint
 from dsv4serve.config import Setting
 from dsv4serve.env import read_environment
+from dsv4serve.experts.attach import HYBRID_EAGER, cpu_experts_of, expert_bank_line
 from dsv4serve.experts.slot_cache import ExpertSlotCache
 from dsv4serve.ipc.messages import Ready, WorkerLaunch
 from dsv4serve.memory.capacity import PROBE_TOKENS_MAX, CapacityError, kv_capacity, planner_snapshot
@@ -31,6 +32,7 @@ from dsv4serve.worker.model_load import (
 )
 from dsv4serve.worker.runner import Runner
 from dsv4serve.worker.scheduler import Scheduler, SchedulerLimits, sequence_slots
+from dsv4serve.worker.speculative import Drafter
 
 log = logging.getLogger("dsv4serve.worker")
 __all__ = ["ChunkState", "EngineParts", "StartupError", "build_engine"]
@@ -72,6 +74,10 @@ def build_engine(launch: WorkerLaunch) -> EngineParts:
     if device.type == "cuda":
         numerics = checked_numerics(numerics, launch.kernels.value, device)
     model, expert_cache, launch = load_model(ckpt, launch, numerics, device)
+    hybrid = cpu_experts_of(model)
+    # decode steps captured as CUDA graphs: not with --enforce-eager, nor in hybrid mode (it syncs per layer)
+    capture = device.type == "cuda" and not launch.enforce_eager.value and hybrid is None
+    graph_reserve = decode_graph_bytes(args, launch.max_num_seqs.value, launch.max_model_len.value) if capture else 0
     page = args.page_tokens
     # the reference attention materializes [T, H, keys] scores: the chunk's cost grows with its square
     geometry = prefill_geometry(
@@ -80,7 +86,7 @@ def build_engine(launch: WorkerLaunch) -> EngineParts:
         max_rows=launch.max_num_seqs.value,
         dense_attention=numerics.backends.attention == "torch",
     )
-    usable, max_len = _kv_tokens(launch, args, device, numerics, geometry)
+    usable, max_len = _kv_tokens(launch, args, device, numerics, geometry, graph_reserve)
     capacity = usable + page  # the pool's last page and last slot: the padding rows' (worker/graphs.py)
     limits = SchedulerLimits(
         max_running=launch.max_num_seqs.value,
@@ -89,13 +95,14 @@ def build_engine(launch: WorkerLaunch) -> EngineParts:
         page_tokens=page,
         max_model_len=max_len,
         eos_token_id=args.eos_token_id,
+        speculative_tokens=launch.speculative_tokens.value,
     )
     pool = KvPool(
         args,
         numerics.compute_dtype,
         num_pages=capacity // page,
         num_slots=limits.num_slots + 1,
-        include_mtp=include_mtp(args),
+        include_mtp=include_mtp(args, launch.speculative_tokens.value),
         device=device,
     )
     log.info(
@@ -108,7 +115,7 @@ def build_engine(launch: WorkerLaunch) -> EngineParts:
         pool.num_bytes / 2**20,
     )
     graphs = None
-    if device.type == "cuda" and not launch.enforce_eager.value:
+    if capture:
         # the decode step captured per batch bucket; padding rows use the pool's last slot and page. Before the
         # chunk planner measures free memory, so that the chunk never counts on what the graphs' pool holds
         graphs = DecodeGraphs(
@@ -145,6 +152,7 @@ def build_engine(launch: WorkerLaunch) -> EngineParts:
         geometry.activation_bytes_per_token,
         grammars,
         graphs=graphs,
+        drafter=_drafter(model, pool, numerics, launch.speculative_tokens.value),
     )
     ready = Ready(
         device=device.type,
@@ -155,18 +163,24 @@ def build_engine(launch: WorkerLaunch) -> EngineParts:
         expert_slots=None if expert_cache is None else expert_cache.n_slots,
         vocab_size=args.vocab_size,
         eos_token_id=args.eos_token_id,
-        expert_bank=None if expert_cache is None else expert_cache.bank.report.describe(),
+        expert_bank=None if expert_cache is None else expert_bank_line(expert_cache, hybrid),
         kv_pages=pool.num_pages,
         page_tokens=page,
         sequence_slots=pool.num_slots,
-        decode_graphs=_graphs_line(graphs, launch, device, _graph_reserve(launch, args, device)),
+        decode_graphs=HYBRID_EAGER
+        if hybrid is not None and device.type == "cuda"
+        else _graphs_line(graphs, launch, device, graph_reserve)
+        + _speculative_note(launch.speculative_tokens.value, graphs),
     )
     return EngineParts(Scheduler(limits), runner, ChunkState(plan), ready, expert_cache)
 
 
-def _kv_tokens(launch: WorkerLaunch, args, device: torch.device, numerics: Numerics, geometry) -> tuple[int, int]:
+def _kv_tokens(
+    launch: WorkerLaunch, args, device: torch.device, numerics: Numerics, geometry, graph_reserve: int
+) -> tuple[int, int]:
     """(KV capacity in tokens for requests, max_model_len): an auto max_model_len is capped by the capacity,
-    an explicit one that does not fit stops the start. The pool takes one page more (the padding page)."""
+    an explicit one that does not fit stops the start. The pool takes one page more (the padding page);
+    `graph_reserve`: what the decode graphs captured after the pool will hold (memory/graph_memory.py)."""
     page = args.page_tokens
     entry_bytes = torch.empty(0, dtype=numerics.compute_dtype).element_size()
     max_len, seqs = launch.max_model_len.value, launch.max_num_seqs.value
@@ -181,7 +195,8 @@ def _kv_tokens(launch: WorkerLaunch, args, device: torch.device, numerics: Numer
             launch.memory_ratio.value,
             min(launch.max_prefill_length.value or PROBE_TOKENS_MAX, PROBE_TOKENS_MAX),
             geometry,
-            _graph_reserve(launch, args, device),
+            graph_reserve,
+            include_mtp=include_mtp(args, launch.speculative_tokens.value),
         )
     except CapacityError as exc:
         raise StartupError(str(exc)) from exc
@@ -196,13 +211,6 @@ def _kv_tokens(launch: WorkerLaunch, args, device: torch.device, numerics: Numer
     return capacity, max_len
 
 
-def _graph_reserve(launch: WorkerLaunch, args, device: torch.device) -> int:
-    """Bytes the KV sizing leaves for the decode graphs captured after the pool (memory/graph_memory.py)."""
-    if device.type != "cuda" or launch.enforce_eager.value:
-        return 0
-    return decode_graph_bytes(args, launch.max_num_seqs.value, launch.max_model_len.value)
-
-
 def _probe(model: Transformer, pool: KvPool, numerics: Numerics, device: torch.device) -> Callable[[int], object]:
     """The calibration prefill: n tokens through slot 0 and the first pages, before any request runs
     (what it leaves in the pool is never read: reads are bounded by each sequence's own length)."""
@@ -212,6 +220,21 @@ def _probe(model: Transformer, pool: KvPool, numerics: Numerics, device: torch.d
         return model.forward([BatchRow([0] * n, seq)], numerics)
 
     return run
+
+
+def _drafter(model: Transformer, pool: KvPool, numerics: Numerics, n_tokens: int) -> Drafter | None:
+    if n_tokens <= 0:
+        return None
+    log.info("speculative decoding: %d MTP draft token(s) per step (greedy requests; verify steps run eager)", n_tokens)
+    return Drafter(model, pool, numerics, n_tokens)
+
+
+def _speculative_note(n_tokens: int, graphs: DecodeGraphs | None) -> str:
+    """Steps of speculating requests (drafting, verifying) run eager: no graph is captured for them."""
+    if n_tokens <= 0:
+        return ""
+    eager = "; those steps run eager (no decode graph)" if graphs is not None else ""
+    return f"; --speculative-tokens {n_tokens}: MTP drafts verified per step{eager}"
 
 
 def _graphs_line(graphs: DecodeGraphs | None, launch: WorkerLaunch, device: torch.device, planned: int) -> str:

@@ -30,6 +30,7 @@ from dsv4serve.worker.step import StepPlan
 log = logging.getLogger("dsv4serve.worker")
 STATS_INTERVAL_S = 0.2
 IDLE_POLL_S = 0.05
+SPEC_LOG_INTERVAL_S = 10.0
 
 
 def worker_main(launch_bytes: bytes) -> None:
@@ -58,6 +59,7 @@ class EngineLoop:
         self.p, self.channel = parts, channel
         self.oom_recoveries = 0
         self._last_stats = 0.0
+        self._spec_logged, self._spec_logged_at = (0, 0), 0.0  # (draft tokens, accepted) at the last log line
 
     def run(self) -> None:
         while True:
@@ -143,5 +145,24 @@ class EngineLoop:
                 prefix_cache_queries_total=s.prefix_queries_tokens,
                 prefix_cache_hits_total=s.prefix_hits_tokens,
                 **(self.p.expert_cache.stats.stats_fields() if self.p.expert_cache else {}),
+                **s.spec_stats_fields(),
             )
         )
+        self._log_acceptance(now)
+
+    def _log_acceptance(self, now: float) -> None:
+        """Speculative decoding's acceptance since the last line, at most every SPEC_LOG_INTERVAL_S."""
+        s = self.p.scheduler
+        drafts, accepted = s.spec_draft_tokens_total, s.spec_accepted_tokens_total
+        last_drafts, last_accepted = self._spec_logged
+        if drafts == last_drafts or now - self._spec_logged_at < SPEC_LOG_INTERVAL_S:
+            return
+        new_drafts, new_accepted = drafts - last_drafts, accepted - last_accepted
+        log.info(
+            "speculative decoding: %.1f%% of %d draft tokens accepted (%.1f%% over %d since start)",
+            100 * new_accepted / new_drafts,
+            new_drafts,
+            100 * accepted / drafts,
+            drafts,
+        )
+        self._spec_logged, self._spec_logged_at = (drafts, accepted), now

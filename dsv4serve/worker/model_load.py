@@ -24,7 +24,8 @@ import torch
 
 from dsv4serve.checkpoint.loader import Checkpoint, iter_dense
 from dsv4serve.config import ConfigError
-from dsv4serve.experts.attach import attach_expert_cache, iter_resident_dense
+from dsv4serve.experts.attach import attach_cpu_experts, attach_expert_cache, bank_ram_beside_kt, iter_resident_dense
+from dsv4serve.experts.moe_backend import MoeBackendError, moe_backend_for
 from dsv4serve.experts.slot_cache import ExpertSlotCache
 from dsv4serve.ipc.messages import WorkerLaunch
 from dsv4serve.memory.expert_plan import planned_expert_slots
@@ -126,18 +127,26 @@ def load_model(
     launch with the expert slots it was loaded with (the memory plan's, when --moe-cache-size is auto on
     CUDA and the weights load packed)."""
     args, backends = ckpt.args, numerics.backends
-    mtp = include_mtp(args)
+    check_speculative(args, launch.speculative_tokens.value)
+    mtp = include_mtp(args, launch.speculative_tokens.value)
     packed = loads_packed(backends)
     if packed and launch.moe_cache_size.value is None and device.type == "cuda":
         launch = _with_planned_expert_slots(ckpt, launch, backends)
     check_weights_fit(ckpt, backends, packed, mtp, launch, device)
     slots = launch.moe_cache_size.value
+    n_experts = args.n_routed_experts * (args.n_all_layers if mtp else args.n_layers)
+    try:
+        moe_backend, why = moe_backend_for(launch.moe_backend, slots is not None and slots < n_experts, numerics)
+    except MoeBackendError as exc:
+        raise StartupError(str(exc)) from exc
+    # hybrid: kt-kernel's copy of the experts is planned first, the bank fills the RAM left beside it
+    bank_ram = bank_ram_beside_kt(model_specs(ckpt.specs, args, mtp)) if moe_backend == "hybrid" else None
     if packed:
-        model, cache = load_packed(ckpt, backends, device, mtp, slots)
+        model, cache = load_packed(ckpt, backends, device, mtp, slots, bank_ram_bytes=bank_ram)
     else:
         ckpt = dataclasses.replace(ckpt, specs=tuple(model_specs(ckpt.specs, args, mtp)))
         model = Transformer(args, include_mtp=mtp)
-        cache = attach_expert_cache(model, ckpt, slots, device)  # None: all resident
+        cache = attach_expert_cache(model, ckpt, slots, device, ram_bytes=bank_ram)  # None: all resident
         if cache is None:
             weights = iter_dense(ckpt, torch.float32, progress=True)
         else:
@@ -145,9 +154,36 @@ def load_model(
         model.load_state_dict(dict(weights), strict=True)
         model.to(device)
     model.eval()
+    if moe_backend == "hybrid":
+        assert cache is not None, "hybrid is chosen only for offloaded experts"
+        try:
+            attach_cpu_experts(model, cache, device)
+        except ValueError as exc:  # no room for kt-kernel's copy: auto falls back, an explicit choice stops
+            if launch.moe_backend.explicit:
+                raise StartupError(str(exc)) from exc
+            moe_backend, why = "offload", f"{exc}; the offload path instead"
+    log.info("routed experts: --moe-backend %s (%s)", moe_backend, why)
     model.use_kernels(backends)  # packs what the Triton kernels read (nothing left to do after load_packed)
     log.info("kernels: %s", backends)
     return model, cache, launch
+
+
+def check_speculative(args: ModelArgs, n_tokens: int) -> None:
+    """--speculative-tokens N needs the checkpoint's MTP block, and a verify row of N + 1 tokens short enough
+    to roll back exactly (model/rollback.max_spec_tokens: the smallest compression ratio and the window)."""
+    if n_tokens <= 0:
+        return
+    if args.n_mtp_layers == 0:
+        raise StartupError(
+            f"--speculative-tokens {n_tokens}: this checkpoint has no MTP layers to draft with "
+            "(use --speculative-tokens 0)"
+        )
+    limit = min([args.window_size, *(r for r in args.compress_ratios if r)]) - 1
+    if n_tokens > limit:
+        raise StartupError(
+            f"--speculative-tokens {n_tokens}: at most {limit} for this model (a verify row of N + 1 tokens must not "
+            "close two windows of its smallest compression ratio, or its rollback would not be exact)"
+        )
 
 
 def _with_planned_expert_slots(ckpt: Checkpoint, launch: WorkerLaunch, backends: KernelBackends) -> WorkerLaunch:

@@ -37,6 +37,8 @@ class Request:
     snapshot_key: bytes | None = None
     prompt_logprobs: list[TokenOut | None] | None = None  # by prompt position, when asked for
     announced: bool = False  # the runner received the request (StepPlan.new_requests)
+    draft_token_ids: tuple[int, ...] = ()  # speculative decoding: drafts to verify in the next decode row
+    trim_pages: int | None = None  # the runner's page table is cut to this many at the next row (drafts' pages)
 
     @property
     def output_token_ids(self) -> list[int]:

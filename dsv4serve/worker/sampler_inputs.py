@@ -229,15 +229,11 @@ def _pack_sampling(p: _Packer, rows: Sequence[SamplingRow], vocab_size: int) -> 
     return max(ks), len(shared)
 
 
-def changes_logits(row: SamplingRow) -> bool:
-    """Whether a greedy row's logits need penalties, stop masking or forcing before the argmax."""
-    return (
-        row.params.has_penalties
-        or bool(row.params.logit_bias)
-        or row.params.allowed_token_ids is not None
-        or bool(stop_tokens_to_mask(row))
-        or forced_token(row.params, row.output_token_ids) is not None
-    )
+def masks_stops_only(x: SamplerInputs) -> bool:
+    """Whether the only stage before the greedy argmax is the stop-token mask (`stop_flat`, maybe None):
+    no penalties, allowed tokens, logit_bias, grammar bitmask or forced tokens (decided on the host)."""
+    others = (x.penalty_rows, x.restricted_rows, x.bias_flat, x.bitmask, x.forced_rows)
+    return all(t is None for t in others)
 
 
 def pack_inputs(

@@ -33,13 +33,14 @@ import torch
 import xgrammar as xgr
 
 from dsv4serve.model.batch import HostStaging
+from dsv4serve.worker.row_argmax import argmax_without, row_argmax
 from dsv4serve.worker.sampler_inputs import (
     HostReader,
     SamplerInputs,
     SamplingRow,
     TokenMask,
-    changes_logits,
     forced_token,
+    masks_stops_only,
     pack_inputs,
     stop_tokens_to_mask,
 )
@@ -137,14 +138,15 @@ def sample(
     parameters go through to the device (a GPU worker's; None: a plain copy).
     """
     _check(logits, rows)
-    raw = logits.float()  # [B, V] fp32, never modified: logprobs come from it
+    raw = logits.float()  # [B, V] fp32, holds its values on return: logprobs come from it
     inputs = pack_inputs(rows, raw.shape[1], raw.device, token_mask, staging)
-    if inputs.all_greedy and token_mask is None and not any(changes_logits(row) for row in rows):
-        token_ids = raw.argmax(dim=-1)  # the common greedy decode case: one pass, no copy
+    if inputs.all_greedy and token_mask is None and masks_stops_only(inputs) and raw.is_contiguous():
+        # the common greedy decode case (ignore_eos or min_tokens at most mask a few stop tokens): no copy
+        token_ids = argmax_without(raw, inputs.stop_flat)
     else:
         work = raw.clone()  # [B, V] fp32, modified in place stage by stage
         apply_inputs(work, inputs)
-        token_ids = work.argmax(dim=-1)  # [B] the greedy choice, also for rows sampled below
+        token_ids = row_argmax(work)  # [B] the greedy choice, also for rows sampled below
         if not inputs.all_greedy:
             fi = flashinfer_sampling(work.device)  # CUDA: flashinfer's sort-free kernel, where it draws the same
             if fi is not None and fast_path(inputs, rows):
@@ -267,7 +269,7 @@ def draw(
                 noise[i].exponential_(generator=row.generator)
     # a zero draw would make 0/0 = NaN for a masked token, and argmax favours NaN
     noise.clamp_min_(torch.finfo(noise.dtype).tiny)
-    return probs.div_(noise).argmax(dim=-1)
+    return row_argmax(probs.div_(noise))
 
 
 def logprobs_of(

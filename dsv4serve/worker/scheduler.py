@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from dsv4serve.ipc.messages import AddRequest, Rejected, RequestOutput
+from dsv4serve.ipc.messages import AddRequest, Rejected, RequestOutput, TokenOut
 from dsv4serve.paging import IdAllocator
 from dsv4serve.worker.prefix_index import PrefixEntry, PrefixIndex
 from dsv4serve.worker.request import Request, Status
@@ -34,6 +34,7 @@ class SchedulerLimits:
     max_model_len: int
     eos_token_id: int
     prefix_slots: int = 0  # snapshot slots for cached prefixes [0: as many as max_running]
+    speculative_tokens: int = 0  # --speculative-tokens: drafts verified per decode row (0: off)
 
     @property
     def num_prefix_slots(self) -> int:
@@ -68,6 +69,9 @@ class Scheduler:
         self.prefix = PrefixIndex(limits.page_tokens)
         self.prefix_queries_tokens = 0
         self.prefix_hits_tokens = 0
+        self.spec_drafts_total = 0  # verify rows (speculative decoding)
+        self.spec_draft_tokens_total = 0  # drafts they verified
+        self.spec_accepted_tokens_total = 0  # drafts accepted
 
     # ------------------------------------------------------------------ admission
     def add(self, msg: AddRequest) -> Rejected | None:
@@ -119,12 +123,12 @@ class Scheduler:
             if req.status is not Status.RUNNING:
                 continue
             if self._reserve_or_preempt(req, req.num_tokens):
-                rows.append(self._row(req, 1))
+                rows.append(self._row(req, 1, self._drafts(req)))
             elif not any(r.arrival < req.arrival for r in self.running):
                 # the oldest request cannot grow and nobody can make room: it has reached the pool's end
                 self._finish(req, "length")
                 self._finished_now.append(req.request_id)
-        budget = max(chunk_tokens - len(rows), 1)
+        budget = max(chunk_tokens - sum(len(r.token_ids) for r in rows), 1)  # drafts count
         for req in sorted(self.running, key=lambda r: r.arrival):
             if budget <= 0:
                 break
@@ -231,21 +235,38 @@ class Scheduler:
         self._take_pages(req, req.num_computed_tokens + n)
         return n
 
-    def _row(self, req: Request, n: int) -> ScheduledRow:
+    def _row(self, req: Request, n: int, drafts: tuple[int, ...] = ()) -> ScheduledRow:
         assert req.slot is not None, "only a running request (which holds a sequence slot) is scheduled"
         start = req.num_computed_tokens
         restore, req.restore_slot = req.restore_slot, None
+        trim, req.trim_pages = req.trim_pages, None
         new_pages, req.pages_sent = tuple(req.pages[req.pages_sent :]), len(req.pages)
         return ScheduledRow(
             req.request_id,
-            tuple(req.token_ids(start, start + n)),
+            tuple(req.token_ids(start, start + n)) + drafts,
             start,
             sample=start + n == req.num_tokens,
             slot=req.slot,
             new_pages=new_pages,
             restore_slot=restore,
             snapshot_slot=self._plan_snapshot(req, start + n),
+            num_draft_tokens=len(drafts),
+            num_pages=trim,
         )
+
+    def _drafts(self, req: Request) -> tuple[int, ...]:
+        """The drafts a decode row verifies: those the runner proposed, as many as the request may still
+        produce (one token always comes without a draft) and pages are free for (no preemption, no eviction)."""
+        drafts, req.draft_token_ids = req.draft_token_ids, ()
+        room = self.limits.max_model_len - req.num_tokens - 1
+        if req.sampling.max_tokens is not None:
+            room = min(room, req.sampling.max_tokens - len(req.output) - 1)
+        n = max(min(len(drafts), room, self.limits.speculative_tokens), 0)
+        if n:
+            page = self.limits.page_tokens  # free pages only: cached prefixes are worth more than a guess
+            n = min(n, (len(req.pages) + self.pages.num_free) * page - req.num_tokens)
+            self._take_pages(req, req.num_tokens + n)
+        return drafts[:n]
 
     def _reserve_or_preempt(self, req: Request, n_tokens: int) -> bool:
         """Reserve pages so `req` holds `n_tokens`, preempting newer requests if the pool is full.
@@ -280,6 +301,7 @@ class Scheduler:
         if req.slot is not None:
             self.seq_slots.release([req.slot])
             req.slot = None
+        req.draft_token_ids, req.trim_pages = (), None
         if req in self.running:
             self.running.remove(req)
             self._to_drop.append(req.request_id)
@@ -310,14 +332,38 @@ class Scheduler:
             for position, token in out.prompt_logprobs.get(row.request_id, ()):
                 if req.prompt_logprobs is not None:
                     req.prompt_logprobs[position] = token
-            req.num_computed_tokens += len(row.token_ids)
+            more = out.more.get(row.request_id, ())
+            req.num_computed_tokens += len(row.token_ids) - row.num_draft_tokens + len(more)
+            if row.num_draft_tokens:
+                self.spec_drafts_total += 1
+                self.spec_draft_tokens_total += row.num_draft_tokens
+                self.spec_accepted_tokens_total += len(more)
             if row.sample and row.request_id in out.sampled:
-                req.output.append(out.sampled[row.request_id])
-                reason = self._stop_reason(req)
-                if reason:
-                    self._finish(req, reason)
+                self._append(req, (out.sampled[row.request_id], *more))
+                if req.status is Status.RUNNING:
+                    req.draft_token_ids = out.drafts.get(row.request_id, ())
+                    self._give_back_draft_pages(req)
                 touched.append(req)
         return [self._output(req) for req in touched]
+
+    def _append(self, req: Request, tokens: tuple[TokenOut, ...]) -> None:
+        """A row's sampled tokens, each checked for a stop: the tokens after a stop are dropped."""
+        for token in tokens:
+            req.output.append(token)
+            reason = self._stop_reason(req)
+            if reason:
+                self._finish(req, reason)
+                return
+
+    def _give_back_draft_pages(self, req: Request) -> None:
+        """Pages taken for drafts that were rejected: back to the pool, and out of the runner's page table
+        at the request's next row."""
+        keep = -(-req.num_tokens // self.limits.page_tokens)  # the next token's position included
+        if len(req.pages) > keep:
+            self.pages.release(req.pages[keep:])
+            req.pages = req.pages[:keep]
+            req.pages_sent = min(req.pages_sent, keep)
+            req.trim_pages = keep
 
     def _output(self, req: Request, error: str | None = None) -> RequestOutput:
         """The request's new tokens since its last output; a finished request is forgotten with it."""
@@ -355,6 +401,15 @@ class Scheduler:
         req.finish_reason = reason
         if req.announced:
             self._to_forget.append(req.request_id)
+
+    def spec_stats_fields(self) -> dict[str, int]:
+        """The speculative-decoding counters, as ipc.messages.Stats names them (vLLM's meanings: a draft is one
+        row's proposed tokens in one verify step; accepted tokens exclude the bonus token)."""
+        return {
+            "spec_decode_num_drafts_total": self.spec_drafts_total,
+            "spec_decode_num_draft_tokens_total": self.spec_draft_tokens_total,
+            "spec_decode_num_accepted_tokens_total": self.spec_accepted_tokens_total,
+        }
 
     @property
     def kv_usage(self) -> float:

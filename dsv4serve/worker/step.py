@@ -29,6 +29,8 @@ class ScheduledRow:
     new_pages: tuple[int, ...] = ()  # pages appended to the request's page table from this row on
     restore_slot: int | None = None  # before the row, copy this prefix snapshot slot into `slot`
     snapshot_slot: int | None = None  # after the row, copy `slot` into this prefix snapshot slot
+    num_draft_tokens: int = 0  # the last n of token_ids are drafts to verify (speculative decoding)
+    num_pages: int | None = None  # first cut the page table to this many pages (rejected drafts' pages went back)
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,10 @@ PromptLogprobs = list[tuple[int, TokenOut]]  # (prompt position, that prompt tok
 class StepOutput:
     sampled: dict[str, TokenOut] = field(default_factory=dict)  # request id -> its next token
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)  # rows whose request asked
+    # speculative decoding: the tokens a verify row produced after `sampled` (one per accepted draft), and
+    # the drafts proposed for each speculating request's next step
+    more: dict[str, tuple[TokenOut, ...]] = field(default_factory=dict)
+    drafts: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 EMPTY_OUTPUT = StepOutput()

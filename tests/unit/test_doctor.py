@@ -50,6 +50,9 @@ NAMES = [
     "platform",
     "host RAM",
     "pinned memory",
+    "host memory bandwidth",
+    "host-to-device",
+    "decode projection",
     "HF cache",
     "dsv4serve cache",
 ]
@@ -77,6 +80,7 @@ def test_doctor_json_reports_every_check_and_exits_zero_here(tmp_path):
     assert checks["HF cache"]["data"]["path"] == str(tmp_path / "hf" / "hub")
     if not torch.cuda.is_available():  # the CPU path of this machine and of CI
         assert checks["pinned memory"]["value"] == "no CUDA: pageable only"
+        assert checks["host-to-device"]["value"] == "no GPU: not measured"
         assert "CPU path" in checks["GPU"]["value"]
 
 
@@ -325,3 +329,43 @@ def test_kernel_line_runs_the_start_up_check_on_cuda(monkeypatch):
     failing = {"attention", "fp4_moe"}
     fail = check_kernels(fake)  # type: ignore[arg-type]
     assert fail.status == "fail" and "fp4_moe must run on Triton" in fail.fix
+
+
+# ------------------------------------------------------------------------ bandwidths for `plan`
+
+
+def test_host_bandwidth_is_measured_and_named_in_the_check():
+    from dsv4serve.doctor_host import HOST_COPY_BYTES, check_host_bandwidth, measure_host_bandwidth
+
+    gbps, n_threads = measure_host_bandwidth(32 * 1024**2, repeats=3)
+    # a copy of 64 MiB (read + write) can neither be free nor beat any DRAM (DDR5 x 12 channels: ~600 GB/s)
+    assert 0.1 < gbps < 1000 and n_threads in (1, os.cpu_count())
+    check = check_host_bandwidth(lambda: (12.34, 2))
+    assert check.value.startswith("12.3 GB/s") and f"{HOST_COPY_BYTES >> 20} MiB copy" in check.value
+    assert check.data["gbps"] == 12.34 and "2 of" in check.value
+
+
+def test_the_plan_line_uses_the_measured_bandwidths_and_parses_as_plan_flags(monkeypatch):
+    from dsv4serve.cli import build_parser
+    from dsv4serve.doctor_gpu import check_bandwidths
+
+    cpu_only = check_bandwidths(None, measure_host=lambda: (31.0, 1))
+    assert [c.name for c in cpu_only] == ["host memory bandwidth", "host-to-device", "decode projection"]
+    assert cpu_only[1].value == "no GPU: not measured"
+    line = cpu_only[2].value
+    assert "--host-bandwidth 31.0" in line and "--h2d-bandwidth" not in line and "--gpu-memory 32GiB" in line
+    measured = {True: 52.5, False: 21.0}
+    monkeypatch.setattr("dsv4serve.doctor_gpu.measure_h2d_bandwidth", lambda torch, pinned: measured[pinned])
+    gpu = check_bandwidths(fake_cuda_torch("unused"), measure_host=lambda: (80.0, 16))  # type: ignore[arg-type]
+    assert gpu[1].data == {"pinned_gbps": 52.5, "pageable_gbps": 21.0}
+    assert "pinned 52.5 GB/s, pageable 21.0 GB/s" in gpu[1].value
+    ns = build_parser("plan").parse_args(gpu[2].value.split()[2:])  # the line is a valid `plan` command
+    assert (ns.h2d_bandwidth, ns.host_bandwidth, ns.gpu_memory) == (52.5, 80.0, None)  # GPU 0 is planned as measured
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="host-to-device copies need CUDA")
+def test_h2d_bandwidth_on_cuda_is_positive_and_pinned_is_not_slower_than_half_of_pageable():
+    from dsv4serve.doctor_gpu import measure_h2d_bandwidth
+
+    pinned, pageable = measure_h2d_bandwidth(torch, True), measure_h2d_bandwidth(torch, False)
+    assert pinned > 0 and pageable > 0 and pinned > 0.5 * pageable

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -285,3 +286,13 @@ def test_decode_graphs_are_reserved_before_the_kv_and_eager_frees_them(real):
     assert graphs.expert_slots * graphs.expert_slot_bytes + graphs.kv_cache_bytes < (
         eager.expert_slots * eager.expert_slot_bytes + eager.kv_cache_bytes
     )
+
+
+def test_hybrid_cpu_experts_capture_no_decode_graphs(real):
+    args, w = real
+    machine = Machine(32 * GIB, 128 * GIB, "native")
+    offload = plan_memory(args, w, machine, settings(args, max_model_len=65536))
+    hybrid = plan_memory(args, w, machine, dataclasses.replace(settings(args, max_model_len=65536), cpu_experts=True))
+    assert offload.decode_graph_bytes > 0 and hybrid.decode_graph_bytes == 0
+    assert any("none after all (hybrid" in d for d in hybrid.decisions)
+    assert hybrid.activation_free_bytes == offload.activation_free_bytes + offload.decode_graph_bytes

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 from pathlib import Path
 
 import pytest
@@ -38,11 +39,13 @@ def test_plan_without_gpu_memory_is_for_the_cpu_and_its_measured_ram(tiny_cache)
     assert machine["device"] == "cpu" and machine["gpu_memory_bytes"] == _mem_total_bytes()
     assert machine["plan_for"].startswith("the CPU") and gib(_mem_total_bytes()) in machine["plan_for"]
     assert chunk["effective"] > 0 and chunk["binding"] and chunk["reason"]
+    assert plan["decode_speed"] is None  # the projection models a GPU beside its host
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert run_plan(ns, env) == 0
     text = out.getvalue()
     assert "plan for the CPU" in text and "host RAM, CPU" in text
+    assert "projected decode speed: none for the CPU worker" in text
     assert (
         f"prefill chunk: requested auto, effective {chunk['effective']:,} tokens, bound by {chunk['binding']}" in text
     )
@@ -53,3 +56,58 @@ def test_an_explicit_gpu_memory_still_plans_for_that_gpu(tiny_cache):
     plan = build_plan(ns, env)
     assert plan["machine"]["device"] == "cuda" and plan["machine"]["gpu_memory_bytes"] == 24 * 2**30
     assert "--gpu-memory" in plan["machine"]["plan_for"] and plan["prefill_chunk"]["binding"]
+
+
+# ------------------------------------------------------------------ projected batch-1 decode speed
+
+
+def _run_text(ns, env) -> str:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert run_plan(ns, env) == 0
+    return out.getvalue()
+
+
+def test_a_32gb_plan_projects_decode_term_by_term_with_the_given_bandwidths(real_model_dir, tmp_path):
+    env = read_environment({"DSV4SERVE_CACHE_DIR": str(tmp_path)}, tuple(options()))
+    flags = ["--gpu-memory", "32GiB", "--host-memory", "128GiB", "--h2d-bandwidth", "25", "--host-bandwidth", "60"]
+    ns = build_parser("plan").parse_args(["--model", str(real_model_dir), *flags])
+    plan = build_plan(ns, env)
+    d, experts = plan["decode_speed"], plan["memory_plan"]["experts"]
+    assert d["bandwidths"]["h2d_gbps"] == {"value": 25.0, "source": "--h2d-bandwidth"}
+    assert d["bandwidths"]["host_gbps"] == {"value": 60.0, "source": "--host-bandwidth"}
+    assert d["bandwidths"]["gpu_gbps"]["source"].startswith("assumed: RTX 5090")  # not given: a stated assumption
+    assert set(d["projections"]) == {"offload", "hybrid"} and d["expert_slots"] == experts["slots"]
+    offload, hybrid = d["projections"]["offload"], d["projections"]["hybrid"]
+    # by hand from the plan's own slots: 258 uses, hits = 258 x slots / 11008, each miss one slot's bytes
+    misses = 258 * (1 - experts["slots"] / experts["total"])
+    assert offload["parallel_ms"]["PCIe copies"] == pytest.approx(misses * experts["slot_bytes"] / 25e9 * 1e3, 1e-4)
+    # hybrid: CPU 60 GB/s x 0.5 beside PCIe 25 GB/s, the two lanes balanced: 30/55 of the misses on the CPU
+    assert hybrid["cpu_fraction_of_misses"] == pytest.approx(30 / 55, abs=1e-4)
+    for p in (offload, hybrid):
+        serial = sum(p["serial_ms"].values())
+        assert p["step_ms"] == pytest.approx(serial + max(p["parallel_ms"].values()), abs=1e-2)
+        assert p["tokens_per_second"] == pytest.approx(1e3 / p["step_ms"], abs=0.01)
+    assert offload["tokens_per_second"] < hybrid["tokens_per_second"]
+
+    ns_json = build_parser("plan").parse_args(["--model", str(real_model_dir), *flags, "--json"])
+    emitted = json.loads(_run_text(ns_json, env))
+    assert emitted["decode_speed"] == d and "decode_speed_text" not in emitted
+    text = _run_text(ns, env)
+    assert "projected batch-1 decode" in text and "host-to-device 25 GB/s (--h2d-bandwidth)" in text
+    tokens_row = next(ln for ln in text.splitlines() if ln.startswith("tokens/s "))
+    assert tokens_row.split()[1:] == [f"{offload['tokens_per_second']:.1f}", f"{hybrid['tokens_per_second']:.1f}"]
+    for term in ("dense weights", "KV cache", "kernel launches", "CPU handoffs", "PCIe copies", "CPU experts"):
+        assert any(ln.startswith(term) for ln in text.splitlines()), term
+
+
+def test_a_card_that_holds_every_expert_projects_the_gpu_backend_only(tiny_cache):
+    ns, env = _ns(tiny_cache, "--gpu-memory", "24GiB")
+    d = build_plan(ns, env)["decode_speed"]
+    assert set(d["projections"]) == {"gpu"} and d["projections"]["gpu"]["misses_per_token"] == 0
+
+
+def test_a_bandwidth_must_be_a_positive_number(capsys):
+    with pytest.raises(SystemExit):
+        build_parser("plan").parse_args(["--model", "dsv4-tiny", "--h2d-bandwidth", "0"])
+    assert "not a positive number" in capsys.readouterr().err

@@ -1,0 +1,41 @@
+"""`dsv4serve doctor`: the optional CPU expert backend (kt-kernel, --moe-backend hybrid).
+
+Installed or not (and how to install it), its version against the one checked here, the CPU build it loads
+(AVX2, AVX-512 or AMX, from this CPU's flags), and the threads and NUMA nodes the worker would give it.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from dsv4serve.doctor_check import Check
+from dsv4serve.experts.kt_backend import KT_VERSION, kt_kernel_available, kt_threads, kt_version
+
+WHEEL_PYTHONS = ((3, 11), (3, 12))  # kt-kernel 0.7.2 ships wheels for CPython 3.11 / 3.12, glibc >= 2.35
+
+
+def check_kt_kernel() -> Check:
+    ok, why = kt_kernel_available()
+    threads = kt_threads()
+    data = {"installed": ok, "version": kt_version(), "build": None, "threads": threads.total}
+    if not ok:
+        if sys.version_info[:2] not in WHEEL_PYTHONS:
+            why += f"; its wheels need CPython 3.11 or 3.12 (this is {sys.version_info[0]}.{sys.version_info[1]})"
+        return Check("kt-kernel", "ok", f"not installed: --moe-backend hybrid unavailable ({why})", data=data)
+    try:
+        from dsv4serve.experts.kt_backend import load_kt
+
+        _, build = load_kt()
+    except Exception as exc:  # an incomplete install fails in its own imports: report, never crash doctor
+        return Check(
+            "kt-kernel",
+            "warn",
+            f"{data['version']} installed but does not load: {type(exc).__name__}: {exc}",
+            f"pip install --no-deps kt-kernel=={KT_VERSION} gguf",
+            data,
+        )
+    data["build"] = build
+    value = f"{data['version']} ({build} build), hybrid CPU experts on {threads.describe()}"
+    if data["version"] != KT_VERSION:
+        return Check("kt-kernel", "warn", value, f"the hybrid path was checked with {KT_VERSION}", data)
+    return Check("kt-kernel", "ok", value, data=data)

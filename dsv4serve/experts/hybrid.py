@@ -1,0 +1,80 @@
+"""--moe-backend hybrid: per MoE layer and step, the routed experts in device slots run on the device path,
+the misses the split sends to the CPU (miss_split.py) are computed by kt-kernel from host memory, and
+the two partial sums are added (dsv4serve/model/moe.py, `MoE._routed_hybrid`).
+
+    hybrid = HybridExperts(kt, cache, costs)
+    job = hybrid.submit(layer, xq, ids, weights)    # None: nothing for the CPU this time
+    ...the device path on job.device_routes(ids, weights) or without job.cpu_experts...
+    y += job.wait(device)                            # [T, D] bf16 -> fp32 on the device
+
+The slot cache still decides residency: the experts computed on the CPU are counted as uses (not
+hits), so the hot ones get promoted into slots. A step with a CPU part syncs the host once per layer
+(the routing must reach kt-kernel), so decode steps run eagerly, without CUDA graphs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dsv4serve.experts.kt_experts import KtExperts, KtJob
+from dsv4serve.experts.miss_split import SplitCosts, split_misses
+from dsv4serve.experts.slot_cache import ExpertSlotCache
+
+
+@dataclass
+class HybridStats:
+    cpu_experts: int = 0  # (layer, expert) computations kt-kernel ran
+    fetched_misses: int = 0  # misses the split left to the device path (fetched or read in place)
+
+
+class HybridJob:
+    def __init__(self, kt_job: KtJob, cpu_experts: list[int], on_device: torch.Tensor, stand_in: int):
+        self._kt_job, self.cpu_experts = kt_job, frozenset(cpu_experts)
+        self._on_device, self._stand_in = on_device, stand_in
+
+    def device_routes(self, ids: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The routing for a device path that takes every route (the grouped kernel): a route to an
+        expert kt-kernel computes gets weight 0 and a stand-in expert in a slot (its output is then an
+        exact 0, and nothing is read over PCIe for it)."""
+        on_device = self._on_device.to(ids.device)[ids]  # [T, k] bool
+        return torch.where(on_device, ids, self._stand_in), torch.where(on_device, weights, 0.0)
+
+    def wait(self, device: torch.device) -> torch.Tensor:
+        """The CPU experts' weighted sum [T, D] fp32 on `device`."""
+        return self._kt_job.wait().to(device).float()
+
+
+class HybridExperts:
+    def __init__(self, kt: KtExperts, cache: ExpertSlotCache, costs: SplitCosts):
+        self.kt, self.cache, self.costs = kt, cache, costs
+        self.stats = HybridStats()
+
+    def describe(self) -> str:
+        """For the start-up report: kt-kernel's build and threads, the layers it holds, the measured costs."""
+        bank = self.cache.bank
+        return f"{self.kt.describe}; measured {self.costs.describe(bank.expert_bytes)}"
+
+    def submit(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> HybridJob | None:
+        """Start kt-kernel on `layer`'s misses that the split gives the CPU: x [T, D] (the experts' input,
+        already through act_quant), ids [T, k], weights [T, k] fp32. None when it gives it none."""
+        if not self.kt.holds(layer):  # host RAM held no kt-kernel copy of it: offload only
+            return None
+        bank = self.cache.bank
+        slot_of = self.cache.host_slot_map(layer)  # [E] int32, -1: not in a slot
+        ids_host = ids.to("cpu")  # the one host sync of the layer
+        counts = torch.bincount(ids_host.flatten(), minlength=bank.n_experts)
+        misses = {e: int(counts[e]) for e in torch.nonzero((counts > 0) & (slot_of < 0)).flatten().tolist()}
+        cpu = sorted(split_misses(misses, bank.expert_bytes, layer in bank.pinned, self.costs))
+        self.stats.fetched_misses += len(misses) - len(cpu)
+        if not cpu:
+            return None
+        on_device = torch.ones(bank.n_experts, dtype=torch.bool)
+        on_device[cpu] = False
+        kt_job = self.kt.submit(layer, x, ids_host, weights, on_device)
+        self.cache.record_cpu_uses(layer, cpu)
+        self.stats.cpu_experts += len(cpu)
+        in_slots = torch.nonzero(slot_of >= 0).flatten()
+        stand_in = int(in_slots[0]) if len(in_slots) else cpu[0]  # weight 0 either way
+        return HybridJob(kt_job, cpu, on_device, stand_in)

@@ -1,0 +1,295 @@
+"""The projected batch-1 decode speed of a memory plan, term by term (pure: no device calls).
+
+    decode_bytes(specs, args, backends, context_tokens) -> DecodeBytes   what one token reads, by kind
+    project_decode(bytes, slots, bandwidths, backend, cuda_graphs, hit_rate) -> DecodeProjection
+
+Model of one batch-1 decode step (every constant below names its source or says it is an assumption):
+- The GPU reads every resident weight once per token: attention, compressors, indexer, router, norms and
+  hyper-connections (`dense`), the shared experts, the head and one embedding row, and the KV cache at
+  `context_tokens`, at the card's bandwidth x DEVICE_READ_EFFICIENCY. Sizes are the worker's loaded sizes
+  (memory/weights.py: packed FP8, the rest in fp32 or bf16), the same bytes the memory plan places.
+- Routed experts: n_layers x n_activated_experts uses per token (258 on DeepSeek-V4-Flash). Hit-rate model:
+  uniform, independent routing, so a use finds its expert in a GPU slot with probability slots / experts
+  (any slot policy gives that under uniform references; real routing is skewed, so real hits are higher and
+  this is the pessimistic end). Hits are read from GPU memory.
+- Each miss is either copied over PCIe into a slot (h2d bandwidth), then read by the GPU, or computed on the
+  CPU from host memory (host bandwidth x cpu_efficiency: kt-kernel's streaming rate over the weights). The
+  two run in parallel with the GPU's expert work, but only after the layer's router has run: per layer,
+  time = attention part + max(GPU experts, PCIe copies, CPU experts). Summed over identical layers that is
+  the same expression over the whole step. The CPU fraction of the misses is chosen to minimise it.
+- A hybrid step hands each MoE layer's hidden state to the CPU and its output back: HANDOFF_SECONDS per layer.
+- Launch overhead: CENSUS_LAUNCHES_PER_STEP launches x a per-launch gap (replayed CUDA graph or eager), added:
+  at batch 1 most decode kernels run shorter than a launch, so the GPU waits for each.
+Not modelled: speculative decoding (MTP), pageable copies beyond the pin budget (give the lower
+--h2d-bandwidth), PCIe and CPU contention with each other, and a KV cache that is not bf16.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from dsv4serve.model.args import ModelArgs
+from dsv4serve.model.backends import KernelBackends
+from dsv4serve.model.schema import TensorSpec
+
+GB = 1e9  # bandwidths are in GB/s (10^9 bytes), as cards and memory are sold
+
+# the defaults `dsv4serve plan` assumes when not told (each an assumption, printed with its source)
+DEFAULT_GPU_GBPS = 1790.0  # RTX 5090 (users.md: the first users' card), NVIDIA's spec sheet: 1792 GB/s GDDR7
+DEFAULT_H2D_GBPS = 50.0  # PCIe 5.0 x16, pinned: ~64 GB/s raw per direction, ~50 achieved (issue 18)
+DEFAULT_HOST_GBPS = 80.0  # DDR5 dual channel: 2 x 8 B x 5600 MT/s = 89.6 GB/s peak, ~80 sustained
+# kt-kernel's MXFP4 expert GEMV streams its weights at this fraction of the host's memory bandwidth. Measured
+# on a 2-core VM: 24% (issue 18; compute-bound per core there). A desktop with 8-16 cores is memory-bound; 0.5
+# is an assumption between that floor and STREAM-like reads (~0.8); bench/bench_cpu_experts.py measures it.
+DEFAULT_CPU_EFFICIENCY = 0.5
+# achieved / spec device-memory bandwidth: toolchain.md measured 4.3 TB/s copy on an H200 sold at 4.8 TB/s
+DEVICE_READ_EFFICIENCY = 0.9
+# kernel launches of one batch-1 decode step projected to DeepSeek-V4-Flash (bench/RESULTS.md, issue 16 census)
+CENSUS_LAUNCHES_PER_STEP = 2037
+GRAPH_LAUNCH_SECONDS = 1e-6  # assumed gap per kernel node when a CUDA graph replays (not measured here)
+EAGER_LAUNCH_SECONDS = 5e-6  # assumed host cost per eager launch (torch dispatch + cudaLaunchKernel)
+# assumed per MoE layer and hybrid step: the hidden state to the host, kt-kernel's submit / sync, the result
+# back (two small copies at ~10 us latency each, plus the CPU pool's wake-up)
+HANDOFF_SECONDS = 25e-6
+DEFAULT_CONTEXT_TOKENS = 32768  # the KV read is priced at this context (users.md: agent prompts 20K-300K)
+
+DENSE_GROUPS = ("attention", "compressor", "indexer", "router", "hc_norm")  # read before / at routing
+BACKENDS = ("gpu", "offload", "hybrid")  # where misses go: none, PCIe only, PCIe or CPU (best split)
+
+
+@dataclass(frozen=True)
+class DecodeBytes:
+    """What one batch-1 decode token reads, by kind (bytes as the CUDA worker holds them)."""
+
+    dense_bytes: int  # attention, compressors, indexer, router, norms / hc of all main layers
+    shared_expert_bytes: int
+    head_bytes: int  # the head plus one embedding row (the embedding is a lookup)
+    kv_bytes: int  # KV entries read at the context the bytes were priced at
+    expert_bytes: int  # one routed expert (w1 + w3 + w2 with scales): one slot
+    expert_uses: int  # routed expert uses per token: n_layers x n_activated_experts
+    n_experts: int  # routed experts of all main layers
+    n_moe_layers: int
+    context_tokens: int
+
+
+@dataclass(frozen=True)
+class Bandwidths:
+    """GB/s: the GPU's memory (spec), host-to-device copies, host memory; and kt-kernel's share of the last."""
+
+    gpu_gbps: float = DEFAULT_GPU_GBPS
+    h2d_gbps: float = DEFAULT_H2D_GBPS
+    host_gbps: float = DEFAULT_HOST_GBPS
+    cpu_efficiency: float = DEFAULT_CPU_EFFICIENCY
+
+    def __post_init__(self) -> None:
+        for name in ("gpu_gbps", "h2d_gbps", "host_gbps", "cpu_efficiency"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    @property
+    def gpu_read_bps(self) -> float:
+        return self.gpu_gbps * GB * DEVICE_READ_EFFICIENCY
+
+    @property
+    def cpu_expert_bps(self) -> float:
+        return self.host_gbps * GB * self.cpu_efficiency
+
+
+@dataclass(frozen=True)
+class Term:
+    name: str
+    seconds: float
+    detail: str
+
+
+@dataclass(frozen=True)
+class DecodeProjection:
+    backend: str
+    cuda_graphs: bool
+    hits_per_token: float
+    misses_per_token: float
+    cpu_fraction: float  # of the misses, computed on the CPU
+    serial: tuple[Term, ...]  # run one after another on the GPU's stream
+    parallel: tuple[Term, ...]  # the MoE phase's three lanes: the step waits for the slowest
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def step_seconds(self) -> float:
+        return sum(t.seconds for t in self.serial) + max(t.seconds for t in self.parallel)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return 1.0 / self.step_seconds
+
+    @property
+    def bound_by(self) -> str:
+        """The slowest MoE lane; lanes within 0.1% of it are named too (a balanced split ties them)."""
+        slowest = max(t.seconds for t in self.parallel)
+        return " = ".join(t.name for t in self.parallel if t.seconds >= slowest * 0.999)
+
+    def to_json(self) -> dict:
+        return {
+            "backend": self.backend,
+            "cuda_graphs": self.cuda_graphs,
+            "tokens_per_second": round(self.tokens_per_second, 2),
+            "step_ms": round(self.step_seconds * 1e3, 3),
+            "hits_per_token": round(self.hits_per_token, 2),
+            "misses_per_token": round(self.misses_per_token, 2),
+            "cpu_fraction_of_misses": round(self.cpu_fraction, 4),
+            "moe_phase_bound_by": self.bound_by,
+            "serial_ms": {t.name: round(t.seconds * 1e3, 4) for t in self.serial},
+            "parallel_ms": {t.name: round(t.seconds * 1e3, 4) for t in self.parallel},
+            "terms": [
+                {"name": t.name, "lane": lane, "ms": round(t.seconds * 1e3, 4), "detail": t.detail}
+                for lane, terms in (("serial", self.serial), ("parallel", self.parallel))
+                for t in terms
+            ],
+            "notes": list(self.notes),
+        }
+
+
+def kv_read_bytes(args: ModelArgs, context_tokens: int, entry_bytes: int = 2) -> int:
+    """KV bytes one decode token reads at this context (dsv4-model.md §2.11; bf16 cache): every layer its
+    window; a CSA layer all its indexer keys and the top-k compressed entries; an HCA layer every entry."""
+    total = 0
+    for i in range(args.n_layers):
+        r, kind = args.compress_ratios[i], args.kind(i)
+        total += min(context_tokens, args.window_size) * args.head_dim * entry_bytes
+        entries = context_tokens // r if r else 0
+        if kind == "csa":
+            total += entries * args.index_head_dim * entry_bytes
+            total += min(args.index_topk, entries) * args.head_dim * entry_bytes
+        elif r:
+            total += entries * args.head_dim * entry_bytes
+    return total
+
+
+def decode_bytes(
+    specs: Iterable[TensorSpec],
+    args: ModelArgs,
+    backends: KernelBackends,
+    context_tokens: int = DEFAULT_CONTEXT_TOKENS,
+) -> DecodeBytes:
+    """The per-token reads of the main model (no MTP) with the worker's loaded sizes for `backends`."""
+    from dsv4serve.memory.weights import device_bytes, weight_bytes
+
+    main = [s for s in specs if s.layer is None or s.layer < args.n_layers]
+    rope = device_bytes([], args, backends, False, False).non_expert_bytes  # per-block buffers, counted once
+
+    def loaded(groups: tuple[str, ...]) -> int:
+        part = [s for s in main if s.group in groups]
+        return device_bytes(part, args, backends, False, False).non_expert_bytes - rope
+
+    embed_row = loaded(("embed",)) // args.vocab_size
+    w = weight_bytes(main, args)
+    return DecodeBytes(
+        dense_bytes=loaded(DENSE_GROUPS) + rope,
+        shared_expert_bytes=loaded(("shared_experts",)),
+        head_bytes=loaded(("head",)) + embed_row,
+        kv_bytes=kv_read_bytes(args, context_tokens),
+        expert_bytes=w.expert_bytes,
+        expert_uses=args.n_layers * args.n_activated_experts,
+        n_experts=w.n_experts,
+        n_moe_layers=args.n_layers,
+        context_tokens=context_tokens,
+    )
+
+
+def expected_hits(b: DecodeBytes, slots: int) -> float:
+    """Slot hits per token under uniform, independent routing: uses x slots / experts."""
+    return b.expert_uses * min(slots, b.n_experts) / b.n_experts
+
+
+def best_cpu_fraction(gpu_fixed_s: float, gpu_per_miss_s: float, pcie_s: float, cpu_s: float) -> float:
+    """The CPU share f of the misses minimising max(gpu_fixed + gpu_per_miss (1-f), pcie (1-f), cpu f):
+    a convex, piecewise-linear function of f whose minimum lies where the rising CPU lane meets one of the
+    falling lanes, or at an end."""
+    candidates = {0.0, 1.0}
+    if cpu_s + gpu_per_miss_s > 0:
+        candidates.add((gpu_fixed_s + gpu_per_miss_s) / (cpu_s + gpu_per_miss_s))
+    if cpu_s + pcie_s > 0:
+        candidates.add(pcie_s / (cpu_s + pcie_s))
+
+    def cost(f: float) -> float:
+        return max(gpu_fixed_s + gpu_per_miss_s * (1 - f), pcie_s * (1 - f), cpu_s * f)
+
+    return min((f for f in candidates if 0.0 <= f <= 1.0), key=lambda f: (cost(f), f))
+
+
+def _serial_terms(b: DecodeBytes, gpu_bps: float, cuda_graphs: bool, handoff_s: float) -> tuple[Term, ...]:
+    """The GPU stream's own work, one term after another."""
+    launch_s = GRAPH_LAUNCH_SECONDS if cuda_graphs else EAGER_LAUNCH_SECONDS
+    mb = 1e6
+    return (
+        Term(
+            "dense weights", b.dense_bytes / gpu_bps, f"{b.dense_bytes / mb:,.0f} MB (attention, compressors, indexer)"
+        ),
+        Term("KV cache", b.kv_bytes / gpu_bps, f"{b.kv_bytes / mb:,.1f} MB at {b.context_tokens:,} tokens of context"),
+        Term("head + embedding row", b.head_bytes / gpu_bps, f"{b.head_bytes / mb:,.0f} MB"),
+        Term(
+            "kernel launches",
+            CENSUS_LAUNCHES_PER_STEP * launch_s,
+            f"{CENSUS_LAUNCHES_PER_STEP:,} x {launch_s * 1e6:g} us ({'CUDA graph' if cuda_graphs else 'eager'})",
+        ),
+        Term(
+            "CPU handoffs",
+            handoff_s,
+            f"{b.n_moe_layers} layers x {HANDOFF_SECONDS * 1e6:g} us" if handoff_s else "none",
+        ),
+    )
+
+
+def project_decode(
+    b: DecodeBytes,
+    slots: int,
+    bw: Bandwidths,
+    backend: str = "hybrid",
+    cuda_graphs: bool = True,
+    hit_rate: float | None = None,
+) -> DecodeProjection:
+    """Batch-1 decode step time with `slots` GPU expert slots (slots >= experts: all resident). `hit_rate`
+    replaces the uniform-routing hit model (a what-if for skewed routing)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if hit_rate is not None and not 0.0 <= hit_rate <= 1.0:
+        raise ValueError(f"hit_rate must be within [0, 1], got {hit_rate}")
+    gpu = bw.gpu_read_bps
+    hits = expected_hits(b, slots) if hit_rate is None else b.expert_uses * hit_rate
+    misses = b.expert_uses - hits
+    if misses > 0 and backend == "gpu":
+        raise ValueError(f"backend 'gpu' needs every expert resident: {slots} slots < {b.n_experts} experts")
+    miss_bytes = misses * b.expert_bytes
+    shared_hit_s = (b.shared_expert_bytes + hits * b.expert_bytes) / gpu
+    fetched_gpu_s, pcie_s, cpu_s = miss_bytes / gpu, miss_bytes / (bw.h2d_gbps * GB), miss_bytes / bw.cpu_expert_bps
+    f = best_cpu_fraction(shared_hit_s, fetched_gpu_s, pcie_s, cpu_s) if backend == "hybrid" and misses else 0.0
+    handoff_s = b.n_moe_layers * HANDOFF_SECONDS if f > 0 else 0.0
+    if f > 0:  # the handoff is paid only by a step that uses the CPU: compare with fetching everything
+        cpu_used = shared_hit_s + fetched_gpu_s * (1 - f), pcie_s * (1 - f), cpu_s * f
+        if max(cpu_used) + handoff_s >= max(shared_hit_s + fetched_gpu_s, pcie_s):
+            f, handoff_s = 0.0, 0.0
+    mb, fetched = 1e6, misses * (1 - f)
+    parallel = (
+        Term(
+            "GPU experts",
+            shared_hit_s + fetched_gpu_s * (1 - f),
+            f"shared {b.shared_expert_bytes / mb:,.0f} MB + {hits:.1f} hits + {fetched:.1f} fetched "
+            f"x {b.expert_bytes / mb:.2f} MB at {gpu / GB:,.0f} GB/s",
+        ),
+        Term("PCIe copies", pcie_s * (1 - f), f"{fetched:.1f} misses at {bw.h2d_gbps:g} GB/s"),
+        Term(
+            "CPU experts",
+            cpu_s * f,
+            f"{misses * f:.1f} misses at {bw.host_gbps:g} GB/s x {bw.cpu_efficiency:g} = "
+            f"{bw.cpu_expert_bps / GB:.1f} GB/s",
+        ),
+    )
+    if hit_rate is None:
+        note = (
+            f"hits: {b.expert_uses} uses x {min(slots, b.n_experts)} slots / {b.n_experts} experts = {hits:.2f} "
+            "per token (uniform routing; skewed routing hits more)"
+        )
+    else:
+        note = f"hits: {b.expert_uses} uses x {hit_rate:g} (hit rate given) = {hits:.2f} per token"
+    serial = _serial_terms(b, gpu, cuda_graphs, handoff_s)
+    return DecodeProjection(backend, cuda_graphs, hits, misses, f, serial, parallel, (note,))

@@ -1,0 +1,52 @@
+"""--moe-backend hybrid with the grouped FP4 kernel as the device path (interpreter, dsv4-tiny, 20 slots): the
+routes kt-kernel computes reach the kernel as weight-0 routes to a stand-in slot expert, so the MoE layer
+matches the hybrid torch path within the kernel's stated tolerance against torch (test_packed_load.py:
+2^-6 of the routes' summed magnitudes + 2^-8 relative); the CPU part is the same in both."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from dsv4_kernels.fp4_moe_ref import down_ref, gate_up_ref
+from dsv4_kernels.fp8_gemm_ref import act_quant_fp8_ref
+from dsv4serve.checkpoint.loader import open_checkpoint
+from dsv4serve.experts.attach import attach_cpu_experts, attach_expert_cache, iter_resident_dense
+from dsv4serve.experts.slot_cache import PART_ORDER
+from dsv4serve.model.backends import KernelBackends
+from dsv4serve.model.numerics import NUMERICS_ON
+from dsv4serve.model.transformer import Transformer
+
+pytest.importorskip("kt_kernel", reason="kt-kernel not installed (pip install --no-deps kt-kernel==0.7.2 gguf)")
+
+CPU = torch.device("cpu")
+
+
+def test_the_kernel_device_path_with_cpu_experts_matches_the_torch_one(tiny_dir):
+    ckpt = open_checkpoint(tiny_dir)
+    model = Transformer(ckpt.args, include_mtp=True).eval()
+    cache = attach_expert_cache(model, ckpt, 20, CPU, progress=False)
+    model.load_state_dict(dict(iter_resident_dense(ckpt, progress=False)), strict=True)
+    hybrid = attach_cpu_experts(model, cache, CPU, room_bytes=2**30)
+    kernel_num = dataclasses.replace(NUMERICS_ON, backends=KernelBackends(fp4_moe="triton"))
+    moe = model.layers[3].ffn
+    x = torch.randn(5, ckpt.args.dim, generator=torch.Generator().manual_seed(2)).bfloat16()
+    tokens = torch.arange(5)
+    with torch.no_grad():
+        weights, ids = moe.gate(x, tokens, NUMERICS_ON)
+        before = hybrid.stats.cpu_experts
+        by_kernel = moe(x, tokens, kernel_num).float()
+        on_cpu = hybrid.stats.cpu_experts - before
+        by_torch = moe(x, tokens, NUMERICS_ON).float()
+    assert 0 < on_cpu < len(ids.unique())  # both paths took part
+    w = [cache.bank.layers[3][p] for p in PART_ORDER]
+    per_route = down_ref(
+        *act_quant_fp8_ref(gate_up_ref(*act_quant_fp8_ref(x), *w[:4], weights, ids, moe.swiglu_limit)), *w[4:], ids
+    )
+    # the outputs are rounded to bf16 at the end: one more bf16 ulp of the result on top of the kernel's bound
+    bound = 2.0**-6 * per_route.float().abs().view(*ids.shape, -1).sum(1) + 2.0**-7 * by_torch.abs()
+    assert bool(((by_kernel - by_torch).abs() <= bound).all())
+    assert not torch.equal(by_kernel, torch.zeros_like(by_kernel))
+    ckpt.source.close()

@@ -1,0 +1,111 @@
+"""--moe-backend hybrid on dsv4-tiny (D = I = 128 suit kt-kernel's MXFP4 experts), half of the 40 routed
+experts in device slots: an MoE layer equals its device part (the torch path on the slot experts) plus
+the kt oracle (tests/unit/kt_oracle.py) on the rest, bit for bit, and the torch path within the FP8
+rounding the CPU experts skip (the device path quantizes the SwiGLU output to FP8 before w2, kt-kernel
+keeps it bf16); the whole model, prefill and decode, is bit for bit the model with the oracle in
+kt-kernel's place. (Its logits are not compared with the torch path's: dsv4-tiny's random weights make
+them chaotic, 0.5% noise on the routed experts' sums moves its prefill logits by about 20% RMS and
+flips greedy tokens, so only the layer-level bound above is meaningful.)"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsv4serve.checkpoint.loader import open_checkpoint
+from dsv4serve.experts.attach import attach_cpu_experts, attach_expert_cache, iter_resident_dense
+from dsv4serve.experts.kt_experts import KtJob
+from dsv4serve.model.numerics import NUMERICS_ON, act_quant
+from dsv4serve.model.transformer import BatchRow, Transformer
+
+pytest.importorskip("kt_kernel", reason="kt-kernel not installed (pip install --no-deps kt-kernel==0.7.2 gguf)")
+
+SLOTS = 20  # of 5 MoE layers x 8 experts: 4 a layer at the start
+PROMPT_TOKENS, DECODE_STEPS = 24, 6
+_spec = importlib.util.spec_from_file_location("kt_oracle", Path(__file__).parents[1] / "unit" / "kt_oracle.py")
+oracle = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(oracle)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tiny_dir):
+    c = open_checkpoint(tiny_dir)
+    yield c
+    c.source.close()
+
+
+def offloaded(ckpt, hybrid: bool):
+    model = Transformer(ckpt.args, include_mtp=True).eval()
+    cache = attach_expert_cache(model, ckpt, SLOTS, torch.device("cpu"), progress=False)
+    model.load_state_dict(dict(iter_resident_dense(ckpt, progress=False)), strict=True)
+    cpu = attach_cpu_experts(model, cache, torch.device("cpu"), room_bytes=2**30) if hybrid else None
+    return model, cache, cpu
+
+
+def generate(model: Transformer) -> tuple[torch.Tensor, list[int]]:
+    ids = torch.randint(0, model.args.vocab_size, (PROMPT_TOKENS,), generator=torch.Generator().manual_seed(3))
+    state = model.new_state(NUMERICS_ON)
+    rows = [model([BatchRow(ids, state)], NUMERICS_ON, all_logits=True).logits[0]]
+    tokens = [int(rows[-1][-1].argmax())]
+    for _ in range(DECODE_STEPS):
+        logits = model([BatchRow(torch.tensor(tokens[-1:]), state)], NUMERICS_ON).logits[0]
+        rows.append(logits[None])
+        tokens.append(int(logits.argmax()))
+    return torch.cat(rows), tokens
+
+
+def test_an_moe_layer_is_its_slot_experts_plus_kt_kernel_s(ckpt):
+    model, cache, cpu = offloaded(ckpt, hybrid=True)
+    moe = model.layers[2].ffn  # gate-routed
+    x = torch.randn(6, ckpt.args.dim, generator=torch.Generator().manual_seed(1)).bfloat16()
+    tokens = torch.arange(6)
+    with torch.no_grad():
+        weights, ids = moe.gate(x, tokens, NUMERICS_ON)
+        in_slot = cache.host_slot_map(2) >= 0
+        on_cpu = frozenset(int(e) for e in ids.unique() if not in_slot[e])
+        assert on_cpu and len(on_cpu) < len(ids.unique())  # both paths take part
+        before = cpu.stats.cpu_experts
+        got = moe(x, tokens, NUMERICS_ON)
+        assert cpu.stats.cpu_experts - before == len(on_cpu)
+        xq = act_quant(x, NUMERICS_ON)
+        device_part = moe._routed_torch(xq, weights, ids, NUMERICS_ON, on_cpu)
+        parts = cache.bank.layers[2]
+        slot_experts = frozenset(range(8)) - on_cpu
+        cpu_part = oracle.kt_reference(xq, ids, weights, parts, ckpt.args.swiglu_limit, slot_experts)
+        want = device_part + cpu_part.float() + moe.shared_experts(xq, NUMERICS_ON)
+    assert cpu_part.abs().sum() > 0 and torch.equal(got, want.to(got.dtype))
+    # against the torch path (every expert through the device arithmetic): the CPU experts' down projection
+    # skips the FP8 rounding of its input (e4m3: 3 mantissa bits, relative error up to 2^-4, about 2% RMS)
+    torch_part = moe._routed_torch(xq, weights, ids, NUMERICS_ON, slot_experts)
+    rel = ((cpu_part.float() - torch_part).norm() / torch_part.norm()).item()
+    print(f"CPU experts vs the torch path: relative RMS {rel:.4f}")
+    assert 0 < rel < 2**-4
+
+
+def test_the_hybrid_model_is_the_torch_path_with_the_oracle_for_kt_kernel(ckpt):
+    """Prefill and decode (the slot cache promoting between steps): kt-kernel replaced by the oracle gives the
+    same logits bit for bit, so every split, mask, stand-in and sum in between is right."""
+    model, cache, cpu = offloaded(ckpt, hybrid=True)
+    logits, tokens = generate(model)
+    twin, twin_cache, twin_cpu = offloaded(ckpt, hybrid=True)
+    layer_parts = twin_cache.bank.layers
+
+    def oracle_submit(layer, x, ids, weights, on_device):
+        skip = frozenset(torch.nonzero(on_device).flatten().tolist())
+        out = oracle.kt_reference(x.bfloat16(), ids, weights, layer_parts[layer], ckpt.args.swiglu_limit, skip)
+        return KtJob(_Done(), out, ())
+
+    twin_cpu.kt.submit = oracle_submit
+    twin_logits, twin_tokens = generate(twin)
+    assert (
+        cpu.stats.cpu_experts > 0 and cache.stats.prefetches > 0 and cpu.stats.cpu_experts == twin_cpu.stats.cpu_experts
+    )
+    assert torch.equal(logits, twin_logits) and tokens == twin_tokens
+
+
+class _Done:
+    def sync(self) -> None:
+        pass

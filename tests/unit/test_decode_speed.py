@@ -1,0 +1,152 @@
+"""The projected batch-1 decode speed (memory/decode_speed.py) against cases computed by hand, and its byte
+counts against the real DeepSeek-V4-Flash tensor list and the model document."""
+
+from __future__ import annotations
+
+import pytest
+
+from dsv4serve.memory import decode_speed as ds
+from dsv4serve.memory.decode_speed import Bandwidths, DecodeBytes, best_cpu_fraction, project_decode
+from dsv4serve.memory.weights import loaded_weight_bytes
+from dsv4serve.model.args import read_model_args
+from dsv4serve.model.backends import KernelBackends
+from dsv4serve.model.schema import checkpoint_schema
+
+MS = 1e-3
+# round numbers: GPU reads at 1000 GB/s x 0.9 = 900 GB/s, so 9 GB of dense weights take 10 ms
+TOY = DecodeBytes(
+    dense_bytes=9_000_000_000,
+    shared_expert_bytes=900_000_000,
+    head_bytes=900_000_000,
+    kv_bytes=0,
+    expert_bytes=10_000_000,  # 10 MB
+    expert_uses=200,
+    n_experts=1000,
+    n_moe_layers=40,
+    context_tokens=0,
+)
+BW = Bandwidths(gpu_gbps=1000 / ds.DEVICE_READ_EFFICIENCY * 0.9, h2d_gbps=50, host_gbps=80, cpu_efficiency=0.5)
+LAUNCH_MS = ds.CENSUS_LAUNCHES_PER_STEP * ds.GRAPH_LAUNCH_SECONDS / MS
+HANDOFF_MS = 40 * ds.HANDOFF_SECONDS / MS
+
+
+def test_every_expert_resident_reads_all_uses_from_the_gpu():
+    p = project_decode(TOY, slots=1000, bw=BW, backend="gpu")
+    assert p.hits_per_token == 200 and p.misses_per_token == 0 and p.cpu_fraction == 0
+    # 9 GB + 0.9 GB head = 11 ms serial; MoE lane: 0.9 GB shared + 200 x 10 MB = 2.9 GB = 3.222 ms
+    assert p.step_seconds / MS == pytest.approx(10 + 1 + LAUNCH_MS + 2.9 / 0.9)
+    assert p.bound_by == "GPU experts"
+
+
+def test_offload_pays_every_miss_over_pcie():
+    p = project_decode(TOY, slots=100, bw=BW, backend="offload")
+    # uniform routing: 200 uses x 100 / 1000 slots = 20 hits, 180 misses = 1.8 GB at 50 GB/s = 36 ms
+    assert p.hits_per_token == pytest.approx(20) and p.misses_per_token == pytest.approx(180)
+    lanes = {t.name: t.seconds / MS for t in p.parallel}
+    assert lanes["PCIe copies"] == pytest.approx(36) and lanes["CPU experts"] == 0
+    assert lanes["GPU experts"] == pytest.approx((0.9 + 0.2 + 1.8) / 0.9)  # shared + hits + the fetched copies
+    assert p.step_seconds / MS == pytest.approx(11 + LAUNCH_MS + 36)
+    assert p.tokens_per_second == pytest.approx(1 / p.step_seconds)
+
+
+def test_hybrid_splits_misses_so_pcie_and_cpu_finish_together():
+    p = project_decode(TOY, slots=100, bw=BW, backend="hybrid")
+    # PCIe 50 GB/s and the CPU 80 x 0.5 = 40 GB/s in parallel move 1.8 GB like one 90 GB/s link: 20 ms,
+    # with 40/90 of the misses on the CPU (each lane 20 ms)
+    assert p.cpu_fraction == pytest.approx(40 / 90)
+    lanes = {t.name: t.seconds / MS for t in p.parallel}
+    assert lanes["PCIe copies"] == pytest.approx(20) and lanes["CPU experts"] == pytest.approx(20)
+    assert p.bound_by == "PCIe copies = CPU experts"
+    assert p.step_seconds / MS == pytest.approx(11 + LAUNCH_MS + HANDOFF_MS + 20)
+
+
+def test_a_slow_gpu_lane_gets_the_cpu_share_that_balances_it():
+    # no shared expert or hits; the GPU reads a fetched miss in 10 MB / 900 GB/s; PCIe is nearly free, so the
+    # GPU's reading of fetched copies binds: f x 180 x 10 MB / CPU = (1 - f) x 1.8 GB / GPU
+    slow_gpu = Bandwidths(gpu_gbps=40 / ds.DEVICE_READ_EFFICIENCY, h2d_gbps=1e6, host_gbps=80, cpu_efficiency=0.5)
+    f = best_cpu_fraction(0.0, 1.8 / 40, 1.8 / 1e6, 1.8 / 40)
+    assert f == pytest.approx(0.5)  # GPU 40 GB/s and CPU 40 GB/s: half each
+    p = project_decode(DecodeBytes(**{**TOY.__dict__, "shared_expert_bytes": 0}), 0, slow_gpu, "hybrid")
+    assert p.cpu_fraction == pytest.approx(0.5) and p.hits_per_token == 0
+
+
+def test_the_cpu_is_left_idle_when_its_handoffs_cost_more_than_it_saves():
+    few = DecodeBytes(**{**TOY.__dict__, "expert_uses": 2})  # 1.8 misses: 0.36 ms over PCIe
+    p = project_decode(few, slots=100, bw=BW, backend="hybrid")
+    assert p.cpu_fraction == 0 and {t.name: t.seconds for t in p.serial}["CPU handoffs"] == 0
+    # splitting would save 0.36 - 0.2 ms but cost 40 handoffs (1 ms)
+    assert HANDOFF_MS > 0.36 - 0.2
+
+
+def test_eager_launches_cost_the_census_count_times_the_eager_gap():
+    eager = project_decode(TOY, 1000, BW, "gpu", cuda_graphs=False)
+    graph = project_decode(TOY, 1000, BW, "gpu", cuda_graphs=True)
+    expected = ds.CENSUS_LAUNCHES_PER_STEP * (ds.EAGER_LAUNCH_SECONDS - ds.GRAPH_LAUNCH_SECONDS)
+    assert eager.step_seconds - graph.step_seconds == pytest.approx(expected)
+    assert ds.CENSUS_LAUNCHES_PER_STEP == 2037  # bench/RESULTS.md, issue 16
+
+
+def test_a_given_hit_rate_replaces_the_uniform_model():
+    p = project_decode(TOY, slots=100, bw=BW, backend="offload", hit_rate=0.5)
+    # 100 hits, 100 misses = 1 GB at 50 GB/s = 20 ms (uniform would be 20 hits: 36 ms)
+    assert p.hits_per_token == 100 and {t.name: t.seconds / MS for t in p.parallel}["PCIe copies"] == pytest.approx(20)
+    with pytest.raises(ValueError, match="hit_rate"):
+        project_decode(TOY, 100, BW, "offload", hit_rate=1.5)
+
+
+def test_bad_inputs_are_refused():
+    with pytest.raises(ValueError, match="h2d_gbps"):
+        Bandwidths(h2d_gbps=0)
+    with pytest.raises(ValueError, match="every expert resident"):
+        project_decode(TOY, 10, BW, "gpu")
+    with pytest.raises(ValueError, match="backend"):
+        project_decode(TOY, 10, BW, "cpu")
+
+
+# --------------------------------------------------------------------------- the real model's bytes
+
+
+@pytest.fixture(scope="module")
+def real(real_model_dir):
+    args = read_model_args(real_model_dir)
+    specs = checkpoint_schema(args)
+    backends = KernelBackends.every("triton")
+    return args, specs, backends, ds.decode_bytes(specs, args, backends, context_tokens=32768)
+
+
+def test_real_expert_uses_and_size_match_the_issue(real):
+    _, _, _, b = real
+    assert b.expert_uses == 258 and b.n_experts == 43 * 256 and b.n_moe_layers == 43  # issue 18: 258 uses
+    assert b.expert_bytes == int(12.75 * 2**20)  # issue 18 / dsv4-model.md §6: 12.75 MiB per expert
+    assert ds.expected_hits(b, 890) == pytest.approx(258 * 890 / 11008)
+
+
+def test_real_kv_read_at_32k_matches_the_layout_by_hand(real):
+    # dsv4-model.md §2.11, bf16, head_dim 512, indexer 128, window 128, top-k 512; 2 window-only layers,
+    # 21 CSA (ratio 4), 20 HCA (ratio 128). At 32,768 tokens: every layer a 128 x 512 x 2 window; a CSA layer
+    # 8,192 indexer keys x 128 x 2 + 512 entries x 512 x 2; an HCA layer 256 entries x 512 x 2
+    _, _, _, b = real
+    assert b.kv_bytes == 43 * 131_072 + 21 * (2_097_152 + 524_288) + 20 * 262_144 == 65_929_216
+
+
+def test_real_read_bytes_are_the_plans_resident_weights_less_the_unread_embedding(real):
+    args, specs, backends, b = real
+    loaded = loaded_weight_bytes(specs, args, backends)  # what the memory plan places on the GPU
+    embed_bytes = args.vocab_size * args.dim * 2  # bf16 (HELD_BF16): all but one row stays unread
+    row = args.dim * 2
+    assert b.dense_bytes + b.shared_expert_bytes + b.head_bytes == loaded.non_expert_bytes - embed_bytes + row
+    assert b.head_bytes == args.vocab_size * args.dim * 2 + row  # the head held bf16 (HEAD_BF16 on Triton)
+    # FP8 w1 / w3 / w2 (2048 x 4096 each) + one E8M0 byte per 128 x 128 block (16 x 32 blocks)
+    assert b.shared_expert_bytes == 43 * 3 * (2048 * 4096 + 16 * 32)
+
+
+def test_a_32gb_card_with_ddr5_is_projected_between_offload_and_a_perfect_link(real):
+    _, _, _, b = real
+    slots = 890  # the 32 GiB native plan's slot count (tests/unit/test_plan_cli.py checks the plan's own)
+    offload = project_decode(b, slots, Bandwidths(), "offload")
+    hybrid = project_decode(b, slots, Bandwidths(), "hybrid")
+    misses_gb = (258 - 258 * slots / 11008) * b.expert_bytes / 1e9
+    assert {t.name: t.seconds for t in offload.parallel}["PCIe copies"] == pytest.approx(misses_gb / 50)
+    # the CPU's 40 GB/s beside PCIe's 50: the MoE lanes move the misses at 90 GB/s
+    assert {t.name: t.seconds for t in hybrid.parallel}["CPU experts"] == pytest.approx(misses_gb / 90)
+    assert offload.tokens_per_second < hybrid.tokens_per_second < 1 / (misses_gb / 90)

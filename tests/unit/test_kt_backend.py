@@ -1,0 +1,136 @@
+"""The hybrid backend's pure parts, without kt-kernel: the E8M0 -> bf16 scale shift, kt-kernel's threads
+from the machine's NUMA layout, --moe-backend's choice and refusals, the fetch-vs-compute split (against
+a brute-force search), and the host-memory plan counting kt-kernel's copy."""
+
+from __future__ import annotations
+
+import itertools
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dsv4_kernels.formats import e8m0_to_float
+from dsv4serve.experts.kt_backend import _cpulist, e8m0_as_bf16, kt_threads
+from dsv4serve.experts.miss_split import CpuExpertCost, SplitCosts, split_misses
+from dsv4serve.experts.moe_backend import MoeBackendError, choose_moe_backend
+from dsv4serve.memory.host_plan import KT_COPY_FACTOR, host_split
+from dsv4serve.memory.plan import Machine
+
+GIB = 2**30
+KT_YES, KT_NO = (True, "kt-kernel installed"), (False, "kt-kernel is not installed (pip install ...)")
+
+
+def test_e8m0_bytes_become_the_same_powers_of_two_in_bf16():
+    codes = torch.arange(255, dtype=torch.uint8)  # 255 is E8M0's NaN
+    assert torch.equal(e8m0_as_bf16(codes).float(), e8m0_to_float(codes).float())
+    assert e8m0_as_bf16(torch.tensor([0], dtype=torch.uint8)).float().item() == 2.0**-127
+
+
+def test_threads_leave_a_core_and_follow_the_numa_nodes():
+    assert _cpulist("0-3,8,10-11\n") == {0, 1, 2, 3, 8, 10, 11}
+    one = kt_threads(set(range(8)), {0: set(range(8))})
+    assert one.numa_nodes == (0,) and one.threads == (7,)
+    two = kt_threads(set(range(16)), {0: set(range(8)), 1: set(range(8, 16))})
+    assert two.numa_nodes == (0, 1) and two.total == 15 and min(two.threads) >= 7
+    narrowed = kt_threads({8, 9, 10}, {0: set(range(8)), 1: set(range(8, 16))})  # affinity on node 1 only
+    assert narrowed.numa_nodes == (1,) and narrowed.threads == (2,)
+    assert kt_threads({0}, {}).threads == (1,)  # one core: still one thread
+
+
+@pytest.mark.parametrize(
+    ("requested", "explicit", "offloaded", "kt", "expected"),
+    [
+        ("auto", False, False, KT_YES, "gpu"),
+        ("auto", False, True, KT_YES, "hybrid"),
+        ("auto", False, True, KT_NO, "offload"),
+        ("auto", True, True, KT_NO, "offload"),
+        ("gpu", True, False, KT_NO, "gpu"),
+        ("offload", True, True, KT_YES, "offload"),
+        ("hybrid", True, True, KT_YES, "hybrid"),
+    ],
+)
+def test_the_backend_choice(requested, explicit, offloaded, kt, expected):
+    assert choose_moe_backend(requested, explicit, offloaded, kt)[0] == expected
+
+
+@pytest.mark.parametrize(
+    ("requested", "offloaded", "kt", "invariant", "message"),
+    [
+        ("hybrid", True, KT_NO, False, "--moe-backend hybrid needs kt-kernel: kt-kernel is not installed"),
+        ("hybrid", False, KT_YES, False, "--moe-backend hybrid: every routed expert is resident.*--moe-cache-size"),
+        ("hybrid", True, KT_YES, True, "--moe-backend hybrid with --batch-invariant"),
+        ("gpu", True, KT_YES, False, "--moe-backend gpu: the routed experts are offloaded"),
+        ("offload", False, KT_YES, False, "--moe-backend offload: every routed expert is resident"),
+    ],
+)
+def test_an_explicit_backend_that_cannot_be_honoured_is_refused_by_name(requested, offloaded, kt, invariant, message):
+    with pytest.raises(MoeBackendError, match=message):
+        choose_moe_backend(requested, True, offloaded, kt, invariant)
+
+
+def test_auto_with_batch_invariance_stays_on_the_device_path():
+    assert choose_moe_backend("auto", False, True, KT_YES, batch_invariant=True)[0] == "offload"
+
+
+def brute_force(miss_tokens, expert_bytes, costs) -> float:
+    """The best max(fetch, CPU) seconds over every subset sent to the CPU."""
+    fetch = costs.fetch_seconds(expert_bytes, True)
+    best = float("inf")
+    experts = list(miss_tokens)
+    for n in range(len(experts) + 1):
+        for cpu in itertools.combinations(experts, n):
+            cpu_s = sum(costs.cpu.seconds(miss_tokens[e]) for e in cpu)
+            best = min(best, max((len(experts) - n) * fetch, cpu_s))
+    return best
+
+
+def split_seconds(miss_tokens, cpu, expert_bytes, costs) -> float:
+    fetch = costs.fetch_seconds(expert_bytes, True) * (len(miss_tokens) - len(cpu))
+    return max(fetch, sum(costs.cpu.seconds(miss_tokens[e]) for e in cpu))
+
+
+EXPERT = 12 * 2**20  # bytes
+COSTS = SplitCosts(CpuExpertCost(fixed_s=1.5e-3, per_token_s=0.4e-3), 50e9, 8e9)  # fetch 0.25 ms pinned
+
+
+def test_the_split_is_as_good_as_any_subset():
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(40):
+        n = int(torch.randint(1, 9, (1,), generator=gen))
+        tokens = {e: int(t) for e, t in enumerate(torch.randint(1, 40, (n,), generator=gen).tolist())}
+        cpu = split_misses(tokens, EXPERT, True, COSTS)
+        assert split_seconds(tokens, cpu, EXPERT, COSTS) == pytest.approx(brute_force(tokens, EXPERT, COSTS))
+
+
+def test_decode_computes_misses_on_the_cpu_and_prefill_fetches_them():
+    slow_link = SplitCosts(CpuExpertCost(1e-3, 1e-4), 2e9, 1e9)  # 6.3 ms a fetch: the CPU wins at 1 token
+    assert split_misses({3: 1, 5: 1, 9: 1}, EXPERT, True, slow_link) == {3, 5, 9}
+    prefill = {e: 500 for e in range(16)}  # 500 tokens per expert: 51 ms each on the CPU
+    assert len(split_misses(prefill, EXPERT, True, slow_link)) <= 2
+    assert split_misses({1: 1}, EXPERT, True, SplitCosts(CpuExpertCost(1e-3, 0), None, None)) == {1}  # CPU device
+    pageable = split_misses({e: 1 for e in range(8)}, EXPERT, False, COSTS)
+    assert len(pageable) >= len(split_misses({e: 1 for e in range(8)}, EXPERT, True, COSTS))
+
+
+def test_the_host_plan_counts_kt_kernel_s_copy_first():
+    bank = 137 * GIB
+    decisions, warnings = [], []
+    split = host_split(bank, Machine(32 * GIB, 384 * GIB, "native"), decisions, warnings, cpu_experts=True)
+    assert split.kt_copy_bytes == int(bank * KT_COPY_FACTOR) and split.ram_bytes == bank and not warnings
+    assert "kt-kernel's copy" in decisions[-1]
+    small, warnings = Machine(32 * GIB, 128 * GIB, "native"), []
+    split = host_split(bank, small, [], warnings, cpu_experts=True)
+    assert split.kt_copy_bytes == 120 * GIB and split.ram_bytes == 0 and split.disk_bytes == bank
+    assert "does not fit" in warnings[0] and "offload" in warnings[0]
+    assert host_split(bank, small, [], []).kt_copy_bytes == 0  # offload: no copy
+
+
+def test_detection_does_not_import_kt_kernel_or_torch():
+    code = (
+        "import sys; from dsv4serve.experts.kt_backend import kt_kernel_available; ok, why = kt_kernel_available();"
+        "assert 'torch' not in sys.modules and 'kt_kernel' not in sys.modules, sorted(sys.modules);"
+        "assert ok or 'pip install --no-deps kt-kernel==0.7.2' in why, why"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
