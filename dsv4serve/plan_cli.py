@@ -21,6 +21,7 @@ from dsv4serve.memory.plan import Machine
 from dsv4serve.model.args import ModelArgs
 from dsv4serve.model.schema import TensorSpec, checkpoint_schema
 from dsv4serve.plan_decode import add_decode_options, decode_plan
+from dsv4serve.plan_ranks import format_rank_plans, plan_ranks
 from dsv4serve.report import format_table, settings_json, settings_rows
 from dsv4serve.resolve_cli import resolve_from_cli
 from dsv4serve.units import gib, parse_bytes
@@ -37,7 +38,20 @@ def add_plan_options(parser: argparse.ArgumentParser) -> None:
         help="wsl2 keeps a larger memory margin and a lower pinned-memory budget",
     )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument(
+        "--gpus",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="plan each of N tensor-parallel ranks (GPUs of --gpu-memory each); multi-GPU serving is not built yet",
+    )
     add_decode_options(parser)
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"not a positive integer: {text!r}")
+    return int(text)
 
 
 def _size_type():
@@ -101,9 +115,11 @@ def build_plan(ns: argparse.Namespace, env: Environment) -> dict[str, Any]:
     weights = weight_bytes_by_group(args, specs)
     chunk = cfg.max_prefill_length
     prefill = {"requested": chunk.value, "source": chunk.source.value, "note": chunk.note}
-    backends = None
+    backends, gpus = None, getattr(ns, "gpus", 1)
+    if gpus > 1 and target.device != "cuda":
+        raise ConfigError(f"--gpus {gpus} plans GPUs: give --gpu-memory (the size of each), or run it on a GPU host")
     try:
-        memory, backends = _memory_plan(target, cfg, args, specs)
+        memory, backends, ranks = _memory_plan(target, cfg, args, specs, gpus)
     except ConfigError as exc:
         if ns.gpu_memory is not None:  # the machine the user named cannot hold it: an error, as before
             raise
@@ -112,7 +128,10 @@ def build_plan(ns: argparse.Namespace, env: Environment) -> dict[str, Any]:
     else:
         c = memory.chunk
         prefill.update(effective=c.effective_tokens, binding=c.binding, reason=c.reason, warning=c.warning)
-    decode, decode_text = _decode_speed(ns, cfg, args, specs, target, memory, backends)
+    if gpus > 1:  # a rank's reads and the collectives between ranks are not in the projection yet
+        decode, decode_text = None, f"projected decode speed: none for --gpus {gpus} (bench/bench_comm_volume.py)"
+    else:
+        decode, decode_text = _decode_speed(ns, cfg, args, specs, target, memory, backends)
     return {
         "model": {
             "name": location.name,
@@ -134,6 +153,8 @@ def build_plan(ns: argparse.Namespace, env: Environment) -> dict[str, Any]:
         "memory_plan_text": format_memory_plan(memory, target.device) if memory is not None else None,
         "decode_speed": decode,
         "decode_speed_text": decode_text,
+        "parallel": ranks.to_json() if ranks is not None else None,
+        "parallel_text": format_rank_plans(ranks, args.n_routed_experts) if ranks is not None else None,
         "settings": settings_json(cfg),
         "settings_rows": settings_rows(cfg),
     }
@@ -145,6 +166,7 @@ def run_plan(ns: argparse.Namespace, env: Environment) -> int:
         plan.pop("settings_rows")
         plan.pop("memory_plan_text")
         plan.pop("decode_speed_text")
+        plan.pop("parallel_text")
         json.dump(plan, sys.stdout, indent=2)
         print()
         return 0
@@ -160,13 +182,15 @@ def run_plan(ns: argparse.Namespace, env: Environment) -> int:
     else:
         c = plan["prefill_chunk"]
         print(f"\nprefill chunk: requested {c['requested'] or 'auto'} ({c['source']}), bound by none: {c['reason']}")
+    if plan["parallel_text"]:
+        print("\n" + plan["parallel_text"])
     print("\n" + plan["decode_speed_text"])
     if plan["machine"]["device"] == "cpu" and plan["settings"]["num_tokens"]["value"] is None:
         print(f"(the CPU worker keeps at most {CPU_KV_CAPACITY_TOKENS:,} KV tokens unless --num-tokens asks for more)")
     return 0
 
 
-def _memory_plan(target: PlanTarget, cfg: Any, args: ModelArgs, specs: list[TensorSpec]):
+def _memory_plan(target: PlanTarget, cfg: Any, args: ModelArgs, specs: list[TensorSpec], gpus: int = 1):
     from dsv4serve.memory.plan import PlanSettings, plan_memory
     from dsv4serve.memory.weights import include_mtp, loaded_weight_bytes
     from dsv4serve.model.backends import default_backends, resolve_backends
@@ -176,7 +200,10 @@ def _memory_plan(target: PlanTarget, cfg: Any, args: ModelArgs, specs: list[Tens
     settings = PlanSettings.from_config(cfg)
     weights = loaded_weight_bytes(specs, args, backends)
     mtp = include_mtp(args, cfg.speculative_tokens.value)
-    return plan_memory(args, weights, target.machine, settings, mtp), backends
+    if gpus > 1:  # rank 0's plan stands for the card in the rest of the output
+        ranks = plan_ranks(args, specs, target.machine, settings, backends, gpus, mtp)
+        return ranks.plans[0], backends, ranks
+    return plan_memory(args, weights, target.machine, settings, mtp), backends, None
 
 
 def _decode_speed(ns, cfg, args, specs, target: PlanTarget, memory, backends) -> tuple[dict[str, Any] | None, str]:

@@ -3,8 +3,9 @@ compressed entries of CSA / HCA layers, a per-head sink in the softmax denominat
 the output and the grouped low-rank output projection.
 
 Projections run on all tokens of a batch at once. Then, per layer: the compressors update the pool
-(row by row over the `RowSpan`s of the packed tokens; a decode step without batch invariance: all rows at
-once, attention_decode.py); the indexer picks each CSA query's entries (torch, or one indexer_topk kernel
+(row by row over the `RowSpan`s of the packed tokens; without batch invariance, a decode step all rows at
+once, attention_decode.py, and equal short rows, a verify step's, as T such decode sub-steps: launches that
+grow with T, never with the batch); the indexer picks each CSA query's entries (torch, or one indexer_topk kernel
 call for the batch: `num.backends.indexer`); the core attention runs in torch, or as one paged sparse
 attention kernel call for the batch that reads the pool through the `BatchLayout`
 (`num.backends.attention`). The torch per-row path gathers a row's previous keys before writing its new
@@ -67,6 +68,9 @@ class Attention(nn.Module):
         self.compressor = Compressor(args, self.compress_ratio, self.head_dim, False) if self.compress_ratio else None
         self.indexer = Indexer(args, self.compress_ratio) if args.kind(layer_id) == "csa" else None
         self.register_buffer("freqs", inv_freq(args, bool(self.compress_ratio)), persistent=False)
+        # equal rows of at most this many tokens (a verify step's) run as decode sub-steps: no more than the
+        # smallest compress ratio (what a rollback can undo) nor the window (one ring entry per key of a row)
+        self.max_substeps = min([r for r in args.compress_ratios if r] + [args.window_size])
 
     def forward(self, x: torch.Tensor, layout: BatchLayout, cache: LayerCache, num: Numerics) -> torch.Tensor:
         """x [N, D] compute dtype (attn_norm output) -> [N, D] compute dtype."""
@@ -91,16 +95,15 @@ class Attention(nn.Module):
             if num.kv_fp8:
                 kv = torch.cat((fp8_quant_dequant(kv[:, :nope], KV_BLOCK), kv[:, nope:]), dim=1)
         extras = self._compressed_inputs(x, qr, rot, num)
-        # a decode step without batch invariance runs the vectorized paths (attention_decode.py)
-        vector = layout.is_decode and not num.batch_invariant
+        # without batch invariance, a decode step and equal short rows run the vectorized paths
+        # (attention_decode.py): as decode sub-steps, token t of every row at once (`BatchLayout.substeps`)
+        vector = not num.batch_invariant and 1 <= layout.tokens_per_row <= self.max_substeps
         self._update_compressors(layout, cache, extras, num, vector)
         topk = self._select(layout, cache, extras, num, vector) if self.indexer is not None else None
         if num.backends.attention == "triton":
             o = self._attend_kernel(q, kv, layout, cache, topk, num, vector)
         elif vector:
-            store_window(cache.swa, kv, layout)
-            o = attend_decode(q, cache.swa, cache.comp, topk, layout, self.attn_sink, self.softmax_scale)
-            o = o.to(num.compute_dtype)
+            o = self._attend_substeps(q, kv, layout, cache, topk).to(num.compute_dtype)
         else:
             o = torch.empty(q.shape, dtype=num.compute_dtype, device=q.device)
             for span in layout.spans:
@@ -127,7 +130,8 @@ class Attention(nn.Module):
         self, layout: BatchLayout, cache: LayerCache, extras: dict[str, torch.Tensor], num: Numerics, vector: bool
     ) -> None:
         """Feed each row's tokens to the compressors: closed windows become entries in the row's pages
-        (rows are separate sequences, so all are written before any row attends)."""
+        (rows are separate sequences, so all are written before any row attends). `vector`: token by token
+        over all rows (`BatchLayout.substeps`), the same writes as row by row."""
         pairs = []
         if self.compressor is not None:
             pairs.append((self.compressor, extras["kv"], extras["gate"], cache.comp))
@@ -135,8 +139,11 @@ class Attention(nn.Module):
             pairs.append((self.indexer.compressor, extras["ikv"], extras["igate"], cache.idx))
         for compressor, kv, gate, target in pairs:
             assert target is not None, "a layer with a compressor has that compressor's cache tier"
-            if vector:
-                compressor.update_decode(kv, gate, layout, target, self.freqs, num)
+            if vector:  # T sub-steps over all rows: token t of every row at position start + t
+                for t, step in enumerate(_steps(layout)):
+                    compressor.update_decode(
+                        _token(kv, layout, t), _token(gate, layout, t), step, target, self.freqs, num
+                    )
                 continue
             for span in layout.spans:
                 rows = slice(span.begin, span.end)
@@ -220,7 +227,7 @@ class Attention(nn.Module):
             ratio=self.compress_ratio,
         )
         # after the kernel: it reads the ring as it was before this step
-        if layout.is_decode:
+        if vector or layout.is_decode:
             store_window(cache.swa, kv, layout)
         else:
             for span in layout.spans:
@@ -248,8 +255,13 @@ class Attention(nn.Module):
                 layout.max_rows,
                 layout.max_end // ratio,
             )
-        if vector:
-            return select_decode(extras["iq"], extras["iw"], cache.idx, layout, topk)
+        if vector:  # [B, T, K] by sub-step -> packed [N, K]
+            steps = _steps(layout)
+            chosen_by_token = [
+                select_decode(_token(extras["iq"], layout, t), _token(extras["iw"], layout, t), cache.idx, step, topk)
+                for t, step in enumerate(steps)
+            ]
+            return chosen_by_token[0] if len(steps) == 1 else torch.stack(chosen_by_token, dim=1).flatten(0, 1)
         chosen = []
         for span in layout.spans:
             rows, dev = slice(span.begin, span.end), layout.cu_seqlens.device
@@ -261,6 +273,21 @@ class Attention(nn.Module):
                 self.indexer.as_indices(self.indexer.select(extras["iq"][rows], extras["iw"][rows], keys, visible))
             )
         return torch.cat(chosen)
+
+    def _attend_substeps(
+        self, q: torch.Tensor, kv: torch.Tensor, layout: BatchLayout, cache: LayerCache, topk: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The torch path of equal rows: q [N, H, d], kv [N, d] -> [N, H, d] fp32. Token t of every row
+        stores its key, then attends over its window (positions p - W + 1 .. p: the keys of tokens t + 1.. of
+        this step land on positions older than that, so storing them later changes nothing it reads)."""
+        steps = _steps(layout)
+        outs = []
+        for t, step in enumerate(steps):
+            store_window(cache.swa, _token(kv, layout, t), step)
+            row_topk = None if topk is None else _token(topk, layout, t)
+            q_t = _token(q, layout, t)
+            outs.append(attend_decode(q_t, cache.swa, cache.comp, row_topk, step, self.attn_sink, self.softmax_scale))
+        return outs[0] if len(steps) == 1 else torch.stack(outs, dim=1).flatten(0, 1)
 
     def _project_out(self, o: torch.Tensor, num: Numerics) -> torch.Tensor:
         """o [N, H, d] -> grouped wo_a [N, G, o_lora] -> wo_b [N, D]. The GEMM runs in wo_a's dtype: fp32
@@ -277,3 +304,13 @@ class Attention(nn.Module):
             torch.bmm(grouped.transpose(0, 1), wo_a.transpose(1, 2), out=z.transpose(0, 1))
         z = z.to(num.compute_dtype)
         return self.wo_b(z.flatten(1), num)
+
+
+def _steps(layout: BatchLayout) -> tuple[BatchLayout, ...]:
+    """The decode layouts of a vectorized step: itself for decode, else its sub-steps (one per token)."""
+    return (layout,) if layout.is_decode else layout.substeps
+
+
+def _token(x: torch.Tensor, layout: BatchLayout, t: int) -> torch.Tensor:
+    """Token t of every row of equal rows: x [B * T, ...] packed -> [B, ...] (a strided view, no copy)."""
+    return x if layout.is_decode else x.unflatten(0, (layout.num_rows, -1))[:, t]

@@ -9,6 +9,7 @@ count and the layout's static bounds (`BatchLayout.max_end`), never on positions
   max_end // ratio entries (masked past the row's visible count);
 - the indexer scores every row against max_end // ratio entries and keeps the top k, ties to the earlier
   entry (a stable sort), as `Indexer.select` does row by row.
+Equal short rows (a verify step's) run these paths once per token, over `BatchLayout.substeps` (attention.py).
 They are the same arithmetic as the per-row paths up to summation order (keys are masked, not cut), so they
 are used only without --batch-invariant; tests/model/test_decode_paths.py compares the two.
 """
@@ -22,9 +23,12 @@ from dsv4serve.model.kv_pool import CompressedCache
 
 
 def store_window(swa: torch.Tensor, kv: torch.Tensor, layout: BatchLayout) -> None:
-    """swa [slots, W, d] ring, kv [B, d] the rows' new keys -> written at (slot, position % W)."""
-    window = swa.shape[1]
-    swa[layout.slots64, layout.positions64 % window] = kv.to(swa.dtype)
+    """swa [slots, W, d] ring, kv [B * T, d] the new keys of B rows of T tokens each (a decode step: T = 1;
+    equal rows, `BatchLayout.tokens_per_row`, T <= W so that no two of a row's keys share a ring entry) ->
+    written at (slot, position % W), in one scatter."""
+    window, n_rows = swa.shape[1], layout.num_rows
+    ring_pos = (layout.positions64 % window).view(n_rows, -1)  # [B, T]
+    swa[layout.slots64[:, None], ring_pos] = kv.view(n_rows, ring_pos.shape[1], -1).to(swa.dtype)
 
 
 def window_keys(swa: torch.Tensor, layout: BatchLayout) -> tuple[torch.Tensor, torch.Tensor]:

@@ -56,6 +56,44 @@ class BatchLayout:
         """Every row runs one token: the vectorized decode paths apply."""
         return self.max_rows == 1
 
+    @functools.cached_property
+    def tokens_per_row(self) -> int:
+        """T when every row runs the same T tokens (a verify step's rows), else 0: from the host spans, no
+        device read."""
+        first = self.spans[0].num_tokens
+        return first if all(s.num_tokens == first for s in self.spans) else 0
+
+    @functools.cached_property
+    def substeps(self) -> tuple[BatchLayout, ...]:
+        """Equal rows of T tokens as T decode layouts: sub-step t holds token t of every row (position
+        start + t), with the rows' slots and block table, so the decode paths (one token a row) run a
+        multi-token step as T launches of each, whatever the batch. Rows are separate sequences, so running
+        token t of every row before token t + 1 writes the same state as running each row's tokens in turn.
+        Built once per step: two small copies (the t-major positions, the decode cu_seqlens)."""
+        n_tokens, n_rows = self.tokens_per_row, self.num_rows
+        if n_tokens == 0:
+            raise ValueError("sub-steps need rows of equal length")
+        # [T, B] int32, each sub-step's positions contiguous (the kernels index them densely); a clone, not
+        # .contiguous(), so the copy happens at every batch size (one op sequence: B = 1 is already t-major)
+        by_token = self.positions.view(n_rows, n_tokens).t().clone(memory_format=torch.contiguous_format)
+        cu = torch.arange(n_rows + 1, dtype=torch.int32, device=self.positions.device)  # one token a row
+        ids = self.token_ids.view(n_rows, n_tokens)
+        return tuple(
+            BatchLayout(
+                tuple(RowSpan(s.index, s.index, s.index + 1, s.start_pos + t, s.slot) for s in self.spans),
+                ids[:, t],  # a strided view: no path of a sub-step reads token ids
+                by_token[t],
+                cu,
+                by_token[t],  # a decode row starts at its token
+                self.seq_slot,
+                cu[:-1],
+                self.block_table,
+                1,
+                self.max_end,
+            )
+            for t in range(n_tokens)
+        )
+
     def pages(self, span: RowSpan) -> torch.Tensor:
         """The row's page table on the device, [W] int64 (-1 padded): for the per-row (prefill) paths."""
         return self.table64[span.index]

@@ -157,7 +157,9 @@ def _offloaded(ckpt, slots: int, ram_layers: int) -> tuple[Transformer, ExpertSl
     model = Transformer(ckpt.args, include_mtp=True).eval()
     cache = attach_expert_cache(model, ckpt, slots, CPU, ram_bytes=ram_layers * layer_bytes, progress=False)
     model.load_state_dict(dict(iter_resident_dense(ckpt, progress=False)), strict=True)
-    model.use_kernels(MIXED)
+    # prepared as the dense reference is: its head held in bf16 (exact) and read in one layout, so the two heads
+    # compute alike (a torch head on the CPU is otherwise held K-major, whose GEMV rounds otherwise at 1-2 rows)
+    model.use_kernels(ALL_TRITON)
     return model, cache
 
 

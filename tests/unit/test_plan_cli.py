@@ -111,3 +111,45 @@ def test_a_bandwidth_must_be_a_positive_number(capsys):
     with pytest.raises(SystemExit):
         build_parser("plan").parse_args(["--model", "dsv4-tiny", "--h2d-bandwidth", "0"])
     assert "not a positive number" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ --gpus N: a plan per tensor-parallel rank
+
+
+def _real(real_model_dir, tmp_path, *extra: str):
+    env = read_environment({"DSV4SERVE_CACHE_DIR": str(tmp_path)}, tuple(options()))
+    return build_parser("plan").parse_args(["--model", str(real_model_dir), "--gpu-memory", "139GiB", *extra]), env
+
+
+def test_two_h200_hold_every_expert_one_holds_a_slot_cache(real_model_dir, tmp_path):
+    """Issue 21: DeepSeek-V4-Flash on 1 x H200 streams experts; on 2 x H200 each rank holds its 128 experts of
+    every layer (43 x 128 of 12.75 MiB each: w1, w3 [2048, 4096] and w2 [4096, 2048] MXFP4 with scales)."""
+    one = build_plan(*_real(real_model_dir, tmp_path))["memory_plan"]["experts"]
+    assert not one["all_resident"] and one["slots"] < one["total"] == 43 * 256
+    plan = build_plan(*_real(real_model_dir, tmp_path, "--gpus", "2"))
+    ranks = plan["parallel"]["ranks"]
+    assert plan["parallel"]["gpus"] == 2 and plan["parallel"]["expert_parallel"] and len(ranks) == 2
+    expert_bytes = 3 * (2048 * 2048 + 2048 * 128)
+    for r in ranks:
+        e = r["memory_plan"]["experts"]
+        assert e["all_resident"] and e["total"] == e["slots"] == 43 * 128 and e["slot_bytes"] == expert_bytes
+        assert e["gpu_bytes"] == 43 * 128 * expert_bytes
+    # each rank reads half the experts, half the embed and head, and the replicated parts whole
+    assert sum(r["checkpoint_read_bytes"] for r in ranks) > 159_609_485_896
+    assert all(r["checkpoint_read_bytes"] < 0.5 * 159_609_485_896 * 1.02 for r in ranks)
+    assert plan["decode_speed"] is None
+    text = _run_text(*_real(real_model_dir, tmp_path, "--gpus", "2"))
+    rows = [ln for ln in text.splitlines() if ln.startswith(("0 ", "1 "))]
+    assert len(rows) == 2 and all("all 5,504 resident" in ln for ln in rows)
+    assert "experts expert-parallel: rank r owns experts [128r, 128(r+1))" in text
+    emitted = json.loads(_run_text(*_real(real_model_dir, tmp_path, "--gpus", "2", "--json")))
+    assert emitted["parallel"]["ranks"][1]["memory_plan"]["experts"]["all_resident"]
+
+
+def test_a_gpu_count_the_model_cannot_split_is_refused_naming_why(real_model_dir, tmp_path):
+    from dsv4serve.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"--gpus 3: .*wo_a has 8 output groups"):
+        build_plan(*_real(real_model_dir, tmp_path, "--gpus", "3"))
+    with pytest.raises(SystemExit):
+        build_parser("plan").parse_args(["--model", "dsv4-tiny", "--gpus", "0"])
