@@ -115,7 +115,7 @@ def build_plan(ns: argparse.Namespace, env: Environment) -> dict[str, Any]:
     weights = weight_bytes_by_group(args, specs)
     chunk = cfg.max_prefill_length
     prefill = {"requested": chunk.value, "source": chunk.source.value, "note": chunk.note}
-    backends, gpus = None, getattr(ns, "gpus", 1)
+    backends, ranks, gpus = None, None, getattr(ns, "gpus", 1)
     if gpus > 1 and target.device != "cuda":
         raise ConfigError(f"--gpus {gpus} plans GPUs: give --gpu-memory (the size of each), or run it on a GPU host")
     try:

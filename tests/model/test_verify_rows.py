@@ -136,7 +136,7 @@ def test_equal_rows_on_torch_match_the_per_row_path(helpers, monkeypatch, case_n
 
 
 @pytest.mark.slow  # the interpreter runs attention, indexer, compressor and token kernels of two forwards
-@pytest.mark.parametrize("case_name", ["mixed4", "hca_first"])
+@pytest.mark.parametrize("case_name", ["mixed4"])  # the torch tests cover hca_first; one config keeps CI short
 def test_equal_rows_on_triton_match_the_per_row_path(helpers, monkeypatch, case_name):
     case = helpers.build_case(case_name)
     vector = _verify_step(case, TRITON, 4, per_row=False, monkeypatch=monkeypatch)
@@ -206,12 +206,13 @@ def _verify_launches_per_layer(model, num, batch: int, tokens: int) -> tuple[dic
     return dict(per_layer), seen.count()
 
 
-@pytest.mark.slow  # ~1-2 min: four verify forwards of dsv4-tiny in the interpreter
-@pytest.mark.parametrize("tokens", [2, 4])
+@pytest.mark.slow  # ~2 min: four verify forwards of dsv4-tiny in the interpreter
+@pytest.mark.parametrize("tokens", [4])  # N = 3: a window closes inside the row (T = 2 took another minute of CI)
 def test_verify_launches_per_layer_do_not_grow_with_the_batch(kernel_model, tokens):
     model, num = kernel_model
     one, one_total = _verify_launches_per_layer(model, num, 1, tokens)
-    eight, eight_total = _verify_launches_per_layer(model, num, 8, tokens)
+    # 3 rows: a per-row path launches 3x what 1 row does; bench/bench_spec_verify.py shows B=8 (RESULTS.md)
+    three, three_total = _verify_launches_per_layer(model, num, 3, tokens)
     assert len(one) == model.args.n_layers
-    assert eight == one, f"launches per layer, B=8 {eight} against B=1 {one}"
-    assert eight_total == one_total
+    assert three == one, f"launches per layer, B=3 {three} against B=1 {one}"
+    assert three_total == one_total
