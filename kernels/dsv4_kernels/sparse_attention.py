@@ -21,6 +21,9 @@ merges them. PHASE 0 writes the normalized output directly (one split; the prefi
 Dtypes: on a GPU q / new_kv / swa_kv / comp_kv are bf16, the dots take bf16 operands with fp32
 accumulation (the probabilities are rounded to bf16 for the P @ V dot) and the output is bf16.
 Under the interpreter (DOT_FP32) tiles are upcast to fp32 after loading and the output is fp32.
+
+The program's steps (key gather, online softmax, split merge) are in sparse_attention_tiles.py; the launch
+shapes, the split count and the compile-check configurations in sparse_attention_launch.py.
 """
 
 from __future__ import annotations
@@ -30,7 +33,27 @@ import triton
 import triton.language as tl
 
 from dsv4_kernels.outputs import output_buffer
-from dsv4_kernels.registry import SHARED_PER_BLOCK
+from dsv4_kernels.sparse_attention_launch import (
+    ALIGNED_INTS,
+    COMPILE_CONFIGS,
+    LAUNCH_ARCHS,
+    LAUNCH_OPTIONS,
+    launch_shape,
+    pick_num_splits,
+)
+from dsv4_kernels.sparse_attention_tiles import _combine_splits, _key_rows, _online_softmax_step
+
+# the compile configs are re-exported: registry.py reads them, and the kernel, from this module
+__all__ = [
+    "ALIGNED_INTS",
+    "COMPILE_CONFIGS",
+    "LAUNCH_ARCHS",
+    "LAUNCH_OPTIONS",
+    "interpreting",
+    "paged_sparse_attention",
+    "paged_sparse_attention_kernel",
+    "store_dtype",
+]
 
 LOG2E = 1.4426950408889634
 
@@ -38,111 +61,6 @@ LOG2E = 1.4426950408889634
 def interpreting() -> bool:
     """True when @triton.jit builds interpreter functions (TRITON_INTERPRET=1 at import time)."""
     return not isinstance(paged_sparse_attention_kernel, triton.runtime.JITFunction)
-
-
-@triton.jit
-def _key_rows(
-    slot,
-    n,
-    b,
-    t,
-    sp,
-    seq,
-    n_win,
-    n_comp,
-    n_visible,
-    new_kv_ptr,
-    swa_kv_ptr,
-    comp_kv_ptr,
-    block_table_ptr,
-    topk_ptr,
-    stride_new,
-    stride_swa_slot,
-    stride_swa_pos,
-    stride_comp_page,
-    stride_comp_entry,
-    stride_bt,
-    stride_topk,
-    WINDOW: tl.constexpr,
-    ENTRIES_PER_PAGE: tl.constexpr,
-    COMP_MODE: tl.constexpr,
-):
-    """Virtual key slots [BLOCK_N] of query row n (position t) -> (row pointers, valid) [BLOCK_N]."""
-    is_win = slot < n_win
-    pos = t - n_win + 1 + slot  # >= 0 on window slots (n_win <= t + 1); unused elsewhere
-    from_new = is_win & (pos >= sp)  # this step's own keys, causal: pos <= t
-    new_ptrs = new_kv_ptr + (n - t + pos).to(tl.int64) * stride_new
-    ring_ptrs = swa_kv_ptr + seq.to(tl.int64) * stride_swa_slot + (pos % WINDOW) * stride_swa_pos
-    ptrs = tl.where(from_new, new_ptrs, ring_ptrs)
-    valid = is_win
-    if COMP_MODE != 0:
-        j = slot - n_win
-        is_comp = (slot >= n_win) & (j < n_comp)
-        if COMP_MODE == 1:  # CSA: the indexer's choice, -1 = unused
-            entry = tl.load(topk_ptr + n.to(tl.int64) * stride_topk + j, mask=is_comp, other=-1)
-            is_comp = is_comp & (entry >= 0) & (entry < n_visible)
-        else:  # HCA: every visible entry (n_comp = n_visible)
-            entry = j
-        page = tl.load(block_table_ptr + b.to(tl.int64) * stride_bt + entry // ENTRIES_PER_PAGE, mask=is_comp, other=-1)
-        is_comp = is_comp & (page >= 0)
-        comp_ptrs = comp_kv_ptr + page.to(tl.int64) * stride_comp_page + (entry % ENTRIES_PER_PAGE) * stride_comp_entry
-        ptrs = tl.where(is_comp, comp_ptrs, ptrs)
-        valid = valid | is_comp
-    return ptrs, valid
-
-
-@triton.jit
-def _online_softmax_step(q, k, valid, acc, m_i, l_i, scale_log2):
-    """One key block: q [BLOCK_H, D], k = v [BLOCK_N, D], valid [BLOCK_N]; running acc [BLOCK_H, D],
-    max m_i and sum l_i [BLOCK_H] in log2 units -> the updated (acc, m_i, l_i)."""
-    s = tl.dot(q, tl.trans(k)) * scale_log2  # [BLOCK_H, BLOCK_N]
-    s = tl.where(valid[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: m_i starts finite
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k)  # bf16 probabilities on a GPU
-    return acc, m_new, l_i
-
-
-@triton.jit
-def _combine_splits(
-    n,
-    offs_h,
-    mask_h,
-    out_rows,
-    part_acc_ptr,
-    part_ml_ptr,
-    num_heads,
-    num_rows,
-    num_splits,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    D_CHUNK: tl.constexpr,
-):
-    """PHASE 2: merge the splits' (acc, m, l) of row n: o = sum_s 2^(m_s-M) acc_s / sum_s 2^(m_s-M) l_s,
-    with M = max_s m_s. out_rows [BLOCK_H]: the output row pointers. The sum runs D_CHUNK channels at a
-    time, so the merge holds a [BLOCK_H, D_CHUNK] accumulator, not a whole [BLOCK_H, HEAD_DIM] one."""
-    m_max = tl.full([BLOCK_H], -1.0e30, tl.float32)
-    for s in range(0, num_splits):
-        base = ((s * num_rows + n) * num_heads).to(tl.int64) + offs_h
-        m_max = tl.maximum(m_max, tl.load(part_ml_ptr + base * 2, mask=mask_h, other=-1.0e30))
-    l_sum = tl.zeros([BLOCK_H], tl.float32)
-    for s in range(0, num_splits):
-        base = ((s * num_rows + n) * num_heads).to(tl.int64) + offs_h
-        m_s = tl.load(part_ml_ptr + base * 2, mask=mask_h, other=-1.0e30)
-        l_sum += tl.load(part_ml_ptr + base * 2 + 1, mask=mask_h, other=0.0) * tl.exp2(m_s - m_max)
-    l_sum = tl.where(mask_h, l_sum, 1.0)
-    for d0 in tl.static_range(0, HEAD_DIM, D_CHUNK):
-        offs_d = d0 + tl.arange(0, D_CHUNK)
-        acc = tl.zeros([BLOCK_H, D_CHUNK], tl.float32)
-        for s in range(0, num_splits):
-            base = ((s * num_rows + n) * num_heads).to(tl.int64) + offs_h
-            beta = tl.exp2(tl.load(part_ml_ptr + base * 2, mask=mask_h, other=-1.0e30) - m_max)
-            acc_s = tl.load(part_acc_ptr + base[:, None] * HEAD_DIM + offs_d[None, :], mask=mask_h[:, None], other=0.0)
-            acc += acc_s * beta[:, None]
-        out_ptrs = out_rows[:, None] + offs_d[None, :]
-        tl.store(out_ptrs, (acc / l_sum[:, None]).to(out_ptrs.dtype.element_ty), mask=mask_h[:, None])
 
 
 @triton.jit
@@ -289,12 +207,6 @@ def store_dtype() -> torch.dtype:
     return torch.float32 if interpreting() else torch.bfloat16
 
 
-def pick_num_splits(num_programs: int, max_blocks: int, num_sms: int) -> int:
-    """Key splits per (token, head group): enough programs for two waves over the SMs, but at least
-    two key blocks per split (each split reloads the token's q tile and writes a partial)."""
-    return max(1, min(triton.cdiv(max_blocks, 2), triton.cdiv(2 * num_sms, max(1, num_programs))))
-
-
 def _check_inputs(
     q: torch.Tensor,
     new_kv: torch.Tensor,
@@ -326,16 +238,6 @@ def _check_inputs(
         raise ValueError(f"comp_kv [pages, E, {head_dim}] needs a block_table, got {tuple(comp_kv.shape)}")
     if topk_idx is not None and topk_idx.shape[0] != num_rows:
         raise ValueError(f"topk_idx must be [N={num_rows}, K], got {tuple(topk_idx.shape)}")
-
-
-def launch_shape(shared_per_block: int, block_h: int) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) for a GPU whose blocks may opt in to `shared_per_block` bytes.
-    Measured with ptxas at H = 64, D = 512: the [64, 512] q tile and two stages of [32, 512] keys take
-    128 KiB of shared memory, which Hopper has (227 KiB a block); GPUs with ~99 KiB a block (sm_120,
-    RTX 50) take BLOCK_N = 16 (88 KiB). Eight warps split the [64, 512] fp32 accumulator to 128
-    registers a thread; ptxas still spills a little (tests/kernels/test_compile.py keeps the count).
-    Not yet timed on a GPU (bench/gpu_cases/sparse_attention.py weighs these)."""
-    return (32 if shared_per_block >= 160 * 1024 else 16), (8 if block_h >= 64 else 4), 2
 
 
 def _workspaces(num_splits: int, q: torch.Tensor, sink: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -448,93 +350,3 @@ def paged_sparse_attention(
     if num_splits > 1:
         paged_sparse_attention_kernel[(num_rows, head_groups, 1)](*args, PHASE=2, **meta)
     return out
-
-
-COMPILE_SIGNATURE = {
-    "q_ptr": "*bf16",
-    "new_kv_ptr": "*bf16",
-    "swa_kv_ptr": "*bf16",
-    "comp_kv_ptr": "*bf16",
-    "block_table_ptr": "*i32",
-    "topk_ptr": "*i32",
-    "cu_seqlens_ptr": "*i32",
-    "start_pos_ptr": "*i32",
-    "seq_slot_ptr": "*i32",
-    "row_req_ptr": "*i32",
-    "sink_ptr": "*fp32",
-    "out_ptr": "*bf16",
-    "part_acc_ptr": "*fp32",
-    "part_ml_ptr": "*fp32",
-    "scale_log2": "fp32",
-    "num_heads": "i32",
-    "num_rows": "i32",
-    "ratio": "i32",
-    "num_topk": "i32",
-    "num_splits": "i32",
-    "stride_qn": "i32",
-    "stride_qh": "i32",
-    "stride_new": "i32",
-    "stride_swa_slot": "i32",
-    "stride_swa_pos": "i32",
-    "stride_comp_page": "i32",
-    "stride_comp_entry": "i32",
-    "stride_bt": "i32",
-    "stride_topk": "i32",
-    "stride_on": "i32",
-    "stride_oh": "i32",
-    "WINDOW": "constexpr",
-    "ENTRIES_PER_PAGE": "constexpr",
-    "HEAD_DIM": "constexpr",
-    "COMP_MODE": "constexpr",
-    "PHASE": "constexpr",
-    "BLOCK_H": "constexpr",
-    "BLOCK_N": "constexpr",
-    "DOT_FP32": "constexpr",
-}
-# multiples of 16 at DeepSeek-V4-Flash's dims (registry.py): 64 heads, 512 top-k, head dim 512 strides;
-# not the block table's width (pages per sequence), the row count or the split count
-ALIGNED_INTS = (
-    "num_heads",
-    "num_topk",
-    "stride_qn",
-    "stride_qh",
-    "stride_new",
-    "stride_swa_slot",
-    "stride_swa_pos",
-    "stride_comp_page",
-    "stride_comp_entry",
-    "stride_topk",
-    "stride_on",
-    "stride_oh",
-)
-_REAL_DIMS = {"WINDOW": 128, "HEAD_DIM": 512, "BLOCK_H": 64, "DOT_FP32": False}
-_FORMS = (
-    ("decode_csa", {"ENTRIES_PER_PAGE": 32, "COMP_MODE": 1, "PHASE": 1}),  # split-K partials
-    ("prefill_csa", {"ENTRIES_PER_PAGE": 32, "COMP_MODE": 1, "PHASE": 0}),  # one chunk, normalized
-    ("decode_hca", {"ENTRIES_PER_PAGE": 1, "COMP_MODE": 2, "PHASE": 1}),  # every entry, one a page
-    ("combine", {"ENTRIES_PER_PAGE": 32, "COMP_MODE": 1, "PHASE": 2}),
-)  # split-K merge, no matrix product
-
-
-def _launches() -> dict[str, tuple[tuple[int, int, int], tuple[int, ...]]]:
-    """ "bn<BLOCK_N>" -> (the `launch_shape` at 64 heads, the archs that get it)."""
-    by_shape: dict[tuple[int, int, int], list[int]] = {}
-    for arch, smem in SHARED_PER_BLOCK.items():
-        by_shape.setdefault(launch_shape(smem, 64), []).append(arch)
-    return {f"bn{shape[0]}": (shape, tuple(archs)) for shape, archs in by_shape.items()}
-
-
-# (config name, signature, constexprs) for the CPU compile checks (tests/kernels/test_compile.py), at
-# DeepSeek-V4-Flash's dims: each form with the launch shape of each arch; LAUNCH_OPTIONS / LAUNCH_ARCHS:
-# how and where the wrapper launches them (registry.py)
-COMPILE_CONFIGS = tuple(
-    (f"{form}_{tag}", COMPILE_SIGNATURE, {**_REAL_DIMS, **extra, "BLOCK_N": shape[0]})
-    for tag, (shape, _) in _launches().items()
-    for form, extra in _FORMS
-)
-LAUNCH_OPTIONS = {
-    f"{form}_{tag}": {"num_warps": shape[1], "num_stages": shape[2]}
-    for tag, (shape, _) in _launches().items()
-    for form, _ in _FORMS
-}
-LAUNCH_ARCHS = {f"{form}_{tag}": archs for tag, (_, archs) in _launches().items() for form, _ in _FORMS}

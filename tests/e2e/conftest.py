@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from pathlib import Path
 
 import pytest
 
-from dsv4serve.ipc.messages import Sourced, WorkerLaunch
+from dsv4serve.ipc.messages import WorkerLaunch
 from dsv4serve.supervisor import EngineClient
+from tests.worker_launch import launch_for  # the e2e tests import it from here
 
 
 class LoopThread:
@@ -26,28 +26,6 @@ class LoopThread:
     def close(self):
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
-
-
-def launch_for(model_dir: Path, **overrides) -> WorkerLaunch:
-    """A launch for dsv4-tiny on the CPU; a plain override value is a setting given on the command line."""
-    base = dict(
-        to_worker="",
-        from_worker="",
-        model_path=str(model_dir),
-        device="cpu",
-        max_num_seqs=Sourced(8),
-        max_queued_requests=Sourced(16),
-        max_model_len=Sourced(4096, "model-rule"),
-        max_prefill_length=Sourced(None),
-        num_tokens=Sourced(None),
-        # the engine tests compare tokens with the model run alone, and requests with each other: bitwise
-        batch_invariant=Sourced(True, "cli"),
-    )
-    given = {
-        k: v if k in ("device", "model_path", "log_level") or isinstance(v, Sourced) else Sourced(v, "cli")
-        for k, v in overrides.items()
-    }
-    return WorkerLaunch(**{**base, **given})
 
 
 @pytest.fixture

@@ -5,32 +5,19 @@ two windows, is refused naming the flag; `plan` loads the MTP block only with N 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import pytest
 import torch
 
-from dsv4serve.ipc.messages import AddRequest, Sourced, WorkerLaunch
+from dsv4serve.ipc.messages import AddRequest, Sourced
 from dsv4serve.ipc.sampling import SamplingParams
 from dsv4serve.model.args import read_model_args
 from dsv4serve.worker.engine_setup import build_engine
 from dsv4serve.worker.model_load import StartupError, check_speculative
+from tests.worker_launch import launch_for
 
-
-def _launch(tiny_dir, **given) -> WorkerLaunch:
-    base: dict[str, Any] = dict(
-        to_worker="",
-        from_worker="",
-        model_path=str(tiny_dir),
-        device="cpu",
-        max_num_seqs=Sourced(4),
-        max_queued_requests=Sourced(8),
-        max_model_len=Sourced(512, "model-rule"),
-        max_prefill_length=Sourced(None),
-        num_tokens=Sourced(None),
-        batch_invariant=Sourced(True, "cli"),
-    )
-    return WorkerLaunch(**{**base, **{k: Sourced(v, "cli") for k, v in given.items()}})
+# smaller limits than the engine tests' launch, not given on the command line (default / model-rule sources)
+SMALL_LIMITS = dict(max_num_seqs=Sourced(4), max_queued_requests=Sourced(8), max_model_len=Sourced(512, "model-rule"))
 
 
 def _greedy(parts, prompts: list[list[int]], n: int) -> list[list[int]]:
@@ -49,9 +36,9 @@ def _greedy(parts, prompts: list[list[int]], n: int) -> list[list[int]]:
 def test_the_worker_drafts_through_a_small_expert_slot_cache_with_the_tokens_of_no_speculation(tiny_dir):
     torch.set_num_threads(1)
     prompts = [list(range(1000, 1021)), list(range(2000, 2009))]
-    plain = build_engine(_launch(tiny_dir, moe_cache_size=3))
+    plain = build_engine(launch_for(tiny_dir, moe_cache_size=3, **SMALL_LIMITS))
     want = _greedy(plain, prompts, 8)
-    spec = build_engine(_launch(tiny_dir, moe_cache_size=3, speculative_tokens=1))
+    spec = build_engine(launch_for(tiny_dir, moe_cache_size=3, speculative_tokens=1, **SMALL_LIMITS))
     assert spec.expert_cache is not None and spec.expert_cache.n_slots == 3
     assert len(spec.runner.model.mtp) == 1 and len(spec.runner.pool.layers) == spec.runner.model.args.n_all_layers
     assert len(plain.runner.model.mtp) == 0 and plain.runner.drafter is None  # N = 0: no MTP block, no MTP KV
