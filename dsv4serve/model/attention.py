@@ -23,7 +23,7 @@ from dsv4serve.model.batch import BatchLayout, RowSpan
 from dsv4serve.model.compressor import Compressor
 from dsv4serve.model.indexer import Indexer
 from dsv4serve.model.kv_pool import LayerCache
-from dsv4serve.model.layers import Linear, RMSNorm
+from dsv4serve.model.layers import Linear, RMSNorm, TensorParallel
 from dsv4serve.model.numerics import KV_BLOCK, Numerics, act_quant, fp8_quant_dequant
 from dsv4serve.model.rope import Rotation, inv_freq
 
@@ -71,6 +71,8 @@ class Attention(nn.Module):
         # equal rows of at most this many tokens (a verify step's) run as decode sub-steps: no more than the
         # smallest compress ratio (what a rollback can undo) nor the window (one ring entry per key of a row)
         self.max_substeps = min([r for r in args.compress_ratios if r] + [args.window_size])
+        # split over ranks (dsv4serve/parallel/shard_model.py): n_heads / n_groups are then this rank's
+        self.tp: TensorParallel | None = None
 
     def forward(self, x: torch.Tensor, layout: BatchLayout, cache: LayerCache, num: Numerics) -> torch.Tensor:
         """x [N, D] compute dtype (attn_norm output) -> [N, D] compute dtype."""
@@ -303,7 +305,12 @@ class Attention(nn.Module):
             z = grouped.new_empty(n_tokens, self.n_groups, wo_a.shape[1])
             torch.bmm(grouped.transpose(0, 1), wo_a.transpose(1, 2), out=z.transpose(0, 1))
         z = z.to(num.compute_dtype)
-        return self.wo_b(z.flatten(1), num)
+        if self.tp is None:
+            return self.wo_b(z.flatten(1), num)
+        # row parallel: this rank's groups' share of wo_b, summed over the ranks in fp32 and cast once after,
+        # as the unsplit GEMM accumulates in fp32 and casts once: equal to it up to the summation order
+        part = self.wo_b(z.flatten(1), num, partial=True).float()  # [N, D] fp32
+        return self.tp.all_reduce_sum(part, "attention output (after wo_b)").to(num.compute_dtype)
 
 
 def _steps(layout: BatchLayout) -> tuple[BatchLayout, ...]:

@@ -51,6 +51,12 @@ class Compressor(nn.Module):
         width = self.wkv.weight.shape[0]
         return both[:, :width], both[:, width:]
 
+    def prepare(self) -> None:
+        """Build the fused projection weight now (after loading), not on the first forward: a first step
+        must launch what every later step does (the step census counts it; a CUDA graph's warm-up would
+        otherwise be the first user)."""
+        self._fused_weight()
+
     def _fused_weight(self) -> torch.Tensor:
         """[wkv; wgate] as one fp32 [2 * coff * d, D] tensor, built on first use. fp32 weights (both loaders
         hold them so) then become views into it: no second copy, and a later in-place load into them lands

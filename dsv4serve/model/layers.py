@@ -1,12 +1,35 @@
-"""Small building blocks: the projection module and RMSNorm (statistics and weight product in fp32)."""
+"""Small building blocks: the projection module and RMSNorm (statistics and weight product in fp32), and the
+`TensorParallel` interface through which a model split over ranks reduces its partial sums."""
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from dsv4_kernels.formats import dequant_fp8_block, quant_fp8_block
-from dsv4serve.model.numerics import Numerics, linear
+from dsv4serve.model.numerics import ACT_BLOCK, Numerics, fp8_quant_dequant, linear, matmul
+
+
+class TensorParallel(Protocol):
+    """The collectives of a model split over `size` ranks (dsv4serve.parallel.collectives.Collectives). The
+    model holds one only when split (size > 1); unsplit, no module calls any of this."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def size(self) -> int: ...
+
+    def all_reduce_sum(self, x: torch.Tensor, what: str) -> torch.Tensor:
+        """The element-wise sum of every rank's x (same shape and dtype); x may be reduced in place, so the
+        model passes tensors it made for this."""
+        ...
+
+    def all_gather(self, x: torch.Tensor, dim: int, what: str) -> torch.Tensor:
+        """Every rank's x concatenated along `dim`, in rank order."""
+        ...
 
 
 class Linear(nn.Module):
@@ -68,7 +91,11 @@ class Linear(nn.Module):
         is idempotent), minus ~15 torch launches."""
         return self.fp8_stored and num.backends.fp8_gemm == "triton"
 
-    def forward(self, x: torch.Tensor, num: Numerics, x_quantized: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, num: Numerics, x_quantized: bool = False, partial: bool = False) -> torch.Tensor:
+        """`partial`: a row-parallel shard's share of a sum over ranks, returned uncast (the weight's dtype:
+        fp32 for the dense torch path) so that the all-reduce adds fp32 partials and the one cast to the
+        compute dtype comes after it, as an unsplit GEMM's does; the kernel's result is bf16 (its epilogue
+        rounds), there the partials are summed as such."""
         if self.quantizes_in_kernel(num):
             return self._fp8_kernel(x)
         if self.weight is None:
@@ -76,6 +103,10 @@ class Linear(nn.Module):
                 "this projection was loaded packed for fp8_gemm=triton and holds no dense weight: "
                 "fp8_gemm=torch needs the model loaded dense (iter_dense)"
             )
+        if partial:
+            if self.fp8_act and num.fp8_act and not x_quantized:
+                x = fp8_quant_dequant(x, ACT_BLOCK)
+            return matmul(x.to(self.weight.dtype), self.weight, num)
         return linear(x, self.weight, num, self.fp8_act, x_quantized)
 
     def _fp8_kernel(self, x: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,7 @@ from torch import nn
 
 from dsv4_kernels.formats import dequant_fp4, quant_fp4
 from dsv4serve.model.args import ModelArgs
-from dsv4serve.model.layers import Linear
+from dsv4serve.model.layers import Linear, TensorParallel
 from dsv4serve.model.numerics import Numerics, act_quant, in_fp64, linear, matmul
 
 FP4_PARTS = ("w1", "w3", "w2")
@@ -120,15 +120,18 @@ class Expert(nn.Module):
         self.w3 = Linear(dim, inter_dim, fp8_act=True, fp4_weight=routed)
         self.swiglu_limit = swiglu_limit
 
-    def forward(self, x: torch.Tensor, num: Numerics, weights: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, num: Numerics, weights: torch.Tensor | None = None, partial: bool = False
+    ) -> torch.Tensor:
         """x [n, D] already through `act_quant` (unless the kernel quantizes it) -> [n, D] compute dtype:
         w1 and w3, the clamped SwiGLU (times the routing weight [n, 1], in fp32), w2. The FP8-stored (shared)
-        expert with fp8_gemm on Triton runs as two kernel launches instead (`_fp8_kernels`)."""
+        expert with fp8_gemm on Triton runs as two kernel launches instead (`_fp8_kernels`). `partial`: w2
+        is a row-parallel shard, its product returned uncast (layers.Linear.forward)."""
         if weights is None and self.w1.quantizes_in_kernel(num):
             return self._fp8_kernels(x)
         gate, up = self.w1(x, num, x_quantized=True), self.w3(x, num, x_quantized=True)
         act = swiglu(gate, up, self.swiglu_limit, weights)
-        return self.w2(act.to(num.compute_dtype), num)
+        return self.w2(act.to(num.compute_dtype), num, partial=partial)
 
     def _fp8_kernels(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, D] bf16 (raw: quantized in the kernel) -> bf16 [N, D]: w1 and w3 in one FP8 GEMM whose
@@ -172,6 +175,11 @@ class MoE(nn.Module):
         self.shared_experts = Expert(args.dim, shared_dim, args.swiglu_limit)
         self.expert_source: ExpertSource | None = None
         self.cpu_experts: CpuExperts | None = None  # hybrid: some misses computed on the CPU
+        # split over ranks (dsv4serve/parallel/shard_model.py): experts another rank owns (expert parallel),
+        # left out of this rank's routed sum; the partial sums are then reduced over the ranks
+        self.tp: TensorParallel | None = None
+        self.not_owned: frozenset[int] = frozenset()
+        self.experts_split = False  # without expert parallelism: every expert's w1 / w3 rows, w2 columns cut
         for part in FP4_PARTS:  # stacked MXFP4 copies for the fp4_moe kernel: [E, N, K/2] int8, [E, N, K/32] e8m0
             self.register_buffer(f"{part}_fp4", None, persistent=False)
             self.register_buffer(f"{part}_fp4_scale", None, persistent=False)
@@ -218,6 +226,8 @@ class MoE(nn.Module):
         job = None if cpu is None else cpu.submit(self.layer_id, act_quant(x, num), ids, weights)
         xq = None  # act_quant(x): the FP8 input of every expert, quantized once, where torch reads it
         if num.backends.fp4_moe == "triton":
+            if self.not_owned:
+                raise RuntimeError("fp4_moe=triton runs every expert; expert parallelism runs on torch (for now)")
             dev_ids, dev_weights = (ids, weights) if job is None else job.device_routes(ids, weights)
             y = self._routed_kernel(x, dev_weights, dev_ids)  # quantizes x in its K loop
         elif self.expert_source is None and not len(self.experts):
@@ -227,13 +237,45 @@ class MoE(nn.Module):
             )
         else:
             xq = act_quant(x, num)
-            y = self._routed_torch(xq, weights, ids, num, frozenset() if job is None else job.cpu_experts)
+            skip = self.not_owned if job is None else self.not_owned | job.cpu_experts
+            if self.experts_split and job is None:
+                return self._split_experts(xq, weights, ids, num, skip)
+            y = self._routed_torch(xq, weights, ids, num, skip)
         if job is not None:
             y += job.wait(y.device)  # the CPU experts' bf16 sum, after the device ones
         if xq is None and not self.shared_experts.w1.quantizes_in_kernel(num):
             xq = act_quant(x, num)
+        if self.tp is not None:
+            return self._reduce(y, self.shared_experts(x if xq is None else xq, num, partial=True), num)
         y += self.shared_experts(x if xq is None else xq, num)  # fp32 += compute dtype: one launch, exact upcast
         return y.to(num.compute_dtype)
+
+    def _reduce(self, routed: torch.Tensor, shared: torch.Tensor, num: Numerics) -> torch.Tensor:
+        """Split over ranks: this rank's routed sum [N, D] fp32 and its shared-expert w2 partial [N, D] fp32,
+        summed over the ranks in one all-reduce of both; then, as unsplit, the shared expert's output cast to
+        the compute dtype and added to the routed sum in fp32. With expert parallelism (each rank's sum over its
+        own experts) this differs from one rank's only by the order of the routed sum. With the experts split on
+        the MXFP4 kernel (the torch path takes `_split_experts`), the kernel rounds each rank's partial of an
+        expert's output to bf16, where one rank rounds the whole output: there the difference is that rounding."""
+        assert self.tp is not None
+        both = self.tp.all_reduce_sum(torch.stack((routed, shared.float())), "MoE output (routed + shared)")
+        return (both[0] + both[1].to(num.compute_dtype)).to(num.compute_dtype)  # [N, D]
+
+    def _split_experts(
+        self, xq: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, num: Numerics, skip: frozenset[int]
+    ) -> torch.Tensor:
+        """Every expert split over the ranks (torch path): this rank's w2 partial of each (token, expert) pair
+        [N, k, D] fp32 and of the shared expert [N, D] fp32, summed over the ranks in one all-reduce; then each
+        pair cast to the compute dtype and summed in ascending expert order, the shared output cast and added,
+        as one rank does: equal to it up to the order of each w2 product's sum. k + 1 rows a token where the
+        routed sum alone would be one: the price of rounding each expert's output whole, as one rank does."""
+        assert self.tp is not None
+        pairs = self._routed_torch(xq, weights, ids, num, skip, partial=True)  # [N, k, D] fp32
+        shared = self.shared_experts(xq, num, partial=True).float()  # [N, D] fp32
+        both = torch.cat((pairs, shared[:, None]), dim=1)
+        total = self.tp.all_reduce_sum(both, "MoE output (routed + shared)").to(num.compute_dtype)
+        y = self._sum_pairs(total[:, :-1], ids)
+        return (y + total[:, -1]).to(num.compute_dtype)
 
     def _routed_kernel(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The routed experts' sum [N, D] fp32 by the grouped MXFP4 kernel (resident or cached experts)."""
@@ -260,6 +302,7 @@ class MoE(nn.Module):
         ids: torch.Tensor,
         num: Numerics,
         skip: frozenset[int] = frozenset(),
+        partial: bool = False,
     ) -> torch.Tensor:
         """The routed experts' sum [N, D] fp32, expert by expert in ascending order (resident or cached),
         but for `skip` (computed on the CPU, hybrid). x is already through `act_quant`.
@@ -267,13 +310,16 @@ class MoE(nn.Module):
         Only the GEMMs run per expert, on its (token, expert) pairs in token order; the work between them
         (SwiGLU, routing weight, w2's FP8 input: elementwise or per token) runs once over every pair, and
         each token's outputs are summed in ascending expert order: the values of an expert-by-expert loop,
-        in a number of ops that grows by 3 GEMMs, not ~35 ops, per expert used."""
+        in a number of ops that grows by 3 GEMMs, not ~35 ops, per expert used.
+
+        `partial` (experts split over ranks, `_split_experts`): each pair's w2 product uncast, [N, k, D] fp32 by
+        pair (the pairs of `skip` 0), not summed: the sum over the ranks comes first."""
         n_tokens, k = ids.shape
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         counts = torch.bincount(ids.flatten(), minlength=self.n_routed_experts).tolist()
         used = [e for e, count in enumerate(counts) if count and e not in skip]
         if not used:
-            return y
+            return y.unsqueeze(1).expand(-1, k, -1).contiguous() if partial else y
         order = ids.flatten().argsort(stable=True)  # [N * k] pairs n * k + j by expert, then by token
         pairs = order  # the pairs computed here: every pair but those of `skip`
         if sum(counts[e] for e in used) < order.numel():
@@ -286,10 +332,22 @@ class MoE(nn.Module):
         up = torch.cat([linear(xs[s], w3, num, True, x_quantized=True) for s, (_, w3, _) in zip(segments, dense)])
         act = swiglu(gate, up, self.swiglu_limit, weights.flatten().index_select(0, pairs)[:, None])
         act = act_quant(act.to(num.compute_dtype), num)  # w2's FP8 input (per token: the same for all at once)
-        out = torch.cat([linear(act[s], w2, num, True, x_quantized=True) for s, (_, _, w2) in zip(segments, dense)])
+        if partial:  # a row-parallel shard of w2: the product in w2's dtype, cast after the sum over the ranks
+            out = torch.cat([matmul(act[s].to(w2.dtype), w2, num) for s, (_, _, w2) in zip(segments, dense)])
+        else:
+            out = torch.cat([linear(act[s], w2, num, True, x_quantized=True) for s, (_, _, w2) in zip(segments, dense)])
         # back to pair order (pairs not computed here stay 0: adding +0.0 to a sum that starts at +0.0 is exact),
         # then each token's pairs by ascending expert, added one by one: no atomics, the loop's order
         by_pair = out.new_zeros(n_tokens * k, out.shape[1]).index_copy_(0, pairs, out).view(n_tokens, k, -1)
+        return by_pair if partial else self._sum_pairs(by_pair, ids, y)
+
+    @staticmethod
+    def _sum_pairs(by_pair: torch.Tensor, ids: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        """by_pair [N, k, D] (token n's pair j at [n, j]) -> [N, D] fp32: each token's pairs by ascending
+        expert, added one by one to y (zeros when not given)."""
+        n_tokens, k = ids.shape
+        if y is None:
+            y = torch.zeros(n_tokens, by_pair.shape[2], dtype=torch.float32, device=by_pair.device)
         rank = ids.argsort(dim=1, stable=True)  # [N, k]
         by_expert = by_pair.gather(1, rank[..., None].expand(-1, -1, by_pair.shape[2]))
         for j in range(k):

@@ -18,9 +18,10 @@ from dsv4serve.model.args import ModelArgs
 from dsv4serve.model.attention import Attention
 from dsv4serve.model.backends import KernelBackends
 from dsv4serve.model.batch import BatchLayout, HostStaging, build_layout
+from dsv4serve.model.compressor import Compressor
 from dsv4serve.model.hc import hc_head, hc_post, hc_pre
 from dsv4serve.model.kv_pool import KvPool, LayerCache, SequenceState
-from dsv4serve.model.layers import Linear, RMSNorm
+from dsv4serve.model.layers import Linear, RMSNorm, TensorParallel
 from dsv4serve.model.moe import MoE
 from dsv4serve.model.numerics import Numerics, matmul
 
@@ -161,6 +162,8 @@ class Transformer(nn.Module):
         n_mtp = args.n_mtp_layers if include_mtp else 0
         self.mtp = nn.ModuleList(MTPBlock(args.n_layers + j, args) for j in range(n_mtp))
         self._standalone_pools: dict[torch.dtype, KvPool] = {}
+        # split over ranks (dsv4serve/parallel/shard_model.py): embed / head then hold this rank's vocabulary rows
+        self.tp: TensorParallel | None = None
 
     def new_state(self, num: Numerics) -> SequenceState:
         """A sequence in this model's own growable pool, for direct use of the model (tests, benchmarks);
@@ -186,8 +189,9 @@ class Transformer(nn.Module):
         packed already (by the packed loader, model/packed_load.py) are left as they are. With the head
         kernel on Triton the head weight is held in bf16 when that is exact (a checkpoint stores it so),
         else it stays fp32 on torch, with a warning. The other kernels need no preparation;
-        `Numerics.backends` picks the path at each forward. The head on torch on the CPU is held K-major
-        (layers.Linear.hold_k_major: MKL's fast layout for it)."""
+        `Numerics.backends` picks the path at each forward. The compressors' fused [wkv; wgate] weights are
+        built here too. The head on torch on the CPU is held K-major (layers.Linear.hold_k_major: MKL's fast
+        layout for it)."""
         head = self.head.weight
         if backends.head == "torch" and head.device.type == "cpu":
             self.head.hold_k_major()
@@ -201,6 +205,8 @@ class Transformer(nn.Module):
                     head.dtype,
                 )
         for module in self.modules():
+            if isinstance(module, Compressor):
+                module.prepare()
             if (
                 backends.fp8_gemm == "triton"
                 and isinstance(module, Linear)
@@ -242,7 +248,7 @@ class Transformer(nn.Module):
         the sequences itself); the states are not touched. `picks` [M] int (packed token indices): the logits
         of exactly those tokens, as `last_logits` [M, vocab] (speculative verification); else every row's
         last token (or every token with `all_logits`)."""
-        h = self.embed(layout.token_ids).to(num.compute_dtype)
+        h = self._embed(layout.token_ids).to(num.compute_dtype)
         h = h.unsqueeze(1).expand(-1, self.args.hc_mult, -1).contiguous()  # [N, hc, D]
         for i, layer in enumerate(self.layers):
             h = layer(h, layout, pool.layers[i], num)
@@ -286,7 +292,7 @@ class Transformer(nn.Module):
         assert isinstance(block, MTPBlock)  # self.mtp holds only MTP blocks (ModuleList items are typed Module)
         if len(pool.layers) <= block.layer_id:
             raise ValueError("this KV pool holds no MTP layers")
-        e = self.embed(layout.token_ids).to(num.compute_dtype)
+        e = self._embed(layout.token_ids).to(num.compute_dtype)
         h = block.embed_inputs(hidden.to(num.compute_dtype), e, num)
         h = block(h, layout, pool.layers[block.layer_id], num)
         picked = h if all_logits else h.index_select(0, layout.last_token)
@@ -296,6 +302,17 @@ class Transformer(nn.Module):
             [h[s.begin : s.end] for s in layout.spans],
             None if all_logits else logits,
         )
+
+    def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """token_ids [N] -> [N, D] in the embedding's dtype. Split by vocabulary: each rank looks up the ids in
+        its rows, zeros for the others, and the all-reduce adds the one nonzero row to zeros (exact)."""
+        if self.tp is None:
+            return self.embed(token_ids)
+        rows = self.embed.weight.shape[0]
+        local = token_ids - self.tp.rank * rows
+        mine = (local >= 0) & (local < rows)
+        e = self.embed(local.clamp(0, rows - 1)).float().masked_fill(~mine[:, None], 0.0)
+        return self.tp.all_reduce_sum(e, "embedding (vocab-parallel)").to(self.embed.weight.dtype)
 
     def logits(
         self, h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm: RMSNorm, num: Numerics
@@ -308,8 +325,12 @@ class Transformer(nn.Module):
         if num.backends.head == "triton" and weight.dtype == torch.bfloat16:
             from dsv4_kernels.head_logits import head_logits, pick_block_m  # lazy, as for the other kernels
 
-            return head_logits(y, weight, block_m=pick_block_m(y.shape[0], num.batch_invariant))
-        return matmul(y, weight.float(), num)
+            out = head_logits(y, weight, block_m=pick_block_m(y.shape[0], num.batch_invariant))
+        else:
+            out = matmul(y, weight.float(), num)
+        if self.tp is None:
+            return out
+        return self.tp.all_gather(out, -1, "logits (vocab-parallel)")  # [M, vocab/T] -> [M, vocab] fp32
 
     @staticmethod
     def _split(logits: torch.Tensor, layout: BatchLayout, all_logits: bool) -> list[torch.Tensor]:

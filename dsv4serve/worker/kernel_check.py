@@ -72,6 +72,11 @@ def tiny_args() -> ModelArgs:
     return args_from_dicts({**TINY_CONFIG, "vocab_size": CHECK_VOCAB}, expert_dtype_hint="fp4")
 
 
+# the numerics a worker runs the Triton kernels in: batch invariance off (worker_numerics refuses Triton with
+# --batch-invariant), so the check runs the kernels' batched forms, the ones serving launches
+CHECK_NUMERICS = dataclasses.replace(NUMERICS_ON, batch_invariant=False)
+
+
 def _scenario(model: Transformer, num: Numerics) -> torch.Tensor:
     """Every logit row of a batched two-row prefill and DECODE_STEPS decode steps: [positions, vocab]."""
     device = model.embed.weight.device
@@ -122,11 +127,11 @@ def run_check(kernels: list[str], device: torch.device) -> list[Verdict]:
 
     model = random_model(tiny_args(), device, seed=0, include_mtp=False)
     model.use_kernels(KernelBackends.every("triton"))  # packed copies beside the dense weights: both paths run
-    want = _scenario(model, NUMERICS_ON)
+    want = _scenario(model, CHECK_NUMERICS)
     verdicts = []
     for kernel in kernels:
         alone: dict[str, Backend] = {kernel: "triton"}
-        num = dataclasses.replace(NUMERICS_ON, backends=KernelBackends(**alone))
+        num = dataclasses.replace(CHECK_NUMERICS, backends=KernelBackends(**alone))
         try:
             verdicts.append(_compare(kernel, _scenario(model, num), want))
         except Exception as exc:

@@ -27,7 +27,8 @@ def test_named_kernels():
 
 
 def test_every_kernel_passes_and_keeps_its_backend():
-    """Measured in the interpreter: each kernel alone agrees on 45/45 greedy tokens, mean gap <= 0.002."""
+    """Measured in the interpreter (batch invariance off, as served): each kernel alone agrees on 41/45 (hc) to
+    45/45 greedy tokens, mean gap <= 0.024 (bounds 0.5 and 0.25: kernel_check.py)."""
     verdicts = run_check(list(kernel_names()), CPU)
     assert [v.kernel for v in verdicts] == list(kernel_names()) and all(v.ok for v in verdicts), verdicts
     assert all("greedy" in v.detail for v in verdicts)

@@ -1,8 +1,9 @@
 """The model with its Triton kernels (interpreter, CPU) against the torch reference path, on dsv4-tiny.
 
 One scenario: two ragged rows batched together, a chunked prefill of two chunks, then three decode
-steps, in the numerics the engine uses (NUMERICS_ON: FP8 activations, FP8 KV, FP4 indexer, bf16
-between fp32 islands).
+steps, in the numerics a worker runs the kernels in (NUMERICS_ON: FP8 activations, FP8 KV, FP4 indexer,
+bf16 between fp32 islands; batch invariance off, as worker_numerics allows the Triton kernels only without
+--batch-invariant).
 
 Per kernel (a failure names the kernel and the layer): the scenario runs on the torch path while
 every attention, MoE and mHC call (hc_pre, hc_post, hc_head) is run a second time with that kernel on
@@ -47,11 +48,13 @@ CHUNKS = ((24, 16), (17, 16))  # each row's prefill chunks, run batched chunk by
 DECODE_STEPS = 3
 CACHE_FIELDS = ("entries", "pending_kv", "pending_score", "prev_kv", "prev_score")
 LAYER_TOL = 2.0**-6  # relative to the largest magnitude of the compared tensor: two to four bf16 ulps
-# whole run, every kernel on Triton (measured: 91% greedy agreement, mean gap 4% of the mean logit,
-# 84% of pool values equal; a wrong key, entry, expert or scale breaks all three)
+# whole run, every kernel on Triton (measured: 91% greedy agreement, mean gap 4% of the mean logit, 80% of pool
+# values equal; a wrong key, entry, expert or scale breaks all three)
 MIN_GREEDY_AGREEMENT = 0.8
 MAX_MEAN_LOGIT_GAP = 0.1  # relative to the mean |logit|
 MIN_POOL_EQUAL = 0.7  # a broken layer 0 leaves only never-written zeros and layer 0 equal (~30%)
+# the kernels' numerics in a worker (worker/model_load.worker_numerics refuses Triton with --batch-invariant)
+ENGINE = dataclasses.replace(NUMERICS_ON, batch_invariant=False)
 HC_OUTPUTS = {"hc_pre": ("x", "post", "comb"), "hc_post": ("new",), "hc_head": ("x",)}
 
 
@@ -135,7 +138,7 @@ def _shadowed_run(model: Transformer, backends: KernelBackends) -> dict[str, flo
     on the very same input (attention: on a copy of the layer's pool). Returns the largest gap of each
     (module, layer) output and pool. The torch result goes on, so a gap is one layer's own error, not
     an earlier layer's error amplified by the FP8 / FP4 roundings (see the module doc)."""
-    num = dataclasses.replace(NUMERICS_ON, backends=backends)
+    num = dataclasses.replace(ENGINE, backends=backends)
     gaps: dict[str, float] = {}
     attn_forward, moe_forward = Attention.forward, MoE.forward
 
@@ -170,7 +173,7 @@ def _shadowed_run(model: Transformer, backends: KernelBackends) -> dict[str, flo
 
     with patch.object(Attention, "forward", attention), patch.object(MoE, "forward", moe):
         with hc("hc_pre"), hc("hc_post"), hc("hc_head"):
-            _run(model, NUMERICS_ON)
+            _run(model, ENGINE)
     return gaps
 
 
@@ -195,8 +198,8 @@ def test_head_on_triton(tiny_model):
     and gives the fp32 product; only fp32 summation order differs from torch's fp32 matmul, so every
     logit of the whole scenario agrees within a few fp32 ulps of the largest."""
     assert tiny_model.head.weight.dtype == torch.bfloat16
-    ref_logits, _ = _run(tiny_model, NUMERICS_ON)
-    logits, _ = _run(tiny_model, dataclasses.replace(NUMERICS_ON, backends=KernelBackends(head="triton")))
+    ref_logits, _ = _run(tiny_model, ENGINE)
+    logits, _ = _run(tiny_model, dataclasses.replace(ENGINE, backends=KernelBackends(head="triton")))
     got, want = torch.cat(logits), torch.cat(ref_logits)
     assert got.dtype == torch.float32 and _gap(got, want) < 2.0**-18, _gap(got, want)
 
@@ -204,8 +207,8 @@ def test_head_on_triton(tiny_model):
 def test_all_kernels_on_triton(tiny_model):
     audit = FactoryAudit()
     with audit:  # both paths: every tensor they create must name its device (CUDA hygiene, checked on CPU)
-        ref_logits, ref_pool = _run(tiny_model, NUMERICS_ON)
-        logits, pool = _run(tiny_model, dataclasses.replace(NUMERICS_ON, backends=KernelBackends.every("triton")))
+        ref_logits, ref_pool = _run(tiny_model, ENGINE)
+        logits, pool = _run(tiny_model, dataclasses.replace(ENGINE, backends=KernelBackends.every("triton")))
     assert not audit.missing, f"tensors created without a device: {sorted(audit.missing)}"
     got, want = torch.cat(logits), torch.cat(ref_logits)
     agreement = (got.argmax(-1) == want.argmax(-1)).float().mean().item()

@@ -59,8 +59,9 @@ def _nbytes(model: Transformer) -> int:
 
 
 def _logits(model: Transformer, backends: KernelBackends) -> torch.Tensor:
-    """A 24-token prefill, then a greedy decode step (the kernels' M=1 paths): logit rows [25, vocab] fp32."""
-    num = dataclasses.replace(NUMERICS_ON, backends=backends)
+    """A 24-token prefill, then a greedy decode step (the kernels' M=1 paths): logit rows [25, vocab] fp32. Batch
+    invariance off: the numerics a worker runs the Triton kernels in (worker_numerics refuses them with it)."""
+    num = dataclasses.replace(NUMERICS_ON, backends=backends, batch_invariant=False)
     ids = torch.randint(0, model.args.vocab_size, (PROMPT_TOKENS,), generator=torch.Generator().manual_seed(3))
     state = model.new_state(num)
     rows = [model([BatchRow(ids, state)], num, all_logits=True).logits[0]]
@@ -178,8 +179,12 @@ def test_triton_and_torch_slot_cache_paths_agree_per_layer(ckpt):
     routes' summed magnitudes (per the reference on the layer's stacked bank experts) + 2^-8 relative."""
     model, cache = _offloaded(ckpt, 3, ram_layers=ckpt.args.n_layers + ckpt.args.n_mtp_layers)
     inputs = {}
+
+    def keep_first(m, args) -> None:  # returns None: a pre-hook's return value would replace the inputs
+        inputs.setdefault(m.layer_id, args)
+
     for block in model.layers:
-        block.ffn.register_forward_pre_hook(lambda m, args: inputs.setdefault(m.layer_id, args))
+        block.ffn.register_forward_pre_hook(keep_first)
     _logits(model, MIXED)
     num = dataclasses.replace(NUMERICS_ON, backends=MIXED)
     for layer, (x, token_ids, _) in inputs.items():
