@@ -36,6 +36,7 @@ HOST_CODE = {
     ("dsv4serve/experts/slot_cache.py", "resident"),
     ("dsv4serve/experts/staging.py", "layer_parts"),
     ("dsv4serve/worker/graphs.py", "_fill"),  # the bucket's pinned host buffer (its device copy: CUDA only)
+    ("dsv4serve/worker/spec_graphs.py", "fill"),  # the same for the speculative buckets
 }
 BOUNDARY = {"_boundary", "begin_step", "collect_usage"}  # slot_cache.py: once per step
 CORE = {"_attend_kernel", "_attend_row", "_store_window", "sparse_attention"}  # attention.py

@@ -29,6 +29,7 @@ def planned_expert_slots(
         max_model_len=Setting.from_wire(launch.max_model_len),
         max_prefill_length=Setting.from_wire(launch.max_prefill_length),
         enforce_eager=Setting.from_wire(launch.enforce_eager),
+        speculative_tokens=launch.speculative_tokens.value,
     )
     mtp = include_mtp(args, launch.speculative_tokens.value)
     plan = plan_memory(args, loaded_weight_bytes(specs, args, backends), machine, settings, mtp)

@@ -132,6 +132,7 @@ class PlanSettings:
     max_prefill_length: Setting[int | None]
     enforce_eager: Setting[bool] = Setting(False, Source.DEFAULT)  # off: decode graphs are captured (and planned)
     cpu_experts: bool = False  # --moe-backend hybrid (or auto with kt-kernel): host RAM holds kt-kernel's copy
+    speculative_tokens: int = 0  # --speculative-tokens: the verify steps' graphs grow the graph pool
 
     @classmethod
     def from_config(cls, cfg: Any) -> PlanSettings:
@@ -144,6 +145,7 @@ class PlanSettings:
             cfg.max_prefill_length,
             cfg.enforce_eager,
             plans_cpu_experts(cfg.moe_backend.value),
+            cfg.speculative_tokens.value,
         )
 
 
@@ -253,7 +255,7 @@ def plan_memory(
         f"budget {_g(budget)} = {_g(machine.gpu_bytes)} x {s.memory_ratio.value} (--memory-ratio, "
         f"{s.memory_ratio.source.value}); {_g(margin)} {machine.platform} margin is never planned"
     ]
-    graphs = 0 if s.enforce_eager.value else decode_graph_bytes(args, seqs, model_len)
+    graphs = 0 if s.enforce_eager.value else decode_graph_bytes(args, seqs, model_len, s.speculative_tokens)
     avail = budget - margin - resident - graphs
     if avail <= 0:
         raise ConfigError(
@@ -273,7 +275,8 @@ def plan_memory(
         "decode graphs: none (--enforce-eager)"
         if s.enforce_eager.value
         else f"decode graphs: {_g(graphs)} reserved for the CUDA graphs of decode batches up to {seqs} rows "
-        "(estimate: one forward of the largest bucket; captured before the chunk planner measures free memory)"
+        + (f"and their verify steps of up to {s.speculative_tokens} drafts " if s.speculative_tokens else "")
+        + "(estimate: one forward of the largest bucket; captured before the chunk planner measures free memory)"
     )
     r = _Reservations.make(args, weights, s, avail, include_mtp)
     cap = s.max_prefill_length

@@ -55,6 +55,12 @@ class SpecSave:
     carry: list[list[_CarrySave | None]]  # per layer: (comp, idx)
 
 
+def _index(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    """Host indices on the device without blocking the host (torch.tensor(..., device=cuda) is a blocking copy
+    from pageable memory: a host-device sync per call, seven per speculative step)."""
+    return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
+
+
 def max_spec_tokens(pool: KvPool, layers: range) -> int:
     """The most tokens one speculative forward may write and still roll back exactly: the smallest
     compression ratio and the window of those layers (see the module note)."""
@@ -66,7 +72,7 @@ def max_spec_tokens(pool: KvPool, layers: range) -> int:
 def _ring_index(rows: Sequence[SpecRow], window: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     slots = [r.slot for r in rows for _ in range(r.num_tokens)]
     pos = [(r.start + k) % window for r in rows for k in range(r.num_tokens)]
-    return torch.tensor(slots, device=device), torch.tensor(pos, device=device)
+    return _index(slots, device), _index(pos, device)
 
 
 def save(pool: KvPool, layers: range, rows: Sequence[SpecRow]) -> SpecSave:
@@ -74,7 +80,7 @@ def save(pool: KvPool, layers: range, rows: Sequence[SpecRow]) -> SpecSave:
     if any(r.num_tokens > limit for r in rows):
         raise ValueError(f"a speculative row writes more than {limit} tokens: its rollback would not be exact")
     dev = pool.device
-    slots = torch.tensor([r.slot for r in rows], device=dev)
+    slots = _index([r.slot for r in rows], dev)
     ring_slots, ring_pos = _ring_index(rows, pool.args.window_size, dev)
     ring, carry = [], []
     for i in layers:
@@ -100,9 +106,9 @@ def restore(saved: SpecSave, kept: Sequence[int]) -> None:
     if not rejected:
         return
     firsts = [sum(r.num_tokens for r in rows[:n]) for n in range(len(rows))]
-    flat = torch.tensor([firsts[n] + q - rows[n].start for n, _, q in rejected], device=dev)
-    slots = torch.tensor([slot for _, slot, _ in rejected], device=dev)
-    where = torch.tensor([q % window for _, _, q in rejected], device=dev)
+    flat = _index([firsts[n] + q - rows[n].start for n, _, q in rejected], dev)
+    slots = _index([slot for _, slot, _ in rejected], dev)
+    where = _index([q % window for _, _, q in rejected], dev)
     carry_index: dict[int, _CarryIndex] = {}  # by compression ratio: built once per step, not per layer
     for n, i in enumerate(saved.layers):
         layer = saved.pool.layers[i]
@@ -127,13 +133,9 @@ class _CarryIndex:
         cls, rejected: list[tuple[int, int, int]], ratio: int, slots: torch.Tensor, dev: torch.device
     ) -> _CarryIndex:
         closing = [(n, slot) for n, slot, q in rejected if q % ratio == ratio - 1]
-        prev = (
-            (torch.tensor([n for n, _ in closing], device=dev), torch.tensor([s for _, s in closing], device=dev))
-            if closing
-            else (None, None)
-        )
-        row = torch.tensor([n for n, _, _ in rejected], device=dev)
-        pending = torch.tensor([q % ratio for _, _, q in rejected], device=dev)
+        prev = (_index([n for n, _ in closing], dev), _index([s for _, s in closing], dev)) if closing else (None, None)
+        row = _index([n for n, _, _ in rejected], dev)
+        pending = _index([q % ratio for _, _, q in rejected], dev)
         return cls(row, slots, pending, *prev)
 
 

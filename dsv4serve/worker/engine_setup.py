@@ -32,6 +32,7 @@ from dsv4serve.worker.model_load import (
 )
 from dsv4serve.worker.runner import Runner
 from dsv4serve.worker.scheduler import Scheduler, SchedulerLimits, sequence_slots
+from dsv4serve.worker.spec_graphs import SpecGraphs
 from dsv4serve.worker.speculative import Drafter
 
 log = logging.getLogger("dsv4serve.worker")
@@ -77,7 +78,10 @@ def build_engine(launch: WorkerLaunch) -> EngineParts:
     hybrid = cpu_experts_of(model)
     # decode steps captured as CUDA graphs: not with --enforce-eager, nor in hybrid mode (it syncs per layer)
     capture = device.type == "cuda" and not launch.enforce_eager.value and hybrid is None
-    graph_reserve = decode_graph_bytes(args, launch.max_num_seqs.value, launch.max_model_len.value) if capture else 0
+    n_spec = launch.speculative_tokens.value
+    graph_reserve = (
+        decode_graph_bytes(args, launch.max_num_seqs.value, launch.max_model_len.value, n_spec) if capture else 0
+    )
     page = args.page_tokens
     # the reference attention materializes [T, H, keys] scores: the chunk's cost grows with its square
     geometry = prefill_geometry(
@@ -114,10 +118,26 @@ def build_engine(launch: WorkerLaunch) -> EngineParts:
         limits.num_prefix_slots,
         pool.num_bytes / 2**20,
     )
-    graphs = None
+    graphs, spec_graphs = None, None
     if capture:
         # the decode step captured per batch bucket; padding rows use the pool's last slot and page. Before the
-        # chunk planner measures free memory, so that the chunk never counts on what the graphs' pool holds
+        # chunk planner measures free memory, so that the chunk never counts on what the graphs' pool holds.
+        # With --speculative-tokens, the verify and draft-chain buckets first (the largest), in the same pool
+        mempool = torch.cuda.graph_pool_handle()
+        if n_spec > 0:
+            spec_graphs = SpecGraphs(
+                model,
+                pool,
+                numerics,
+                limits.max_running,
+                max_len,
+                n_spec,
+                pool.num_slots - 1,
+                pool.num_pages - 1,
+                capture=True,
+                expert_cache=expert_cache,
+                mempool=mempool,
+            )
         graphs = DecodeGraphs(
             model,
             pool,
@@ -128,6 +148,7 @@ def build_engine(launch: WorkerLaunch) -> EngineParts:
             pool.num_pages - 1,
             capture=True,
             expert_cache=expert_cache,
+            mempool=mempool,
         )
     planner_limits = PlannerLimits(Setting.from_wire(launch.max_prefill_length), usable, max_len)
     ratio = launch.memory_ratio.value
@@ -152,7 +173,7 @@ def build_engine(launch: WorkerLaunch) -> EngineParts:
         geometry.activation_bytes_per_token,
         grammars,
         graphs=graphs,
-        drafter=_drafter(model, pool, numerics, launch.speculative_tokens.value),
+        drafter=_drafter(model, pool, numerics, n_spec, spec_graphs),
     )
     ready = Ready(
         device=device.type,
@@ -169,8 +190,7 @@ def build_engine(launch: WorkerLaunch) -> EngineParts:
         sequence_slots=pool.num_slots,
         decode_graphs=HYBRID_EAGER
         if hybrid is not None and device.type == "cuda"
-        else _graphs_line(graphs, launch, device, graph_reserve)
-        + _speculative_note(launch.speculative_tokens.value, graphs),
+        else _graphs_line(graphs, launch, device, graph_reserve) + _speculative_note(n_spec, graphs, spec_graphs),
     )
     return EngineParts(Scheduler(limits), runner, ChunkState(plan), ready, expert_cache)
 
@@ -222,19 +242,26 @@ def _probe(model: Transformer, pool: KvPool, numerics: Numerics, device: torch.d
     return run
 
 
-def _drafter(model: Transformer, pool: KvPool, numerics: Numerics, n_tokens: int) -> Drafter | None:
+def _drafter(
+    model: Transformer, pool: KvPool, numerics: Numerics, n_tokens: int, spec_graphs: SpecGraphs | None
+) -> Drafter | None:
     if n_tokens <= 0:
         return None
-    log.info("speculative decoding: %d MTP draft token(s) per step (greedy requests; verify steps run eager)", n_tokens)
-    return Drafter(model, pool, numerics, n_tokens)
+    how = "verify steps and the draft chain replay CUDA graphs" if spec_graphs is not None else "eager"
+    log.info("speculative decoding: %d MTP draft token(s) per step (%s)", n_tokens, how)
+    return Drafter(model, pool, numerics, n_tokens, spec_graphs)
 
 
-def _speculative_note(n_tokens: int, graphs: DecodeGraphs | None) -> str:
-    """Steps of speculating requests (drafting, verifying) run eager: no graph is captured for them."""
+def _speculative_note(n_tokens: int, graphs: DecodeGraphs | None, spec_graphs: SpecGraphs | None) -> str:
+    """What runs of the steps of speculating requests: the verify steps whose rows all carry n drafts and the
+    draft chain replay graphs per (bucket, n) and per bucket; mixed steps and the MTP catch-up run eager."""
     if n_tokens <= 0:
         return ""
-    eager = "; those steps run eager (no decode graph)" if graphs is not None else ""
-    return f"; --speculative-tokens {n_tokens}: MTP drafts verified per step{eager}"
+    if spec_graphs is not None:
+        how = f"; {spec_graphs.report.describe()} (mixed steps and the MTP catch-up eager)"
+    else:
+        how = "; those steps run eager (no graph)" if graphs is not None else ""
+    return f"; --speculative-tokens {n_tokens}: MTP drafts verified per step{how}"
 
 
 def _graphs_line(graphs: DecodeGraphs | None, launch: WorkerLaunch, device: torch.device, planned: int) -> str:

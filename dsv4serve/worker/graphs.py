@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from dsv4serve.experts.slot_cache import ExpertSlotCache
+from dsv4serve.memory.graph_memory import batch_buckets
 from dsv4serve.model.batch import BatchLayout, RowSpan
 from dsv4serve.model.kv_pool import KvPool
 from dsv4serve.model.numerics import Numerics
@@ -32,12 +33,8 @@ log = logging.getLogger("dsv4serve.worker")
 
 
 def bucket_sizes(max_rows: int) -> tuple[int, ...]:
-    """1, 2, 4, 8, ... below max_rows, then max_rows itself."""
-    sizes, n = [], 1
-    while n < max_rows:
-        sizes.append(n)
-        n *= 2
-    return (*sizes, max_rows)
+    """1, 2, 4, 8, ... below max_rows, then max_rows itself (the list the graph memory plan sums over)."""
+    return tuple(batch_buckets(max_rows))
 
 
 @dataclass
@@ -78,6 +75,7 @@ class DecodeGraphs:
         capture: bool,
         expert_cache: ExpertSlotCache | None = None,
         sizes: tuple[int, ...] | None = None,
+        mempool: Any = None,
     ):
         self.model, self.pool, self.numerics = model, pool, numerics
         self.expert_cache = expert_cache
@@ -85,7 +83,7 @@ class DecodeGraphs:
         self.width = -(-max_model_len // pool.page_tokens)
         self.max_end, self.pad_slot, self.pad_page = max_model_len, pad_slot, pad_page
         self.buckets = {n: self._bucket(n) for n in (sizes or bucket_sizes(max_rows))}
-        self.report = self._capture() if capture else GraphReport(tuple(self.buckets), False, 0.0, 0)
+        self.report = self._capture(mempool) if capture else GraphReport(tuple(self.buckets), False, 0.0, 0)
 
     @property
     def max_rows(self) -> int:
@@ -152,11 +150,12 @@ class DecodeGraphs:
         assert out.last_logits is not None
         return out.last_logits[: len(entries)]
 
-    def _capture(self) -> GraphReport:
-        """Capture every bucket's forward (largest first, so the smaller ones reuse its memory pool)."""
+    def _capture(self, mempool: Any = None) -> GraphReport:
+        """Capture every bucket's forward (largest first, so the smaller ones reuse its memory pool); `mempool`:
+        a pool the speculative steps' graphs (worker/spec_graphs.py), captured first, already use."""
         t0 = time.monotonic()
         before = torch.cuda.memory_allocated(self.device)
-        mempool = torch.cuda.graph_pool_handle()
+        mempool = mempool if mempool is not None else torch.cuda.graph_pool_handle()
         for size in sorted(self.buckets, reverse=True):
             b = self.buckets[size]
             stream = torch.cuda.Stream(self.device)

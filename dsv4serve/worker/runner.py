@@ -68,8 +68,11 @@ class Runner:
         self.sampler_staging = HostStaging(device)  # the sampler's parameters: one more, also from pinned memory
         self.reader = HostReader(device)  # the sampled tokens (and logprobs): one copy back, the step's one wait
         self.graphs = graphs  # decode steps on static buffers (CUDA graphs), or None: every step eager
-        # speculative decoding (--speculative-tokens N > 0): the MTP drafter; steps that draft run eager
+        # speculative decoding (--speculative-tokens N > 0): the MTP drafter; its static buffers (worker/spec_graphs.py)
+        # run the verify steps whose rows all carry n drafts, the other steps that draft run eager
         self.drafter = drafter
+        self.spec_graphs = drafter.graphs if drafter is not None else None
+        self.eager_drafting_steps = 0  # steps of speculating requests that ran eager (mixed rows, prefill, no bucket)
         self.draft_probs: dict[str, torch.Tensor] = {}  # sampled requests' q [N, V] of their pending drafts
         # structured output: compiled grammars (built on first use; the bundled tokenizer unless given)
         self.grammars = grammars or GrammarBook("", model.args.vocab_size, eos_token_id)
@@ -256,7 +259,10 @@ class Runner:
             assert self.graphs is not None
             entries = [(r.token_ids[0], st.num_tokens, st.slot, st.pages) for r, st in zip(plan.rows, states)]
             out = ForwardOutput([], last_logits=self.graphs.run(entries))
+        elif drafting and self._verify_replays(plan, wants):
+            out, saved = self._verify_static(plan, states)
         else:
+            self.eager_drafting_steps += drafting
             out, saved = self._forward(plan, states, wants, drafting)
         for st, r in zip(states, plan.rows):
             st.num_tokens += len(r.token_ids)
@@ -275,6 +281,28 @@ class Runner:
         first = {rid: t[0] for rid, t in tokens.items()}
         more = {rid: t[1:] for rid, t in tokens.items() if len(t) > 1}
         return StepOutput(first, prompt_lps, more, drafts)
+
+    def _verify_replays(self, plan: StepPlan, wants: list[int]) -> bool:
+        """A verify step whose rows all carry the same n > 0 drafts (no prompt logprobs) that a verify bucket
+        holds runs on its static buffers (worker/spec_graphs.py); steps with rows of other lengths run eager."""
+        n = plan.rows[0].num_draft_tokens
+        return (
+            self.spec_graphs is not None
+            and not wants
+            and n > 0
+            and all(r.num_draft_tokens == n and len(r.token_ids) == n + 1 for r in plan.rows)
+            and self.spec_graphs.verify_bucket(len(plan.rows), n) is not None
+        )
+
+    def _verify_static(self, plan: StepPlan, states: list[SequenceState]) -> tuple[ForwardOutput, rollback.SpecSave]:
+        """The verify step on static buffers: what the drafts will overwrite is saved first, for the real rows
+        only (padding rows write the padding slot and page alone: nothing to save or restore)."""
+        assert self.spec_graphs is not None
+        rows = [rollback.SpecRow(st.slot, st.num_tokens, len(r.token_ids)) for r, st in zip(plan.rows, states)]
+        saved = rollback.save(self.pool, range(self.model.args.n_layers), rows)
+        entries = [(r.token_ids, st.num_tokens, st.slot, st.pages) for r, st in zip(plan.rows, states)]
+        logits, hidden = self.spec_graphs.run_verify(entries)
+        return ForwardOutput([], hidden, logits), saved
 
     def _forward(
         self, plan: StepPlan, states: list[SequenceState], wants: list[int], drafting: bool

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from dsv4serve.model.batch import HostStaging
-from dsv4serve.worker.sampler_inputs import SamplingRow, TokenMask, pack_inputs
+from dsv4serve.worker.sampler_inputs import SamplerInputs, SamplingRow, TokenMask, pack_inputs
 from dsv4serve.worker.sampling import _truncate, apply_inputs
 
 __all__ = ["SpecDecodeStats", "SpecOutput", "SpecRandomness", "draft_tokens", "draw_randomness", "history_dependent"]
@@ -109,12 +109,17 @@ def processed_probs(
 
 
 def _processed(
-    logits: torch.Tensor, rows: Sequence[SamplingRow], token_mask: TokenMask | None, staging: HostStaging | None
+    logits: torch.Tensor,
+    rows: Sequence[SamplingRow],
+    token_mask: TokenMask | None,
+    staging: HostStaging | None,
+    inputs: SamplerInputs | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(probs [M, V] fp32, greedy [M] bool or None when no row is greedy); the greedy flags come from the
-    sampler parameters' one copy, not a copy of their own."""
+    sampler parameters' one copy, not a copy of their own. `inputs`: the rows' parameters already packed."""
     work = logits.float().clone()  # [M, V] fp32, modified in place stage by stage
-    inputs = pack_inputs(rows, work.shape[1], work.device, token_mask, staging)
+    if inputs is None:
+        inputs = pack_inputs(rows, work.shape[1], work.device, token_mask, staging)
     apply_inputs(work, inputs)
     one_hot = torch.zeros_like(work).scatter_(1, work.argmax(dim=-1, keepdim=True), 1.0)
     if inputs.all_greedy:
@@ -233,12 +238,15 @@ def draft_tokens(
     rows: Sequence[SamplingRow],
     generator: torch.Generator | None = None,
     staging: HostStaging | None = None,
+    inputs: SamplerInputs | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The drafter's draw: draft_logits [R, V] (the MTP block's, one position per row) -> (d [R] int64, q [R, V]
     fp32), q processed as the target is (so that q is close to p), d ~ q with each seeded row's own generator.
     Greedy rows draft the argmax and take no randomness. Rows with history-dependent processing should pass the
-    history up to this draft (`position_rows`)."""
-    q, greedy = _processed(draft_logits, rows, None, staging)
+    history up to this draft (`position_rows`). `inputs`: the rows' sampler parameters packed once
+    (`pack_inputs`), reused by a draft chain whose rows' processing does not depend on their history: no host
+    work and no copy between its drafts."""
+    q, greedy = _processed(draft_logits, rows, None, staging, inputs)
     if greedy is not None and all(row.params.is_greedy for row in rows):
         return q.argmax(dim=-1), q
     noise = torch.empty_like(q)

@@ -288,6 +288,30 @@ def test_decode_graphs_are_reserved_before_the_kv_and_eager_frees_them(real):
     )
 
 
+def test_speculative_verify_graphs_grow_the_graph_reserve(real):
+    """--speculative-tokens N: the largest captured forward is the verify step of 32 rows x (N + 1) tokens, and
+    every verify bucket (rows 1, 2, 4, .., 32 x n = 1..N) and MTP chain bucket keeps its logits (fp32) and
+    streams ([hc, D] bf16) alive: counted from the buckets by hand here."""
+    args, w = real
+    machine = Machine(int(139 * GIB), None, "native")
+    n, rows = 3, [1, 2, 4, 8, 16, 32]
+    geometry = prefill_geometry(args, 65536, 32 * (n + 1))
+    working = 32 * (n + 1) * math.ceil(geometry.activation_bytes_per_token * GEOMETRY_SAFETY_FACTOR)
+    kept_tokens = sum(r * (k + 1) for r in rows for k in (1, 2, 3)) + sum(rows)  # verify buckets, chain buckets
+    expected = working + geometry.fixed_bytes + kept_tokens * (args.vocab_size * 4 + args.hc_mult * args.dim * 2)
+    assert decode_graph_bytes(args, 32, 65536, n) == expected > decode_graph_bytes(args, 32, 65536)
+    assert decode_graph_bytes(args, 32, 65536, 0) == decode_graph_bytes(args, 32, 65536)
+    assert 100 * MIB < expected < 2 * GIB  # ~ 0.5 GiB: what a verify bucket pool costs on the real model
+    spec = plan_memory(args, w, machine, dataclasses.replace(settings(args, max_model_len=65536), speculative_tokens=n))
+    plain = plan_memory(args, w, machine, settings(args, max_model_len=65536))
+    assert spec.decode_graph_bytes == expected
+    # the larger reserve comes out of what the cache of experts and the KV may use
+    assert spec.expert_slots * spec.expert_slot_bytes + spec.kv_cache_bytes < (
+        plain.expert_slots * plain.expert_slot_bytes + plain.kv_cache_bytes
+    )
+    assert any("verify steps of up to 3 drafts" in d for d in spec.decisions)
+
+
 def test_hybrid_cpu_experts_capture_no_decode_graphs(real):
     args, w = real
     machine = Machine(32 * GIB, 128 * GIB, "native")
