@@ -18,7 +18,7 @@
 (tests/unit/test_bench_gpu_check.py runs it), and measures nothing worth keeping. The exit status is
 1 when any row is not OK.
 
-    python bench/gpu_check.py [--repeats 20] [--budget-s 420] [--only SUBSTR] [--json PATH]
+    python bench/gpu_check.py [--repeats 20] [--budget-s 420] [--only SUBSTR] [--module NAME] [--json PATH]
     python bench/gpu_check.py --cpu-smoke
 """
 
@@ -199,6 +199,17 @@ def format_rows(rows: list[Row]) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
+def write_json(path: Path, title: str, ceilings: dict[str, float], rows: list[Row], per_module, notes) -> None:
+    payload = {
+        "device": title,
+        "ceilings": ceilings,
+        "rows": [asdict(r) for r in rows],
+        "rows_per_module": per_module,
+        "notes": notes,
+    }
+    path.write_text(json.dumps(payload, indent=2))
+
+
 def main() -> int:
     """Exit status 1 when any case is not OK (a failed check, an error or a skip)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -207,6 +218,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--budget-s", type=float, default=420.0, help="skip the cases that would start later")
     parser.add_argument("--only", help="run only the cases whose name contains this")
+    parser.add_argument("--module", action="append", help="run only this module of gpu_cases/ (repeatable)")
     parser.add_argument("--json", type=Path, help="write the numbers here")
     opts = parser.parse_args()
     if opts.cpu_smoke:
@@ -223,24 +235,19 @@ def main() -> int:
     rows: list[Row] = []
     notes: list[str] = []
     rows_per_module: dict[str, int] = {}
+    title = torch.cuda.get_device_name() if device.type == "cuda" else "CPU smoke run (numbers mean nothing)"
+    print(f"{title}: ceilings {ceilings}", flush=True)
     for name in discover(CASES_DIR):
+        if opts.module and name not in opts.module:
+            continue
+        t0, seen = time.monotonic(), len(notes)
         module_rows = run_module(name, device, ceilings, opts, deadline, notes)
         rows += module_rows
         rows_per_module[name] = len(module_rows)
-    title = torch.cuda.get_device_name() if device.type == "cuda" else "CPU smoke run (numbers mean nothing)"
-    if opts.json:
-        opts.json.write_text(
-            json.dumps(
-                {
-                    "device": title,
-                    "ceilings": ceilings,
-                    "rows": [asdict(r) for r in rows],
-                    "rows_per_module": rows_per_module,
-                    "notes": notes,
-                },
-                indent=2,
-            )
-        )
+        # each module's rows and notes as soon as they exist: a run cut off by its limit keeps what it did
+        print(f"\n[{name}: {time.monotonic() - t0:.0f} s]", *notes[seen:], format_rows(module_rows), sep="\n")
+        if opts.json:
+            write_json(opts.json, title, ceilings, rows, rows_per_module, notes)
     print(
         f"\n{title}: copy {ceilings['copy_GBps']:.0f} GB/s, bf16 matmul {ceilings['matmul_TFLOPs']:.1f} TFLOP/s "
         f"(measured ceilings); times are medians of {opts.repeats}; 'vs baseline' = baseline time / run time"

@@ -1,8 +1,14 @@
 #!/usr/bin/env bash
 # One lent GPU's checks, as one command (the device tool runs it from the repository root).
 #
-# Run there, with a timeout_s of 540 (gpu_check stops starting cases after 420 s), nothing to carry:
+# Run there, with a timeout_s of 540 (gpu_check stops starting cases after 420 s, BUDGET_S), carrying .whl:
 #   bash bench/gpu_session.sh
+# The device image lacks msgspec (the typed messages that memory/ and experts/ import): fetch its wheel here
+# first (the device tool's README, "Notes"; `echo /.whl/ >> .git/info/exclude`), for CPython 3.12:
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_17_x86_64 -d .whl msgspec==0.23.0
+# and the script installs every wheel in .whl into /tmp/site. The grammar library, the tokenizer and the
+# HTTP stack are not needed by any case (the sampler imports xgrammar at its first constrained row).
 # The real-dimension cases read DeepSeek-V4-Flash's config.json from tests/data, which is part of the
 # repository the device machine receives; DSV4_REAL_CONFIG_DIR, when set, names another folder.
 # What it needs there is what the device image holds (torch, triton, numpy, tqdm); nothing is
@@ -16,6 +22,11 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-/tmp}"
 export PYTHONPATH="$PWD:$PWD/kernels${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "could not install the carried wheels"; exit 2; }
+  export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
 export DSV4_REAL_CONFIG_DIR="${DSV4_REAL_CONFIG_DIR:-$PWD/tests/data/DeepSeek-V4-Flash}"
 [ -f "$DSV4_REAL_CONFIG_DIR/config.json" ] || { echo "no $DSV4_REAL_CONFIG_DIR/config.json"; exit 2; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu_check.log"

@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import xgrammar as xgr
 
 from dsv4serve.model.batch import HostStaging
 from dsv4serve.worker.row_argmax import argmax_without, row_argmax
@@ -186,6 +185,10 @@ def _apply_bitmask(work: torch.Tensor, x: SamplerInputs) -> None:
     tensor (a list would be one more blocking copy); the CPU kernel reads a list (a tensor: a `tolist`)."""
     if x.bitmask is None or x.constrained_rows is None:
         return
+    # imported here, at the first constrained row: the sampler itself needs no grammar library (the GPU
+    # checks run it on machines without one)
+    import xgrammar as xgr
+
     if work.device.type != "cuda":
         xgr.apply_token_bitmask_inplace(work, x.bitmask, vocab_size=work.shape[1], indices=list(x.constrained))
         return

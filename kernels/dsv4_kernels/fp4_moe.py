@@ -212,6 +212,8 @@ def fp4_moe_gemm(
     quant_out: bool = False,
     slots: tuple[torch.Tensor, ...] | None = None,  # (w, w_scale) or, gate/up, (w1, w1_scale, w3, w3_scale)
     slot_of_expert: torch.Tensor | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """One grouped GEMM launch. `a`: e4m3 [rows, K] with fp32 `a_scale` [rows, ceil(K/128)], or bf16 /
     fp32 with a_scale None (quantized in the kernel); w packed [E, N, K/2], w_scale e8m0 [E, N, K/32].
@@ -219,7 +221,8 @@ def fp4_moe_gemm(
     (bf16 values; fp32 storage when interpreting), or with `quant_out` (gate/up, block_n 128) the FP8
     pair (e4m3 [num_routes, N], fp32 [num_routes, ceil(N/128)]). `out` / `out_scale` (row strides
     free) receive the stores. `slots` (w, w_scale, w3, w3_scale [S, ...], as the weights) with
-    `slot_of_expert` [E] int32: the second weight source (module doc)."""
+    `slot_of_expert` [E] int32: the second weight source (module doc). `num_warps` / `num_stages`: Triton's
+    launch options instead of LAUNCH_OPTIONS' and Triton's default (bench/gpu_fp4_sweep.py times the choices)."""
     e_, n, half_k = w.shape
     k = a.shape[1]
     if k % 32 or half_k * 2 != k or tuple(w_scale.shape) != (e_, n, k // 32):
@@ -286,7 +289,8 @@ def fp4_moe_gemm(
         EVEN_K=k % block_k == 0,
         DOT_FP32=interpreting(),
         ROUND_BITS=interpreting(),
-        num_warps=_num_warps(gate_up, block_m),
+        num_warps=num_warps or _num_warps(gate_up, block_m),
+        **({"num_stages": num_stages} if num_stages else {}),
     )
     return (out, out_scale) if quant_out else out
 
@@ -334,8 +338,11 @@ def _sm_major(device_index: int) -> int:
 
 
 def _num_warps(gate_up: bool, block_m: int) -> int:
-    """LAUNCH_OPTIONS below: 8 for the 64-row gate/up tile (two [128, 64] fp32 accumulators), else 4."""
-    return 8 if gate_up and block_m >= 64 else 4
+    """LAUNCH_OPTIONS below: 8 for the gate/up tiles (two weight tiles dequantized a step: at batch-1 decode on
+    an H200, bench/gpu_fp4_sweep.py, 8 warps took 183 us where 4 took 258, the best of BLOCK_K 32 / 64 / 128
+    and 2-4 stages; the 64-row prefill tile holds two [128, 64] fp32 accumulators), 4 for the down GEMM
+    (8 were slower there at every tile)."""
+    return 8 if gate_up else 4
 
 
 def fp4_moe(

@@ -25,15 +25,17 @@ One kernel, three forms (MODE), as one launch each:
 
 Why this layout: the mixes are a [N, 16384] x [16384, 24] product, memory-bound on h (32 KiB a token)
 but fn (1.5 MiB) is read by every program, from L2. Tokens per program trade fn's L2 traffic against
-spreading the work over the SMs (pick_block_n): one token per program for decode batches (the fn tile
-times the token's row on the FMA units; N programs share fn in L2, and one program's time is its SM
-streaming 1.5 MiB of fn, which no tokens-per-program choice shortens), 16 or 64 tokens per program
-with tl.dot above that, cutting fn's reads to 96 or 24 KiB a token. A bf16 h times fp32 fn goes on
-the tensor cores as three bf16 products, fn = hi + mid + lo split exactly in registers (as
-head_logits does with y): every product is exact and the sum is fp32. fp32 h takes an fp32 "ieee"
-dot. Splitting K over programs would shorten the decode time (each program then streams a slice of
-fn) but needs a second launch or a zeroed semaphore that outlives the call, to merge the partial
-sums: left for when a GPU measures it.
+spreading the work over the SMs (pick_block_n): one token per program for decode batches, 16 or 64
+tokens per program with tl.dot above that, cutting fn's reads to 96 or 24 KiB a token.
+Decode batches split K (PHASE, pick_splits): one SM streaming all of fn's 1.5 MiB took 62 us a call on
+an H200 (bench/gpu_profile.py: 28% of a batch-1 decode step), so up to DECODE_TOKENS tokens run two
+launches: PHASE 1, a program per (token, SPLIT_K = 256 values of the flat row), writes the token's partial
+mixes and sum of squares [N, splits, 2 hcp^2 + 1] (fp32); PHASE 2, a program per token, sums them in a
+fixed order (split by split, whatever N is: batch invariant) and goes on as the one-launch form does
+(PHASE 0). Measured there: the mHC kernels of a 2-layer batch-1 step went from 560 to 69 us.
+Blocks: a bf16 h times fp32 fn goes on the tensor cores as three bf16 products, fn = hi + mid + lo
+split exactly in registers (as head_logits does with y): every product is exact and the sum is fp32.
+fp32 h takes an fp32 "ieee" dot.
 
 Under the Triton interpreter bf16 tiles are upcast right after the load and the dots run in fp32
 (toolchain.md); its fp32 -> bf16 cast truncates, so the wrapper has the kernel round to nearest even
@@ -56,6 +58,11 @@ NUM_WARPS = 4
 NUM_STAGES = 3
 # BLOCK_N -> (BLOCK_K of the mixes loop, BLOCK_D of the x loop): ~4K fp32 values a tile (32 a thread)
 TILES = {1: (128, 1024), 16: (64, 64), 64: (64, 16)}
+PHASE_WHOLE, PHASE_PARTIAL, PHASE_FINISH = 0, 1, 2  # one launch; the split-K sums; the rest from them
+DECODE_TOKENS = 64  # up to this many tokens, one token a program on a GPU (pick_block_n), K split (pick_splits)
+SPLIT_K = 256  # flat-row values a PHASE 1 program sums (two fn tiles of TILES[1]'s 128): 64 splits at K = 16384
+SPLIT_CHUNK = 16  # partial rows PHASE 2 adds per step
+_SPLIT_K, _SPLIT_CHUNK = tl.constexpr(SPLIT_K), tl.constexpr(SPLIT_CHUNK)  # the kernels' view of the two
 
 
 def interpreting() -> bool:
@@ -123,6 +130,54 @@ def _mix_sums(
 
 
 @triton.jit
+def _partial_sums(
+    h_ptr, fn_ptr, part_ptr, N, D, stride_hn, stride_qn, HC, HCP, MODE,
+    BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """PHASE 1, program (token block b, split s): the mixes and the sums of squares of BLOCK_N tokens over
+    the flat-row values s SPLIT_K .. (s + 1) SPLIT_K - 1 -> part[n, s, :2 HCP^2] and part[n, s, 2 HCP^2]
+    (on the FMA units: a GPU runs one token a program; the interpreter's blocks of 16 save Python time)."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    n64 = offs_n.to(tl.int64)
+    s = tl.program_id(1)
+    K = HC * D
+    row, col_ok = _mix_columns(HC, HCP, MODE)
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_N, 2 * HCP * HCP), dtype=tl.float32)
+    sq = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for i in tl.static_range(SPLIT_K // BLOCK_K):
+        kk = s * SPLIT_K + i * BLOCK_K + offs_k
+        k_ok = kk < K
+        h = tl.load(h_ptr + n64[:, None] * stride_hn + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        h = h.to(tl.float32)
+        f = tl.load(fn_ptr + row[None, :] * K + kk[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc += tl.sum(h[:, :, None] * f[None, :, :], axis=1)
+        sq += h * h
+    base = part_ptr + n64[:, None] * stride_qn + s * (2 * HCP * HCP + 1)  # [BN, 1]
+    tl.store(base + tl.arange(0, 2 * HCP * HCP)[None, :], acc, mask=n_ok[:, None])
+    tl.store(base + 2 * HCP * HCP, tl.sum(sq, axis=1)[:, None], mask=n_ok[:, None])
+
+
+@triton.jit
+def _sum_partials(part_ptr, offs_n, n_ok, stride_qn, n_splits, HCP, BLOCK_N: tl.constexpr, SPLIT_CHUNK: tl.constexpr):
+    """PHASE 2: the partial rows of the program's tokens summed split by split (a fixed order) ->
+    (mixes [BLOCK_N, 2 HCP^2], sum of squares [BLOCK_N])."""
+    cols = tl.arange(0, 2 * HCP * HCP)
+    offs_s = tl.arange(0, SPLIT_CHUNK)
+    n64 = offs_n.to(tl.int64)
+    acc = tl.zeros((BLOCK_N, 2 * HCP * HCP), dtype=tl.float32)
+    sumsq = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for s0 in range(0, n_splits, SPLIT_CHUNK):
+        s_ok = offs_s < n_splits - s0
+        rows = part_ptr + n64[:, None] * stride_qn + (s0 + offs_s)[None, :] * (2 * HCP * HCP + 1)  # [BN, SC]
+        ok = n_ok[:, None] & s_ok[None, :]
+        acc += tl.sum(tl.load(rows[:, :, None] + cols[None, None, :], mask=ok[:, :, None], other=0.0), axis=1)
+        sumsq += tl.sum(tl.load(rows + 2 * HCP * HCP, mask=ok, other=0.0), axis=1)
+    return acc, sumsq
+
+
+@triton.jit
 def _sinkhorn(logits, valid, n_iters, eps):
     """[BN, HCP, HCP] logits (entries outside `valid` ignored, returned 0): a softmax over each row,
     + eps, a column normalization, then n_iters - 1 rounds of row and column normalization."""
@@ -160,13 +215,16 @@ def _collapse(pre, offs_n, n_ok, h_ptr, x_ptr, D, stride_hn, stride_xn, HC, HCP,
 
 @triton.jit
 def _pre_or_head(
-    h_ptr, fn_ptr, scale_ptr, base_ptr, x_ptr, post_ptr, comb_ptr,
-    N, D, stride_hn, stride_xn, stride_pn, stride_cn, stride_cj, n_iters, hc_eps, norm_eps,
-    HC, HCP, MODE, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, DOT, ROUND_BF16,
+    h_ptr, fn_ptr, scale_ptr, base_ptr, x_ptr, post_ptr, comb_ptr, part_ptr,
+    N, D, stride_hn, stride_xn, stride_pn, stride_cn, stride_cj, stride_qn, n_splits, n_iters, hc_eps, norm_eps,
+    HC, HCP, MODE, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, DOT, ROUND_BF16, PHASE,
 ):  # fmt: skip
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    acc, sumsq = _mix_sums(h_ptr, fn_ptr, offs_n, n_ok, D, stride_hn, HC, HCP, MODE, BLOCK_N, BLOCK_K, DOT)
+    if PHASE == 2:
+        acc, sumsq = _sum_partials(part_ptr, offs_n, n_ok, stride_qn, n_splits, HCP, BLOCK_N, _SPLIT_CHUNK)
+    else:
+        acc, sumsq = _mix_sums(h_ptr, fn_ptr, offs_n, n_ok, D, stride_hn, HC, HCP, MODE, BLOCK_N, BLOCK_K, DOT)
     rho = tl.math.rsqrt(sumsq / (HC * D) + norm_eps)
     m = tl.reshape(acc * rho[:, None], (BLOCK_N, 2, HCP, HCP))
     half = tl.arange(0, 2)[None, :, None, None]
@@ -222,26 +280,29 @@ def _post(
 
 @triton.jit
 def hc_mix_kernel(
-    h_ptr, fn_ptr, scale_ptr, base_ptr, x_ptr, post_ptr, comb_ptr, new_ptr,
-    N, D, stride_hn, stride_xn, stride_pn, stride_cn, stride_cj, stride_yn, stride_yk,
+    h_ptr, fn_ptr, scale_ptr, base_ptr, x_ptr, post_ptr, comb_ptr, new_ptr, part_ptr,
+    N, D, stride_hn, stride_xn, stride_pn, stride_cn, stride_cj, stride_yn, stride_yk, stride_qn, n_splits,
     n_iters, hc_eps, norm_eps,
     HC: tl.constexpr, HCP: tl.constexpr, MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_D: tl.constexpr, DOT: tl.constexpr, ROUND_BF16: tl.constexpr,
+    BLOCK_D: tl.constexpr, DOT: tl.constexpr, ROUND_BF16: tl.constexpr, PHASE: tl.constexpr,
 ):  # fmt: skip
     """MODE 0 (pre): reads h, fn, scale, base; writes x, post, comb. MODE 1 (head): the same, x only.
     MODE 2 (post): reads x (the sub-layer output), h, post, comb; writes new. Pointers a form does not
-    use are placeholders."""
+    use are placeholders. PHASE (pre / head, module doc): 0 one launch; 1 the split-K partial sums into
+    part [N, n_splits, 2 HCP^2 + 1] (grid (N, n_splits)); 2 the rest, from those partials."""
     if MODE == 2:
         _post(
             x_ptr, h_ptr, post_ptr, comb_ptr, new_ptr,
             D, stride_hn, stride_xn, stride_pn, stride_cn, stride_cj, stride_yn, stride_yk,
             HC, HCP, BLOCK_D, ROUND_BF16,
         )  # fmt: skip
+    elif PHASE == 1:
+        _partial_sums(h_ptr, fn_ptr, part_ptr, N, D, stride_hn, stride_qn, HC, HCP, MODE, BLOCK_N, _SPLIT_K, BLOCK_K)
     else:
         _pre_or_head(
-            h_ptr, fn_ptr, scale_ptr, base_ptr, x_ptr, post_ptr, comb_ptr,
-            N, D, stride_hn, stride_xn, stride_pn, stride_cn, stride_cj, n_iters, hc_eps, norm_eps,
-            HC, HCP, MODE, BLOCK_N, BLOCK_K, BLOCK_D, DOT, ROUND_BF16,
+            h_ptr, fn_ptr, scale_ptr, base_ptr, x_ptr, post_ptr, comb_ptr, part_ptr,
+            N, D, stride_hn, stride_xn, stride_pn, stride_cn, stride_cj, stride_qn, n_splits, n_iters, hc_eps,
+            norm_eps, HC, HCP, MODE, BLOCK_N, BLOCK_K, BLOCK_D, DOT, ROUND_BF16, PHASE,
         )  # fmt: skip
 
 
@@ -258,9 +319,18 @@ def pick_block_n(n: int, batch_invariant: bool = False, interpreter: bool | None
         return 1
     if interpreter if interpreter is not None else interpreting():
         return 1 if n == 1 else 16
-    if n <= 64:
+    if n <= DECODE_TOKENS:
         return 1
     return 16 if n <= 2048 else 64
+
+
+def pick_splits(k: int, n: int, block_n: int) -> int:
+    """Programs per token block that split the flat row (K = hc * D values): cdiv(K, SPLIT_K), 64 at the real
+    dims, for decode batches (n <= DECODE_TOKENS, where a GPU runs one token a program) and for one token a
+    program at any n (batch-invariant numerics: then a token's sums never depend on the batch); 0 (the
+    one-launch form) for the blocks of larger batches. The interpreter's blocks of 16 for small batches
+    split too, so that the CPU census counts the launches a GPU makes."""
+    return triton.cdiv(k, SPLIT_K) if block_n == 1 or n <= DECODE_TOKENS else 0
 
 
 def _hcp(hc: int) -> int:
@@ -295,18 +365,26 @@ def _mix_params(
 
 
 def _launch_mix(h, fn, scale, base, x, post, comb, n_iters, hc_eps, norm_eps, mode, block_n) -> None:
-    """One pre or head launch; the head passes no post / comb (fn stands in, with zero strides)."""
+    """One pre or head launch, or two (split K: pick_splits); the head passes no post / comb (fn stands in,
+    with zero strides)."""
     n, hc, d = h.shape
     block_k, block_d = TILES[block_n]
+    hcp = _hcp(hc)
     post_strides = (0, 0, 0) if post is None else (post.stride(0), comb.stride(0), comb.stride(1))
-    hc_mix_kernel[(triton.cdiv(n, block_n),)](
-        h, fn, scale, base, x, fn if post is None else post, fn if comb is None else comb, x,
-        n, d, h.stride(0), x.stride(0), *post_strides, 0, 0,
-        n_iters, hc_eps, norm_eps,
-        HC=hc, HCP=_hcp(hc), MODE=mode, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_D=block_d,
-        DOT=_dot_kind(h, block_n), ROUND_BF16=interpreting() and h.dtype == torch.bfloat16,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
-    )  # fmt: skip
+    splits = pick_splits(hc * d, n, block_n)
+    part = torch.empty((n, splits, 2 * hcp * hcp + 1), dtype=torch.float32, device=h.device) if splits else fn
+    row = part.stride(0) if splits else 0
+    ptrs = (h, fn, scale, base, x, fn if post is None else post, fn if comb is None else comb, x, part)
+    ints = (n, d, h.stride(0), x.stride(0), *post_strides, 0, 0, row, splits, n_iters, hc_eps, norm_eps)
+    common = {
+        "HC": hc, "HCP": hcp, "MODE": mode, "BLOCK_N": block_n, "BLOCK_K": block_k, "BLOCK_D": block_d,
+        "DOT": _dot_kind(h, block_n), "ROUND_BF16": interpreting() and h.dtype == torch.bfloat16,
+        "num_warps": NUM_WARPS, "num_stages": NUM_STAGES,
+    }  # fmt: skip
+    if splits:
+        hc_mix_kernel[(triton.cdiv(n, block_n), splits)](*ptrs, *ints, PHASE=PHASE_PARTIAL, **common)
+    grid = (triton.cdiv(n, block_n),)
+    hc_mix_kernel[grid](*ptrs, *ints, PHASE=PHASE_FINISH if splits else PHASE_WHOLE, **common)
 
 
 def hc_pre(
@@ -378,11 +456,12 @@ def hc_post(
     new = output_buffer(new_out, (n, hc, d), h.dtype, h.device)
     if n:
         hc_mix_kernel[(n, triton.cdiv(d, POST_BLOCK_D))](
-            h, post, post, post, out, post, comb, new,
+            h, post, post, post, out, post, comb, new, post,
             n, d, h.stride(0), out.stride(0), post.stride(0), comb.stride(0), comb.stride(1),
-            new.stride(0), new.stride(1), 1, 0.0, 0.0,
+            new.stride(0), new.stride(1), 0, 0, 1, 0.0, 0.0,
             HC=hc, HCP=_hcp(hc), MODE=MODE_POST, BLOCK_N=1, BLOCK_K=16, BLOCK_D=POST_BLOCK_D, DOT=DOT_NONE,
-            ROUND_BF16=interpreting() and h.dtype == torch.bfloat16, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+            ROUND_BF16=interpreting() and h.dtype == torch.bfloat16, PHASE=PHASE_WHOLE, num_warps=NUM_WARPS,
+            num_stages=NUM_STAGES,
         )  # fmt: skip
     return new
 
@@ -396,31 +475,40 @@ _SIG = {
     "post_ptr": "*fp32",
     "comb_ptr": "*fp32",
     "new_ptr": "*bf16",
+    "part_ptr": "*fp32",
     **dict.fromkeys(("N", "D", "stride_hn", "stride_xn", "stride_pn", "stride_cn", "stride_cj"), "i32"),
-    **dict.fromkeys(("stride_yn", "stride_yk", "n_iters"), "i32"),
+    **dict.fromkeys(("stride_yn", "stride_yk", "stride_qn", "n_splits", "n_iters"), "i32"),
     "hc_eps": "fp32",
     "norm_eps": "fp32",
-    **dict.fromkeys(("HC", "HCP", "MODE", "BLOCK_N", "BLOCK_K", "BLOCK_D", "DOT", "ROUND_BF16"), "constexpr"),
+    **dict.fromkeys(("HC", "HCP", "MODE", "BLOCK_N", "BLOCK_K", "BLOCK_D", "DOT", "ROUND_BF16", "PHASE"), "constexpr"),
 }
 _ONE_ITER = {**_SIG, "n_iters": "constexpr"}  # the head and post pass n_iters = 1, which Triton makes a constant
 _REAL = {"HC": 4, "HCP": 4, "ROUND_BF16": False}  # DeepSeek-V4-Flash: hc_mult 4, D 4096, bf16 streams
 
 
-def _mix_config(mode: int, block_n: int) -> dict:
+def _mix_config(mode: int, block_n: int, phase: int | None = None) -> dict:
+    """What the wrapper launches: one token a program runs PHASE 2 after PHASE 1 (split K), blocks PHASE 0."""
     block_k, block_d = TILES[block_n]
     dot = DOT_NONE if block_n == 1 else DOT_BF16X3
     extra = {} if mode == MODE_PRE else {"n_iters": 1}
-    return {**_REAL, "MODE": mode, "BLOCK_N": block_n, "BLOCK_K": block_k, "BLOCK_D": block_d, "DOT": dot, **extra}
+    phase = phase if phase is not None else PHASE_FINISH if block_n == 1 else PHASE_WHOLE
+    return {
+        **_REAL, "MODE": mode, "BLOCK_N": block_n, "BLOCK_K": block_k, "BLOCK_D": block_d, "DOT": dot,
+        "PHASE": phase, **extra,
+    }  # fmt: skip
 
 
 # multiples of 16 at the real dims (registry.py): D = 4096, the stream rows 16384, x rows 4096, comb rows 16
 ALIGNED_INTS = ("D", "stride_hn", "stride_xn", "stride_cn", "stride_yn", "stride_yk")
 
 # (config name, signature, constexprs) for the CPU compile checks (tests/kernels/test_compile.py): every
-# tokens-per-program choice of pick_block_n for hc_pre and hc_head, and hc_post
+# tokens-per-program choice of pick_block_n for hc_pre and hc_head (one token a program: its split-K partial
+# sums, `*_part`, then PHASE 2), and hc_post
 COMPILE_CONFIGS = (
     *((f"pre_bn{bn}", _SIG, _mix_config(MODE_PRE, bn)) for bn in TILES),
     *((f"head_bn{bn}", _ONE_ITER, _mix_config(MODE_HEAD, bn)) for bn in TILES),
+    ("pre_part", _SIG, _mix_config(MODE_PRE, 1, PHASE_PARTIAL)),
+    ("head_part", _ONE_ITER, _mix_config(MODE_HEAD, 1, PHASE_PARTIAL)),
     (
         "post",
         _ONE_ITER,
@@ -431,6 +519,7 @@ COMPILE_CONFIGS = (
             "BLOCK_K": 16,
             "BLOCK_D": POST_BLOCK_D,
             "DOT": DOT_NONE,
+            "PHASE": PHASE_WHOLE,
             "n_iters": 1,
         },
     ),

@@ -19,8 +19,8 @@ What triton 3.7.1 emits (asserted below):
   `wgmma ... bf16` for every block (m64n16k16 for 16-slot decode blocks, m64n64k16 for prefill);
   sm_120 uses `mma.sync ... bf16`; the same with the expert-slot cache's second source (`*_slots`).
 - moe_align (the routes' layout, one program): no matrix instruction.
-- hc_mix: one token a program (decode) and hc_post use no matrix instruction; 16-token blocks take
-  `mma.sync ... bf16` on both arches, 64-token blocks `wgmma ... m64n32k16 ... bf16` on sm_90.
+- hc_mix: one token a program (decode: the split-K partial sums, then the rest) and hc_post use no
+  matrix instruction; 16-token blocks take `mma.sync ... bf16` on both arches, 64-token blocks `wgmma ... m64n32k16 ... bf16` on sm_90.
 """
 
 from __future__ import annotations
@@ -80,6 +80,7 @@ EXPECTED = {
     # mHC: one token a program sums on the FMA units ("" = no matrix instruction), as does hc_post; 16- and
     # 64-token blocks put [tokens, K] x [K, 32 mixes] on the tensor cores as three bf16 products
     **{("hc_mix", f"{form}_bn1", sm): "" for form in ("pre", "head") for sm in (90, 120)},
+    **{("hc_mix", f"{form}_part", sm): "" for form in ("pre", "head") for sm in (90, 120)},  # its split-K sums
     **{("hc_mix", "post", sm): "" for sm in (90, 120)},
     **{("hc_mix", f"{form}_bn16", sm): HC_MMA_SYNC for form in ("pre", "head") for sm in (90, 120)},
     **{("hc_mix", f"{form}_bn64", 90): "wgmma.mma_async.sync.aligned.m64n32k16.f32" for form in ("pre", "head")},

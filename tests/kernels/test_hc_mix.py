@@ -28,7 +28,7 @@ import dataclasses
 import pytest
 import torch
 
-from dsv4_kernels.hc_mix import hc_head, hc_post, hc_pre, pick_block_n
+from dsv4_kernels.hc_mix import SPLIT_K, hc_head, hc_post, hc_pre, pick_block_n, pick_splits
 from dsv4_kernels.hc_mix_ref import hc_head_ref, hc_post_ref, hc_pre_ref
 from dsv4_kernels.testing import into_poisoned
 
@@ -139,7 +139,19 @@ def _check_pre(h, fn, base, hc_eps, norm_eps, block_n, exact) -> None:
 DTYPES = [torch.float32, torch.bfloat16]
 # (N, D, tokens per program): decode (one token), a few tokens, 16-token blocks with ragged N, K and D
 # (20 tokens, D = 100), 64-token blocks with a ragged second block, and a larger D
-PRE_SHAPES = [(1, 64, 1), (5, 128, 1), (20, 100, 16), (70, 64, 64), (2, 512, 1)]
+# up to 64 tokens split K = 4 d into SPLIT_K = 256 values (d 200 leaves a short last split, d 1100 makes 18
+# splits: two SPLIT_CHUNK steps of the sum), one token a program or, as the interpreter runs them, 16; larger
+# batches take the one-launch tl.dot form (80 and 70 tokens)
+PRE_SHAPES = [
+    (1, 64, 1),
+    (5, 128, 1),
+    (20, 100, 16),
+    (80, 64, 16),
+    (70, 64, 64),
+    (2, 512, 1),
+    (3, 200, 1),
+    (2, 1100, 1),
+]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -164,7 +176,7 @@ def test_pre_three_streams() -> None:
     _check_pre(h, fn, base, EPS, EPS, 1, exact=False)
 
 
-HEAD_SHAPES = [(1, 64, 1), (20, 100, 16), (3, 256, 1)]
+HEAD_SHAPES = [(1, 64, 1), (20, 100, 16), (3, 256, 1), (70, 64, 16)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -221,6 +233,19 @@ def test_block_choice_is_data_independent_and_invariant_when_asked() -> None:
     assert gpu == [1, 1, 16, 16, 64, 64]
     assert [pick_block_n(n, interpreter=True) for n in (1, 2, 64, 16384)] == [1, 16, 16, 16]
     assert {pick_block_n(n, batch_invariant=True, interpreter=i) for n in (1, 100, 16384) for i in (False, True)} == {1}
+
+
+def test_split_k_depends_on_k_alone_and_keeps_a_token_batch_invariant() -> None:
+    """One token a program sums its flat row in cdiv(K, SPLIT_K) splits, whatever the batch: a token's x, post
+    and comb are bitwise the same alone and among others (blocks of tokens take the one-launch form)."""
+    assert [pick_splits(k, 1, 1) for k in (256, 257, 16384)] == [1, 2, 16384 // SPLIT_K]
+    assert pick_splits(16384, 64, 16) == pick_splits(16384, 1000, 1) == 64  # a decode batch; invariant numerics
+    assert pick_splits(16384, 65, 16) == pick_splits(16384, 4096, 64) == 0
+    h, fn, base = _inputs(5, 4, 300, 24, torch.bfloat16, seed=11, exact=False)
+    alone = hc_pre(h[2:3], fn, _scales(3), base, N_ITERS, EPS, EPS, block_n=1)
+    batch = hc_pre(h, fn, _scales(3), base, N_ITERS, EPS, EPS, block_n=1)
+    for a, b in zip(alone, batch):
+        assert torch.equal(a[0], b[2])
 
 
 def _model_numerics(backend: str, batch_invariant: bool):

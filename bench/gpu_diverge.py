@@ -1,0 +1,165 @@
+"""Where a decode step first parts from a one-shot prefill of the same tokens: forward hooks on every module.
+
+bench/gpu_cases/end_to_end.py checks the logits of token P decoded after a P-token prefill against a one-shot
+prefill of all P + 1 tokens. When that check fails, this finds the first module (in call order) whose output
+for token P differs past --rtol between the two runs, and the routing of token P in each MoE layer (an expert
+choice flipped by rounding moves a whole row: the usual, harmless, cause). It runs the comparison once per
+kernel set in --backends: "triton" (what the server runs on CUDA) and "torch" (the reference), on the same
+random model (DeepSeek-V4-Flash's dimensions cut to 2 layers), so a difference only the kernels show stands out.
+
+    python bench/gpu_diverge.py [--prompt 2048] [--backends triton torch] [--rtol 0.02]
+    python bench/gpu_diverge.py --cpu-smoke      # dsv4-tiny, the Triton interpreter: checks the code path
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class Recorder:
+    """Each module's outputs, call by call: the first tensor of the output, its row `row` (a token), on the CPU."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model, self.calls, self.order, self.row = model, {}, [], -1
+        self.handles = [m.register_forward_hook(self._hook(name)) for name, m in model.named_modules() if name]
+
+    def _hook(self, name: str):
+        def hook(module, args, output):
+            t = output[0] if isinstance(output, (tuple, list)) and output else output
+            if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] == 0:
+                return
+            calls = self.calls.setdefault(name, [])
+            self.order.append((name, len(calls)))
+            calls.append(t[self.row].detach().float().cpu().clone())
+
+        return hook
+
+    def reset(self, row: int) -> None:
+        self.calls, self.order, self.row = {}, [], row
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def compare(model, num, ids: torch.Tensor, prompt: int, rtol: float, label: str) -> None:
+    from dsv4serve.model.transformer import BatchRow
+
+    rec = Recorder(model)
+    rec.reset(-1)
+    state = model.new_state(num)
+    full_logits = model([BatchRow(ids, state)], num).logits[0]
+    state.pool.release(state)
+    one_shot, one_order = rec.calls, rec.order
+    state = model.new_state(num)
+    rec.reset(-1)  # the prefill's records are dropped: only the decode step's
+    model([BatchRow(ids[:prompt], state)], num)
+    rec.reset(0)
+    step_logits = model([BatchRow(ids[prompt:], state)], num).logits[0]
+    state.pool.release(state)
+    rec.close()
+    decoded = rec.calls
+    diff = (step_logits.float() - full_logits.float()).abs()
+    print(
+        f"\n[{label}] logits of token {prompt}: max |diff| {float(diff.max()):.4g}, mean {float(diff.mean()):.3g}, "
+        f"scale {float(full_logits.float().abs().max()):.3g}; argmax {int(step_logits.argmax())} vs "
+        f"{int(full_logits.argmax())}"
+    )
+    shown = 0
+    for name, i in one_order:
+        if name not in decoded or i >= len(decoded[name]) or i >= len(one_shot[name]):
+            continue
+        a, b = decoded[name][i], one_shot[name][i]
+        if a.shape != b.shape:
+            continue
+        if not a.is_floating_point():
+            continue
+        err = float((a - b).abs().max())
+        scale = float(b.abs().max()) or 1.0
+        if err > rtol * scale and shown < 12:
+            print(f"  {name}[call {i}] {tuple(a.shape)}: max |diff| {err:.4g} at scale {scale:.4g}")
+            shown += 1
+    if shown == 0:
+        print(f"  no module output differs past {rtol} of its scale")
+    routing(model, num, ids, prompt, label)
+
+
+def routing(model, num, ids: torch.Tensor, prompt: int, label: str) -> None:
+    """Token P's routed experts in every MoE layer, decoded vs one-shot (gate outputs: weights, ids)."""
+    from dsv4serve.model.transformer import BatchRow
+
+    picks: dict[str, list[list[int]]] = {}
+    handles = []
+    for name, m in model.named_modules():
+        if name.endswith("ffn.gate"):
+
+            def hook(module, args, output, name=name):
+                picks.setdefault(name, []).append(sorted(output[1][-1].tolist()))
+
+            handles.append(m.register_forward_hook(hook))
+    state = model.new_state(num)
+    model([BatchRow(ids, state)], num)
+    state.pool.release(state)
+    state = model.new_state(num)
+    model([BatchRow(ids[:prompt], state)], num)
+    model([BatchRow(ids[prompt:], state)], num)
+    state.pool.release(state)
+    for h in handles:
+        h.remove()
+    for name, calls in picks.items():
+        one_shot, decoded = calls[0], calls[-1]
+        same = "same" if one_shot == decoded else f"DIFFER: one-shot {one_shot}, decode {decoded}"
+        print(f"  [{label}] {name}: token {prompt}'s experts {same}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompt", type=int, default=2048)
+    parser.add_argument("--backends", nargs="+", default=["triton", "torch"])
+    parser.add_argument("--rtol", type=float, default=0.02)
+    parser.add_argument("--cpu-smoke", action="store_true")
+    opts = parser.parse_args()
+    if opts.cpu_smoke:
+        os.environ["TRITON_INTERPRET"] = "1"
+    sys.path.insert(0, str(REPO))
+    from bench.gpu_cases import real_config_dir
+    from bench.gpu_cases.end_to_end import bench_args
+    from dsv4serve.model.args import read_model_args
+    from dsv4serve.model.backends import KernelBackends
+    from dsv4serve.model.numerics import NUMERICS_ON
+    from dsv4serve.model.random_init import random_model
+
+    if opts.cpu_smoke:
+        from dsv4serve.env import read_environment
+        from dsv4serve.tiny.builder import ensure_tiny
+
+        device, prompt = torch.device("cpu"), min(opts.prompt, 64)
+        args = bench_args(read_model_args(ensure_tiny(read_environment().cache_dir)))
+    elif not torch.cuda.is_available():
+        sys.exit("no CUDA device: pass --cpu-smoke to check the code path")
+    else:
+        device, prompt = torch.device("cuda"), opts.prompt
+        args = bench_args(read_model_args(real_config_dir()))
+    gen = torch.Generator(device=device).manual_seed(1)
+    ids = torch.randint(0, args.vocab_size, (prompt + 1,), device=device, generator=gen)
+    for kind in opts.backends:
+        num = replace(NUMERICS_ON, backends=KernelBackends.every(kind))
+        model = random_model(args, device, seed=0, include_mtp=False)
+        model.use_kernels(num.backends)
+        compare(model, num, ids, prompt, opts.rtol, kind)
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
