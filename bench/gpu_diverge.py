@@ -130,24 +130,13 @@ def main() -> int:
     if opts.cpu_smoke:
         os.environ["TRITON_INTERPRET"] = "1"
     sys.path.insert(0, str(REPO))
-    from bench.gpu_cases import real_config_dir
-    from bench.gpu_cases.end_to_end import bench_args
-    from dsv4serve.model.args import read_model_args
+    from bench.gpu_cases import two_layer_model
     from dsv4serve.model.backends import KernelBackends
     from dsv4serve.model.numerics import NUMERICS_ON
     from dsv4serve.model.random_init import random_model
 
-    if opts.cpu_smoke:
-        from dsv4serve.env import read_environment
-        from dsv4serve.tiny.builder import ensure_tiny
-
-        device, prompt = torch.device("cpu"), min(opts.prompt, 64)
-        args = bench_args(read_model_args(ensure_tiny(read_environment().cache_dir)))
-    elif not torch.cuda.is_available():
-        sys.exit("no CUDA device: pass --cpu-smoke to check the code path")
-    else:
-        device, prompt = torch.device("cuda"), opts.prompt
-        args = bench_args(read_model_args(real_config_dir()))
+    device, args = two_layer_model(opts.cpu_smoke)
+    prompt = min(opts.prompt, 64) if opts.cpu_smoke else opts.prompt
     gen = torch.Generator(device=device).manual_seed(1)
     ids = torch.randint(0, args.vocab_size, (prompt + 1,), device=device, generator=gen)
     for kind in opts.backends:

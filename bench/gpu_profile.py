@@ -44,33 +44,17 @@ def kernel_table(prof, steps: int) -> list[dict]:
     return sorted(rows, key=lambda r: -r["us_per_step"])
 
 
-def timed(fn, device: torch.device, steps: int) -> float:
-    """Median ms of fn over `steps` calls."""
-    samples = []
-    for _ in range(steps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            samples.append(1e3 * (time.perf_counter() - t0))
-    return sorted(samples)[len(samples) // 2]
-
-
 def profile_mode(bench, mode: str, n: int, steps: int, top: int, device: torch.device) -> dict:
     from torch.profiler import ProfilerActivity, profile
+
+    from bench.gpu_check import time_ms
 
     step = (lambda: bench.eager_step(n)) if mode == "eager" else (lambda: bench.graph_step("resident", n))
     bench.snapshot(n)
     step()  # warm (compiles, the capture of every bucket the first time)
     if device.type == "cuda":
         torch.cuda.synchronize()
-    wall = timed(step, device, steps)
+    wall = time_ms(step, device, 0, steps)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         for _ in range(steps):
@@ -103,22 +87,10 @@ def main() -> int:
     if opts.cpu_smoke:
         os.environ["TRITON_INTERPRET"] = "1"
     sys.path.insert(0, str(REPO))
-    from bench.gpu_cases import real_config_dir
+    from bench.gpu_cases import two_layer_model
     from bench.gpu_cases._decode_engine import DecodeBench
-    from bench.gpu_cases.end_to_end import bench_args
-    from dsv4serve.model.args import read_model_args
 
-    if opts.cpu_smoke:
-        from dsv4serve.env import read_environment
-        from dsv4serve.tiny.builder import ensure_tiny
-
-        device = torch.device("cpu")
-        args = bench_args(read_model_args(ensure_tiny(read_environment().cache_dir)))
-    elif not torch.cuda.is_available():
-        sys.exit("no CUDA device: pass --cpu-smoke to check the code path")
-    else:
-        device = torch.device("cuda")
-        args = bench_args(read_model_args(real_config_dir()))
+    device, args = two_layer_model(opts.cpu_smoke)
     extra = (len(opts.batch) * 2 + 2) * (opts.steps * 2 + 2)
     bench = DecodeBench(device, args, max(opts.batch), opts.context, extra)
     t0 = time.monotonic()

@@ -24,6 +24,25 @@ def real_config_dir() -> Path:
     return Path(os.environ.get("DSV4_REAL_CONFIG_DIR") or default)
 
 
+def two_layer_model(cpu_smoke: bool):
+    """(device, ModelArgs) of the GPU diagnostics (bench/gpu_profile.py, gpu_diverge.py): DeepSeek-V4-Flash cut to
+    one CSA and one HCA layer on CUDA (end_to_end.bench_args), or dsv4-tiny cut so on the CPU for a smoke run
+    (the caller sets TRITON_INTERPRET first). Exits with a message when neither applies."""
+    import sys
+
+    from bench.gpu_cases.end_to_end import bench_args
+    from dsv4serve.model.args import read_model_args
+
+    if cpu_smoke:
+        from dsv4serve.env import read_environment
+        from dsv4serve.tiny.builder import ensure_tiny
+
+        return torch.device("cpu"), bench_args(read_model_args(ensure_tiny(read_environment().cache_dir)))
+    if not torch.cuda.is_available():
+        sys.exit("no CUDA device: pass --cpu-smoke to check the code path")
+    return torch.device("cuda"), bench_args(read_model_args(real_config_dir()))
+
+
 @dataclass(frozen=True)
 class GpuCase:
     name: str  # e.g. "fp4_moe decode m=1"
