@@ -307,11 +307,12 @@ def hc_mix_kernel(
 
 
 def pick_block_n(n: int, batch_invariant: bool = False, interpreter: bool | None = None) -> int:
-    """Tokens per hc_pre / hc_head program, from a bandwidth estimate (unmeasured: bench/gpu_cases/hc_mix.py):
-    one for decode batches (each program's time is its SM streaming fn's 1.5 MiB from L2 anyway, and N
-    programs spread that over N SMs), 16 up to 2048 tokens (fn read from L2 once per 16 tokens, 128
-    programs at 2048), 64 beyond (24 KiB of fn a token; a wave of the SMs from ~8K tokens). Batch-invariant
-    numerics take one always: a token's sums then never depend on the tokens beside it.
+    """Tokens per hc_pre / hc_head program: one for decode batches (up to DECODE_TOKENS; K split over 64
+    programs a token, pick_splits: 0.106 ms a batch-1 call on an H200, launch included, where one program
+    streaming all of fn took 62 us of device time), 16 up to 2048 tokens (fn read from L2 once per 16 tokens,
+    128 programs at 2048), 64 beyond (24 KiB of fn a token; a wave of the SMs from ~8K tokens; 0.53 ms at 4,096
+    tokens there). Batch-invariant numerics take one always: a token's sums then never depend on the tokens
+    beside it.
     Under the Triton interpreter (`interpreter`, default: whether it is on) a program costs ~0.5 s of Python
     whatever its size (the 20 Sinkhorn rounds re-enter the interpreter per program), so blocks of 16 run
     from two tokens on: whole-model tests on the CPU take minutes less. The unit tests run every form."""
