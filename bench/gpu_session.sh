@@ -18,6 +18,8 @@
 # DSV4_REAL_CHECKPOINT_DIR naming the real checkpoint (and the server's dependencies installed) it also serves
 # it with --speculative-tokens 0, 1 and 2 (extra server flags in DSV4_SPEC_SERVE_ARGS, e.g. an expert-slot
 # cache) and notes tok/s and acceptance; without one it notes that it skipped them.
+# gpu_cases/spec_graphs.py captures the speculative steps' graphs (verify per (bucket, n), the MTP chain) on a random
+# 2-layer model with its MTP block and checks each replay against the same buffers run eagerly.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-/tmp}"

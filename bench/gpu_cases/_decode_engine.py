@@ -36,8 +36,11 @@ class Rows:
 
 
 class DecodeBench:
-    def __init__(self, device: torch.device, args, rows: int, context_tokens: int, extra_tokens: int):
+    def __init__(
+        self, device: torch.device, args, rows: int, context_tokens: int, extra_tokens: int, mtp: bool = False
+    ):
         self.device, self.args, self.n_rows = device, args, rows
+        self.mtp = mtp  # the MTP block and its KV layer too (the speculative cases: gpu_cases/spec_graphs.py)
         self.context, self.max_len = context_tokens, context_tokens + extra_tokens
         self.pages_per_row = -(-self.max_len // args.page_tokens)
         self.graph_len = self.pages_per_row * args.page_tokens  # DecodeGraphs' max_model_len: its static bounds
@@ -72,7 +75,7 @@ class DecodeBench:
 
         args, n = self.args, self.n_rows
         self.num = worker_numerics(args, "auto", self.device)
-        self.model = random_model(args, self.device, seed=0, include_mtp=False)
+        self.model = random_model(args, self.device, seed=0, include_mtp=self.mtp)
         self.model.use_kernels(self.num.backends)
         self.moes = [block.ffn for block in self.model.layers]
         self.resident = [self._stacked(moe) for moe in self.moes]
@@ -84,6 +87,7 @@ class DecodeBench:
             self.num.compute_dtype,
             num_pages=n * self.pages_per_row + 1,
             num_slots=2 * n + 1,
+            include_mtp=self.mtp,
             device=self.device,
         )
         self.staging = HostStaging(self.device)
