@@ -20,6 +20,8 @@
 # cache) and notes tok/s and acceptance; without one it notes that it skipped them.
 # gpu_cases/spec_graphs.py captures the speculative steps' graphs (verify per (bucket, n), the MTP chain) on a random
 # 2-layer model with its MTP block and checks each replay against the same buffers run eagerly.
+# gpu_cases/multi_gpu.py (issue 21) splits a tiny model over 2 (and 4) GPUs over NCCL against one rank when the
+# machine has them (a note says so on one GPU); on a lent multi-GPU kind the same command runs it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-/tmp}"

@@ -57,6 +57,7 @@ class SplitJob:
     seed: int = 2126
     wrong_heads_on_rank: int | None = None  # a broken split, for the test that must catch it
     backends: KernelBackends = TORCH  # Triton ones: on the CPU under TRITON_INTERPRET=1 (set before the spawn)
+    device: str = "cpu"  # "cuda": rank r on cuda:r over NCCL (bench/gpu_cases/multi_gpu.py), else gloo on the CPU
 
 
 @dataclass
@@ -77,17 +78,20 @@ def greedy(model: Transformer, job: SplitJob, tp: Collectives | None) -> RankRes
             tp.reset()
         out = model([BatchRow([t], s) for t, s in zip(last, states)], num)
         logits.append(torch.stack(out.logits))
-    every = torch.stack(logits)
+    every = torch.stack(logits).cpu()
     return RankResult(every, every.argmax(-1), list(tp.calls) if tp is not None else [])
 
 
 def _rank_main(rank: int, job: SplitJob, port: int, out_dir: str) -> None:
     """One rank (torch.multiprocessing.spawn's target): start the group, build, cut, run, save."""
     torch.set_num_threads(1)  # the ranks share the host's cores; one thread each, as the one-rank reference
-    group = start_group(rank, job.tp_size, port, torch.device("cpu"))
+    device = torch.device("cpu") if job.device == "cpu" else torch.device(job.device, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    group = start_group(rank, job.tp_size, port, device)
     try:
         args = split_tiny_args()
-        model = random_model(args, "cpu", job.seed, include_mtp=False)
+        model = random_model(args, device, job.seed, include_mtp=False)
         tp = None
         if job.tp_size > 1:
             whole_wq_b = [layer.attn.wq_b.weight.detach().clone() for layer in model.layers]
