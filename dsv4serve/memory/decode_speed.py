@@ -45,10 +45,19 @@ DEFAULT_HOST_GBPS = 80.0  # DDR5 dual channel: 2 x 8 B x 5600 MT/s = 89.6 GB/s p
 DEFAULT_CPU_EFFICIENCY = 0.5
 # achieved / spec device-memory bandwidth: toolchain.md measured 4.3 TB/s copy on an H200 sold at 4.8 TB/s
 DEVICE_READ_EFFICIENCY = 0.9
+# the share of that read bandwidth today's decode kernels reach: measured on one H200 (2026-12-04, bench/RESULTS.md
+# "the first GPU session"): a batch-1 decode step of 2 real-dimension layers + head, replayed as a CUDA graph, read
+# its weights at 1,061 GB/s against a 4,267 GB/s device copy. The projection prints the step at the bandwidth
+# bound (1.0) and at this share (`plan`'s "with today's kernels" line)
+MEASURED_KERNEL_EFFICIENCY = 0.25
 # kernel launches of one batch-1 decode step projected to DeepSeek-V4-Flash (bench/RESULTS.md, issue 16 census)
-CENSUS_LAUNCHES_PER_STEP = 2037
-GRAPH_LAUNCH_SECONDS = 1e-6  # assumed gap per kernel node when a CUDA graph replays (not measured here)
-EAGER_LAUNCH_SECONDS = 5e-6  # assumed host cost per eager launch (torch dispatch + cudaLaunchKernel)
+CENSUS_LAUNCHES_PER_STEP = 2134
+# gap per kernel node when a CUDA graph replays: measured on that H200, 0.095 ms of idle device time over the 110
+# kernels of a replayed batch-1 step (bench/gpu_profile.py: wall 1.634 ms, kernels 1.539 ms)
+GRAPH_LAUNCH_SECONDS = 1e-6
+# host cost per eager launch: measured there, the eager step of those 110 kernels left the device idle 3.6 ms
+# (wall 5.14 ms, kernels 1.53 ms): ~33 us a launch, the model's Python and torch dispatch included
+EAGER_LAUNCH_SECONDS = 33e-6
 # assumed per MoE layer and hybrid step: the hidden state to the host, kt-kernel's submit / sync, the result
 # back (two small copies at ~10 us latency each, plus the CPU pool's wake-up)
 HANDOFF_SECONDS = 25e-6
@@ -81,15 +90,16 @@ class Bandwidths:
     h2d_gbps: float = DEFAULT_H2D_GBPS
     host_gbps: float = DEFAULT_HOST_GBPS
     cpu_efficiency: float = DEFAULT_CPU_EFFICIENCY
+    kernel_efficiency: float = 1.0  # the share of the GPU's read bandwidth the kernels reach (1: the bound)
 
     def __post_init__(self) -> None:
-        for name in ("gpu_gbps", "h2d_gbps", "host_gbps", "cpu_efficiency"):
+        for name in ("gpu_gbps", "h2d_gbps", "host_gbps", "cpu_efficiency", "kernel_efficiency"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
     @property
     def gpu_read_bps(self) -> float:
-        return self.gpu_gbps * GB * DEVICE_READ_EFFICIENCY
+        return self.gpu_gbps * GB * DEVICE_READ_EFFICIENCY * self.kernel_efficiency
 
     @property
     def cpu_expert_bps(self) -> float:

@@ -83,7 +83,7 @@ def test_eager_launches_cost_the_census_count_times_the_eager_gap():
     graph = project_decode(TOY, 1000, BW, "gpu", cuda_graphs=True)
     expected = ds.CENSUS_LAUNCHES_PER_STEP * (ds.EAGER_LAUNCH_SECONDS - ds.GRAPH_LAUNCH_SECONDS)
     assert eager.step_seconds - graph.step_seconds == pytest.approx(expected)
-    assert ds.CENSUS_LAUNCHES_PER_STEP == 2037  # bench/RESULTS.md, issue 16
+    assert ds.CENSUS_LAUNCHES_PER_STEP == 2134  # bench/RESULTS.md, issue 16 (after the mHC split-K)
 
 
 def test_a_given_hit_rate_replaces_the_uniform_model():
@@ -150,3 +150,17 @@ def test_a_32gb_card_with_ddr5_is_projected_between_offload_and_a_perfect_link(r
     # the CPU's 40 GB/s beside PCIe's 50: the MoE lanes move the misses at 90 GB/s
     assert {t.name: t.seconds for t in hybrid.parallel}["CPU experts"] == pytest.approx(misses_gb / 90)
     assert offload.tokens_per_second < hybrid.tokens_per_second < 1 / (misses_gb / 90)
+
+
+def test_todays_kernel_efficiency_scales_the_gpu_terms_only():
+    """kernel_efficiency divides what the GPU reads (dense, head, GPU experts), not PCIe or the CPU's lane."""
+    slow = Bandwidths(**{**vars(BW), "kernel_efficiency": 0.25})
+    for backend in ("offload", "hybrid"):
+        full, today = project_decode(TOY, 100, BW, backend), project_decode(TOY, 100, slow, backend)
+        terms = {t.name: t.seconds for t in full.serial}
+        slow_terms = {t.name: t.seconds for t in today.serial}
+        assert slow_terms["dense weights"] == pytest.approx(4 * terms["dense weights"])
+        assert slow_terms["kernel launches"] == terms["kernel launches"]
+        assert today.step_seconds > full.step_seconds
+    with pytest.raises(ValueError, match="kernel_efficiency"):
+        Bandwidths(kernel_efficiency=0.0)

@@ -99,6 +99,10 @@ def test_a_32gb_plan_projects_decode_term_by_term_with_the_given_bandwidths(real
     assert tokens_row.split()[1:] == [f"{offload['tokens_per_second']:.1f}", f"{hybrid['tokens_per_second']:.1f}"]
     for term in ("dense weights", "KV cache", "kernel launches", "CPU handoffs", "PCIe copies", "CPU experts"):
         assert any(ln.startswith(term) for ln in text.splitlines()), term
+    today = d["with_todays_kernels"]  # the same step with the decode kernels as fast as the H200 measured them
+    assert today["kernel_efficiency"] == 0.25 and "H200" in today["source"]
+    assert today["tokens_per_second"]["hybrid"] < hybrid["tokens_per_second"]
+    assert f"hybrid {today['tokens_per_second']['hybrid']:.1f} tokens/s" in text
 
 
 def test_a_card_that_holds_every_expert_projects_the_gpu_backend_only(tiny_cache):
