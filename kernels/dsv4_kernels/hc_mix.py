@@ -27,7 +27,7 @@ Why this layout: the mixes are a [N, 16384] x [16384, 24] product, memory-bound 
 but fn (1.5 MiB) is read by every program, from L2. Tokens per program trade fn's L2 traffic against
 spreading the work over the SMs (pick_block_n): one token per program for decode batches, 16 or 64
 tokens per program with tl.dot above that, cutting fn's reads to 96 or 24 KiB a token.
-Decode batches split K (PHASE, pick_splits): one SM streaming all of fn's 1.5 MiB took 62 us a call on
+Decode batches split K (PHASE, pick_splits): one SM streaming all of fn's 1.5 MiB took ~100 us a call on
 an H200 (bench/gpu_profile.py: 28% of a batch-1 decode step), so up to DECODE_TOKENS tokens run two
 launches: PHASE 1, a program per (token, SPLIT_K = 256 values of the flat row), writes the token's partial
 mixes and sum of squares [N, splits, 2 hcp^2 + 1] (fp32); PHASE 2, a program per token, sums them in a
@@ -104,7 +104,7 @@ def hc_mix_kernel(
 def pick_block_n(n: int, batch_invariant: bool = False, interpreter: bool | None = None) -> int:
     """Tokens per hc_pre / hc_head program: one for decode batches (up to DECODE_TOKENS; K split over 64
     programs a token, pick_splits: 0.106 ms a batch-1 call on an H200, launch included, where one program
-    streaming all of fn took 62 us of device time), 16 up to 2048 tokens (fn read from L2 once per 16 tokens,
+    streaming all of fn took ~100 us of device time), 16 up to 2048 tokens (fn read from L2 once per 16 tokens,
     128 programs at 2048), 64 beyond (24 KiB of fn a token; a wave of the SMs from ~8K tokens; 0.53 ms at 4,096
     tokens there). Batch-invariant numerics take one always: a token's sums then never depend on the tokens
     beside it.
