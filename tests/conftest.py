@@ -30,6 +30,22 @@ def tiny_dir(tiny_cache: Path) -> Path:
     return tiny_folder(tiny_cache)
 
 
+@pytest.fixture(scope="module")
+def tiny_mtp(tiny_dir: Path):
+    """dsv4-tiny's dense model with its MTP block (the speculative-decoding tests), one per test module: tests
+    attach drafters and pools to it. One torch thread, as the engine's CPU worker runs."""
+    import torch
+
+    from dsv4serve.checkpoint.loader import load_dense_state_dict
+    from dsv4serve.model.transformer import Transformer
+
+    torch.set_num_threads(1)
+    args, state = load_dense_state_dict(tiny_dir)
+    model = Transformer(args).eval()
+    model.load_state_dict(state, strict=True)
+    return model
+
+
 @pytest.fixture(scope="session")
 def real_model_dir() -> Path:
     if not (REAL_MODEL / "config.json").is_file():

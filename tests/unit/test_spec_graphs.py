@@ -14,12 +14,10 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from dsv4serve.checkpoint.loader import load_dense_state_dict
 from dsv4serve.ipc.messages import AddRequest
 from dsv4serve.ipc.sampling import SamplingParams
 from dsv4serve.model.kv_pool import KvPool
 from dsv4serve.model.numerics import NUMERICS_OFF, NUMERICS_ON, Numerics
-from dsv4serve.model.transformer import Transformer
 from dsv4serve.worker.runner import Runner
 from dsv4serve.worker.scheduler import Scheduler, SchedulerLimits
 from dsv4serve.worker.spec_graphs import SpecGraphs
@@ -29,15 +27,6 @@ MAX_LEN = 256
 INVARIANT = dataclasses.replace(NUMERICS_ON, batch_invariant=True)
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
 SAMPLED = SamplingParams(temperature=0.9, top_p=0.95, seed=11, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_dir):
-    torch.set_num_threads(1)
-    args, state = load_dense_state_dict(tiny_dir)
-    model = Transformer(args).eval()  # the MTP block included
-    model.load_state_dict(state, strict=True)
-    return model
 
 
 class OracleDrafter(Drafter):
@@ -104,14 +93,14 @@ def _oracle(prompts, outs) -> dict[str, list[int]]:
     ("n_spec", "n_requests"),
     [(1, 1), (2, 1), (3, 1), (1, 3), (2, 3), pytest.param(3, 3, marks=pytest.mark.slow)],  # (3, 3): about 15 s
 )
-def test_static_speculative_steps_give_the_eager_and_unspeculated_tokens(tiny, n_spec, n_requests):
+def test_static_speculative_steps_give_the_eager_and_unspeculated_tokens(tiny_mtp, n_spec, n_requests):
     """Bitwise with --batch-invariant: the padded verify rows and the device-fed chain change no real row."""
     prompts = _prompts(n_requests)
-    want = _run(*_engine(tiny, INVARIANT, 0, False), prompts)
+    want = _run(*_engine(tiny_mtp, INVARIANT, 0, False), prompts)
     oracle = _oracle(prompts, want)
-    eager_sched, eager = _engine(tiny, INVARIANT, n_spec, False, oracle)
+    eager_sched, eager = _engine(tiny_mtp, INVARIANT, n_spec, False, oracle)
     assert _run(eager_sched, eager, prompts) == want
-    sched, runner = _engine(tiny, INVARIANT, n_spec, True, oracle)
+    sched, runner = _engine(tiny_mtp, INVARIANT, n_spec, True, oracle)
     assert _run(sched, runner, prompts) == want
     assert sched.spec_accepted_tokens_total == eager_sched.spec_accepted_tokens_total  # the same acceptances
     assert 0 < sched.spec_accepted_tokens_total < sched.spec_draft_tokens_total  # partial: rollbacks happened
@@ -122,36 +111,36 @@ def test_static_speculative_steps_give_the_eager_and_unspeculated_tokens(tiny, n
 
 
 @pytest.mark.slow  # (about 20 s on 2 cores)
-def test_sampled_seeded_requests_give_the_eager_paths_tokens(tiny):
+def test_sampled_seeded_requests_give_the_eager_paths_tokens(tiny_mtp):
     """Seeded sampling (the rejection sampler, drafts drawn from q on the device): the static path's logits are
     the eager path's bit for bit, so each request's random stream picks the same tokens."""
     prompts = _prompts(3)
-    eager = _run(*_engine(tiny, INVARIANT, 3, False), prompts, SAMPLED)
-    sched, runner = _engine(tiny, INVARIANT, 3, True)
+    eager = _run(*_engine(tiny_mtp, INVARIANT, 3, False), prompts, SAMPLED)
+    sched, runner = _engine(tiny_mtp, INVARIANT, 3, True)
     assert _run(sched, runner, prompts, SAMPLED) == eager
     assert runner.drafter.graphs.counts["verify_static"] > 0 and runner.drafter.graphs.counts["chain_static"] > 0
     assert runner.drafter.host_chains == 0  # no penalties: the chain never read a draft back before the next
 
 
-def test_history_dependent_rows_draft_through_the_host_chain(tiny):
+def test_history_dependent_rows_draft_through_the_host_chain(tiny_mtp):
     """A presence penalty makes each draft's processing look at the drafts before it: those chains read each
     draft back (the eager chain of before), with the same tokens as without static buffers."""
     prompts = _prompts(2)
     params = dataclasses.replace(GREEDY, presence_penalty=0.5)
-    want = _run(*_engine(tiny, INVARIANT, 0, False), prompts, params)
-    sched, runner = _engine(tiny, INVARIANT, 2, True)
+    want = _run(*_engine(tiny_mtp, INVARIANT, 0, False), prompts, params)
+    sched, runner = _engine(tiny_mtp, INVARIANT, 2, True)
     assert _run(sched, runner, prompts, params) == want
     assert runner.drafter.host_chains > 0
 
 
 @pytest.mark.slow  # (about 15 s on 2 cores)
-def test_static_verify_on_the_vectorized_path(tiny):
+def test_static_verify_on_the_vectorized_path(tiny_mtp):
     """Without batch invariance (GEMMs whose sums depend on the row count), in fp32 without the FP8 / bf16
     simulations: the padded static steps give the same greedy tokens as the eager ones, nearly always."""
     fp32 = dataclasses.replace(NUMERICS_OFF, compute_dtype=torch.float32)
     prompts = _prompts(3)
-    want = _run(*_engine(tiny, fp32, 2, False), prompts)
-    sched, runner = _engine(tiny, fp32, 2, True)
+    want = _run(*_engine(tiny_mtp, fp32, 2, False), prompts)
+    sched, runner = _engine(tiny_mtp, fp32, 2, True)
     got = _run(sched, runner, prompts)
     agree = sum(a == b for rid in want for a, b in zip(want[rid], got[rid])) / sum(map(len, want.values()))
     assert agree >= 0.95, agree

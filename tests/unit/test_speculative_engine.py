@@ -17,27 +17,16 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from dsv4serve.checkpoint.loader import load_dense_state_dict
 from dsv4serve.ipc.messages import AddRequest
 from dsv4serve.ipc.sampling import SamplingParams
 from dsv4serve.model.kv_pool import KvPool
 from dsv4serve.model.numerics import NUMERICS_ON
-from dsv4serve.model.transformer import Transformer
 from dsv4serve.worker.runner import Runner
 from dsv4serve.worker.scheduler import Scheduler, SchedulerLimits
 from dsv4serve.worker.speculative import Drafter, DraftRow, Drafts
 
 NUM = dataclasses.replace(NUMERICS_ON, batch_invariant=True)
 MAX_LEN = 256
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_dir):
-    torch.set_num_threads(1)
-    args, state = load_dense_state_dict(tiny_dir)
-    model = Transformer(args).eval()  # the MTP block included
-    model.load_state_dict(state, strict=True)
-    return model
 
 
 class OracleDrafter(Drafter):
@@ -110,19 +99,19 @@ def _oracle(prompts, outs) -> dict[str, list[int]]:
 
 
 @pytest.mark.parametrize("n_spec", [1, 2, 3])
-def test_one_request_with_the_real_drafter_equals_no_speculation(tiny, n_spec):
+def test_one_request_with_the_real_drafter_equals_no_speculation(tiny_mtp, n_spec):
     prompts = _prompts(1)
-    want = _run(*_engine(tiny, 0), prompts)
-    sched, runner = _engine(tiny, n_spec)
+    want = _run(*_engine(tiny_mtp, 0), prompts)
+    sched, runner = _engine(tiny_mtp, n_spec)
     assert _run(sched, runner, prompts) == want
     assert sched.spec_drafts_total > 0 and sched.spec_draft_tokens_total >= sched.spec_drafts_total
 
 
 @pytest.mark.parametrize("n_spec", [1, 3])
-def test_batched_chunked_prefill_with_accepted_drafts_equals_no_speculation(tiny, n_spec):
+def test_batched_chunked_prefill_with_accepted_drafts_equals_no_speculation(tiny_mtp, n_spec):
     prompts = _prompts(3)
-    want = _run(*_engine(tiny, 0), prompts, chunk=24)
-    sched, runner = _engine(tiny, n_spec, oracle=_oracle(prompts, want))
+    want = _run(*_engine(tiny_mtp, 0), prompts, chunk=24)
+    sched, runner = _engine(tiny_mtp, n_spec, oracle=_oracle(prompts, want))
     assert _run(sched, runner, prompts, chunk=24) == want
     # the oracle drafts are accepted in part: multi-token acceptance and partial rollbacks both happened
     assert 0 < sched.spec_accepted_tokens_total < sched.spec_draft_tokens_total
@@ -131,28 +120,28 @@ def test_batched_chunked_prefill_with_accepted_drafts_equals_no_speculation(tiny
 
 
 @pytest.mark.slow  # (about 8 s on 2 cores; the oracle drafter's batched test covers the same paths)
-def test_batched_with_the_real_drafter_equals_no_speculation(tiny):
+def test_batched_with_the_real_drafter_equals_no_speculation(tiny_mtp):
     prompts = _prompts(3)
-    want = _run(*_engine(tiny, 0), prompts, chunk=24)
-    assert _run(*_engine(tiny, 2), prompts, chunk=24) == want
+    want = _run(*_engine(tiny_mtp, 0), prompts, chunk=24)
+    assert _run(*_engine(tiny_mtp, 2), prompts, chunk=24) == want
 
 
-def test_prefix_reuse_equals_no_speculation(tiny):
-    page = tiny.args.page_tokens
+def test_prefix_reuse_equals_no_speculation(tiny_mtp):
+    page = tiny_mtp.args.page_tokens
     shared = list(range(300, 300 + 2 * page + 3))
     prompts = {"a": shared + [5, 6, 7], "b": shared + [9, 10], "c": shared[: 2 * page] + [11]}
-    want = _run(*_engine(tiny, 0), prompts, staggered=True)
-    sched, runner = _engine(tiny, 2, oracle=_oracle(prompts, want))
+    want = _run(*_engine(tiny_mtp, 0), prompts, staggered=True)
+    sched, runner = _engine(tiny_mtp, 2, oracle=_oracle(prompts, want))
     assert _run(sched, runner, prompts, staggered=True) == want
     assert sched.prefix_hits_tokens >= 2 * page  # the later prompts started from a snapshot
     assert 0 < sched.spec_accepted_tokens_total < sched.spec_draft_tokens_total
 
 
-def test_preemption_equals_no_speculation(tiny):
+def test_preemption_equals_no_speculation(tiny_mtp):
     """A pool too small for every request at once: requests are preempted and recomputed."""
     prompts = _prompts(3)
-    want = _run(*_engine(tiny, 0), prompts, max_tokens=20)
-    sched, runner = _engine(tiny, 3, capacity_pages=6, oracle=_oracle(prompts, want))
+    want = _run(*_engine(tiny_mtp, 0), prompts, max_tokens=20)
+    sched, runner = _engine(tiny_mtp, 3, capacity_pages=6, oracle=_oracle(prompts, want))
     preempted = []
     original = sched._preempt
 
@@ -167,12 +156,12 @@ def test_preemption_equals_no_speculation(tiny):
 
 
 @pytest.mark.parametrize("oracle", [False, True])
-def test_sampled_requests_go_through_rejection_sampling_with_greedys_tokens_at_top_k_1(tiny, oracle):
+def test_sampled_requests_go_through_rejection_sampling_with_greedys_tokens_at_top_k_1(tiny_mtp, oracle):
     """temperature 0.8, top-k 1: the target's distribution is one-hot at its argmax, so rejection sampling (the
     sampled path: drafts with their q, acceptance tests, the residual's draw) must give greedy's tokens."""
     prompts = _prompts(2)
-    want = _run(*_engine(tiny, 0), prompts, chunk=24)
-    sched, runner = _engine(tiny, 2, oracle=_oracle(prompts, want) if oracle else None)
+    want = _run(*_engine(tiny_mtp, 0), prompts, chunk=24)
+    sched, runner = _engine(tiny_mtp, 2, oracle=_oracle(prompts, want) if oracle else None)
     assert _run(sched, runner, prompts, chunk=24, params=TOP1) == want
     assert sched.spec_drafts_total > 0 and not runner.draft_probs  # the finished requests' q were freed
     if oracle:
@@ -194,7 +183,7 @@ def _run_messages(sched, runner, requests: list[tuple[str, list[int], SamplingPa
     return {"tokens": tokens, "prompt_logprobs": prompt_lps}
 
 
-def test_logprobs_and_prompt_logprobs_beside_verify_rows_equal_no_speculation(tiny):
+def test_logprobs_and_prompt_logprobs_beside_verify_rows_equal_no_speculation(tiny_mtp):
     """Greedy with logprobs (each verified position's logprobs are the decode step's) next to a request asking
     for prompt logprobs (a step with every position's logits, the verify rows' among them)."""
     prompts = _prompts(2)
@@ -202,9 +191,9 @@ def test_logprobs_and_prompt_logprobs_beside_verify_rows_equal_no_speculation(ti
         ("r0", prompts["r0"], dataclasses.replace(GREEDY, max_tokens=10, logprobs=2)),
         ("r1", prompts["r1"], dataclasses.replace(GREEDY, max_tokens=6, prompt_logprobs=1)),
     ]
-    want = _run_messages(*_engine(tiny, 0), requests)
+    want = _run_messages(*_engine(tiny_mtp, 0), requests)
     oracle = {rid: prompt + [t.token_id for t in want["tokens"][rid]] for rid, prompt, _ in requests}
-    sched, runner = _engine(tiny, 3, oracle=oracle)
+    sched, runner = _engine(tiny_mtp, 3, oracle=oracle)
     assert _run_messages(sched, runner, requests) == want
     assert want["tokens"]["r0"][0].top and len(want["prompt_logprobs"]["r1"]) == len(prompts["r1"])
     assert 0 < sched.spec_accepted_tokens_total < sched.spec_draft_tokens_total
