@@ -8,16 +8,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from dsv4_kernels.fp4_moe_tiles import _round_bf16  # the one bf16 rounding every kernel uses
+
 SPLIT_CHUNK = 16  # partial rows PHASE 2 adds per step
 _SPLIT_CHUNK = tl.constexpr(SPLIT_CHUNK)  # the kernels' view of it
-
-
-@triton.jit
-def _round_bf16(v):
-    """fp32 -> the nearest bf16 value (ties to even), still fp32: the interpreter's cast truncates."""
-    bits = v.to(tl.uint32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
