@@ -25,10 +25,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 class Recorder:
-    """Each module's outputs, call by call: the first tensor of the output, its row `row` (a token), on the CPU."""
+    """Each module's outputs, call by call: the first tensor of the output, its row `row` (a token), on the CPU;
+    and each MoE gate's choice for that token (its output's second tensor: the expert ids), sorted."""
 
     def __init__(self, model: torch.nn.Module):
-        self.model, self.calls, self.order, self.row = model, {}, [], -1
+        self.model, self.calls, self.order, self.routes, self.row = model, {}, [], {}, -1
         self.handles = [m.register_forward_hook(self._hook(name)) for name, m in model.named_modules() if name]
 
     def _hook(self, name: str):
@@ -39,11 +40,13 @@ class Recorder:
             calls = self.calls.setdefault(name, [])
             self.order.append((name, len(calls)))
             calls.append(t[self.row].detach().float().cpu().clone())
+            if name.endswith("ffn.gate"):
+                self.routes[name] = sorted(output[1][self.row].tolist())
 
         return hook
 
     def reset(self, row: int) -> None:
-        self.calls, self.order, self.row = {}, [], row
+        self.calls, self.order, self.routes, self.row = {}, [], {}, row
 
     def close(self) -> None:
         for h in self.handles:
@@ -58,7 +61,7 @@ def compare(model, num, ids: torch.Tensor, prompt: int, rtol: float, label: str)
     state = model.new_state(num)
     full_logits = model([BatchRow(ids, state)], num).logits[0]
     state.pool.release(state)
-    one_shot, one_order = rec.calls, rec.order
+    one_shot, one_order, one_routes = rec.calls, rec.order, rec.routes
     state = model.new_state(num)
     rec.reset(-1)  # the prefill's records are dropped: only the decode step's
     model([BatchRow(ids[:prompt], state)], num)
@@ -66,7 +69,7 @@ def compare(model, num, ids: torch.Tensor, prompt: int, rtol: float, label: str)
     step_logits = model([BatchRow(ids[prompt:], state)], num).logits[0]
     state.pool.release(state)
     rec.close()
-    decoded = rec.calls
+    decoded, routes = rec.calls, rec.routes
     diff = (step_logits.float() - full_logits.float()).abs()
     print(
         f"\n[{label}] logits of token {prompt}: max |diff| {float(diff.max()):.4g}, mean {float(diff.mean()):.3g}, "
@@ -80,8 +83,6 @@ def compare(model, num, ids: torch.Tensor, prompt: int, rtol: float, label: str)
         a, b = decoded[name][i], one_shot[name][i]
         if a.shape != b.shape:
             continue
-        if not a.is_floating_point():
-            continue
         err = float((a - b).abs().max())
         scale = float(b.abs().max()) or 1.0
         if err > rtol * scale and shown < 12:
@@ -89,34 +90,8 @@ def compare(model, num, ids: torch.Tensor, prompt: int, rtol: float, label: str)
             shown += 1
     if shown == 0:
         print(f"  no module output differs past {rtol} of its scale")
-    routing(model, num, ids, prompt, label)
-
-
-def routing(model, num, ids: torch.Tensor, prompt: int, label: str) -> None:
-    """Token P's routed experts in every MoE layer, decoded vs one-shot (gate outputs: weights, ids)."""
-    from dsv4serve.model.transformer import BatchRow
-
-    picks: dict[str, list[list[int]]] = {}
-    handles = []
-    for name, m in model.named_modules():
-        if name.endswith("ffn.gate"):
-
-            def hook(module, args, output, name=name):
-                picks.setdefault(name, []).append(sorted(output[1][-1].tolist()))
-
-            handles.append(m.register_forward_hook(hook))
-    state = model.new_state(num)
-    model([BatchRow(ids, state)], num)
-    state.pool.release(state)
-    state = model.new_state(num)
-    model([BatchRow(ids[:prompt], state)], num)
-    model([BatchRow(ids[prompt:], state)], num)
-    state.pool.release(state)
-    for h in handles:
-        h.remove()
-    for name, calls in picks.items():
-        one_shot, decoded = calls[0], calls[-1]
-        same = "same" if one_shot == decoded else f"DIFFER: one-shot {one_shot}, decode {decoded}"
+    for name, experts in one_routes.items():  # token P's routed experts in every MoE layer
+        same = "same" if routes.get(name) == experts else f"DIFFER: one-shot {experts}, decode {routes.get(name)}"
         print(f"  [{label}] {name}: token {prompt}'s experts {same}")
 
 
