@@ -30,6 +30,7 @@ import importlib
 import json
 import os
 import pkgutil
+import re
 import statistics
 import sys
 import time
@@ -154,7 +155,7 @@ def run_module(
         return [Row(name, ok=error_text(exc))]
     rows, times = [], {}
     for case in cases:
-        if opts.only and opts.only not in case.name:
+        if opts.only and not re.search(opts.only, case.name):
             continue
         if time.monotonic() > deadline:
             rows.append(Row(case.name, ok="skipped: over --budget-s"))
@@ -217,7 +218,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--budget-s", type=float, default=420.0, help="skip the cases that would start later")
-    parser.add_argument("--only", help="run only the cases whose name contains this")
+    parser.add_argument("--only", help="run only the cases whose name this regular expression matches (re.search)")
     parser.add_argument("--module", action="append", help="run only this module of gpu_cases/ (repeatable)")
     parser.add_argument("--json", type=Path, help="write the numbers here")
     opts = parser.parse_args()

@@ -47,6 +47,7 @@ class DecodeBench:
         self.n_experts = args.n_layers * args.n_routed_experts
         self.n_slots = max(args.n_activated_experts, round(SLOT_SHARE * self.n_experts))
         self.mode = "resident"
+        self.hybrid = None  # HybridExperts, made by the first use("hybrid")
         self.graphs: dict[str, object] = {}  # mode -> DecodeGraphs, built at first use
         self.graph_errors: dict[str, str] = {}  # mode -> why its DecodeGraphs could not be built
         self.ready = False
@@ -161,12 +162,19 @@ class DecodeBench:
     # ------------------------------------------------------------------ expert homes and graphs
 
     def use(self, mode: str) -> None:
-        """Route the MoE layers to the resident stacks or to the slot cache (the captured graphs keep
-        reading what they were captured with: the stacks stay referenced here)."""
+        """Route the MoE layers to the resident stacks, to the slot cache, or (hybrid) to the slot cache with
+        the misses the split gives the CPU computed by kt-kernel (--moe-backend hybrid; its copy of the bank
+        and the split's costs are made at first use). The captured graphs keep reading what they were
+        captured with: the stacks stay referenced here."""
         if mode == self.mode:
             return
+        if mode == "hybrid" and self.hybrid is None:
+            from dsv4serve.experts.attach import attach_cpu_experts
+
+            self.hybrid = attach_cpu_experts(self.model, self.cache, self.device)
         for moe, (experts, stacks) in zip(self.moes, self.resident):
-            if mode == "slots":
+            moe.cpu_experts = self.hybrid if mode == "hybrid" else None
+            if mode in ("slots", "hybrid"):
                 moe.use_expert_cache(self.cache)
             else:
                 moe.expert_source = None

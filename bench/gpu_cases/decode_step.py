@@ -6,9 +6,12 @@ CUDA, no batch invariance), at batch 1, 8 and 64. Two ways to run a step:
   eager:  build_layout (one pinned upload) + Transformer.run, what --enforce-eager runs;
   graphs: worker/graphs.DecodeGraphs with capture=True (every bucket 1, 2, 4, ..., 64 captured when the
           first graphs case of an expert home runs), one replay per step.
-and two homes for the routed experts: all resident (the stacked MXFP4 copies), or an ExpertSlotCache whose
+and three homes for the routed experts: all resident (the stacked MXFP4 copies); an ExpertSlotCache whose
 bank is the model's packed experts copied to host memory (pinned on CUDA) and whose device slots hold half
-of them (its initial fill: an equal share per layer; promotions follow the routing).
+of them (its initial fill: an equal share per layer; promotions follow the routing); and, when kt-kernel is
+installed, --moe-backend hybrid over that cache (experts/attach.attach_cpu_experts: kt-kernel's copy of the
+bank, the split's costs measured, the misses it gives the CPU computed there), eager steps at batch <= 8
+checked against the same step with every miss on the device path (the slot cache's eager step).
 
 The rows (_decode_engine.DecodeBench, built by the first case that runs): an engine KvPool as
 worker/engine_setup.py builds it (every row its own sequence slot and pages, then one padding slot and one
@@ -52,8 +55,10 @@ from bench.gpu_cases import GpuCase, real_config_dir
 from bench.gpu_cases._decode_engine import DecodeBench
 from bench.gpu_cases._sync_debug import describe_syncs, project_site, sync_debug
 from bench.gpu_cases.end_to_end import N_LAYERS, REAL_LAYERS, bench_args
+from dsv4serve.experts.kt_backend import kt_kernel_available
 
 BATCH_SIZES = (1, 8, 64)
+HYBRID_MAX_BATCH = 8  # --moe-backend hybrid (kt-kernel installed): eager steps, checked against the slots'
 CONTEXT_TOKENS = 2048
 # every case runs at most 1 + MAX_WARMUP + MAX_REPEATS steps on rows 0..B-1; row 0 is in all 12 cases
 EXTRA_TOKENS = 256
@@ -61,6 +66,11 @@ MAX_WARMUP, MAX_REPEATS = 2, 5
 # bf16 noise through 2 layers of FP8 activation quantization (a flipped rounding moves a logit by ~1e-2):
 # end_to_end's tolerance for logits of the same model
 ATOL, RTOL = 0.05, 0.02
+# hybrid vs the offload step: kt-kernel rounds gate, up, the SwiGLU output and each expert's output to bf16
+# (tests/kernels/test_kt_hybrid_kernel.py: bit for bit with that torch reference), the device path keeps more
+# of it in fp32, and the next layer's FP8 re-quantization turns a flipped bf16 rounding into a whole FP8 step
+# (bench/gpu_diverge.py's finding): dsv4-tiny's smoke step differs by 0.15 where 6 experts ran on the CPU
+HYBRID_ATOL = 0.25
 NAME = re.compile(r"decode_step bs=(\d+) (eager|graphs) \[(.+)\]")
 
 
@@ -108,6 +118,14 @@ class StepProbe:
     def reference(self) -> torch.Tensor:
         b = self.bench
         b.restore()
+        if self.mode == "hybrid":  # the same step with every miss on the device path (the offload step)
+            b.use("slots")
+            out = b.eager_step(self.n)
+            stats, costs = b.hybrid.stats, b.hybrid.describe()
+            self.lines.append(f"hybrid: {costs}; so far {stats.layer_steps} layer steps routed to "
+                              f"{stats.routed_experts} experts, {stats.cpu_experts} of them computed on the CPU, "
+                              f"{stats.fetched_misses} misses left to the device path")  # fmt: skip
+            return out
         b.use(self.mode)
         if self.replay:  # the engine's eager step (informative), then the one on the replay's layout (checked)
             self.lines.append(f"eager step vs replay: {differences(b.eager_step(self.n), self.out)}")
@@ -167,10 +185,12 @@ def build(device: torch.device, args, batch_sizes: tuple[int, ...], context_toke
     bench = DecodeBench(device, args, max(batch_sizes), context_tokens, extra_tokens)
     label = "triton" if default_backends(device).uses_triton() else "torch"
     homes = {"resident": "resident", "slots": f"slot cache {bench.n_slots}/{bench.n_experts}"}
+    if kt_kernel_available()[0]:  # --moe-backend hybrid: its steps sync per layer, so eager only
+        homes["hybrid"] = f"hybrid: slot cache {bench.n_slots}/{bench.n_experts}, misses on kt-kernel"
     cases = []
     for mode, tag in homes.items():
-        for n in batch_sizes:
-            for replay in (False, True):
+        for n in [n for n in batch_sizes if mode != "hybrid" or n <= HYBRID_MAX_BATCH]:
+            for replay in (False, True) if mode != "hybrid" else (False,):
                 name = f"decode_step bs={n} {'graphs' if replay else 'eager'} [{tag}, {label}]"
                 probe = StepProbe(bench, mode, n, replay)
                 cases.append(
@@ -178,7 +198,7 @@ def build(device: torch.device, args, batch_sizes: tuple[int, ...], context_toke
                         name,
                         probe.run,
                         probe.reference,
-                        ATOL,
+                        HYBRID_ATOL if mode == "hybrid" else ATOL,
                         RTOL,
                         bytes_moved=step_bytes(args, n),
                         notes=partial(probe.notes, name),

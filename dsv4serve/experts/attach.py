@@ -131,9 +131,11 @@ def attach_cpu_experts(
     model: Transformer, cache: ExpertSlotCache, device: torch.device, room_bytes: int | None = None
 ) -> HybridExperts:
     """--moe-backend hybrid: hand the bank's experts to kt-kernel once (as many layers as host RAM holds
-    beside the bank: `room_bytes`, else MemAvailable minus HOST_MARGIN_BYTES), measure the split's costs,
-    and let every MoE layer compute its CPU misses there."""
+    beside the bank: `room_bytes`, else MemAvailable minus HOST_MARGIN_BYTES), check its output against the
+    torch reference (kt_check.py; ValueError when off), measure the split's costs, and let every MoE layer
+    compute its CPU misses there."""
     from dsv4serve.experts.kt_calibrate import measure_split_costs
+    from dsv4serve.experts.kt_check import verify_kt
     from dsv4serve.experts.kt_experts import KtExperts
 
     a = model.args
@@ -143,16 +145,20 @@ def attach_cpu_experts(
     layers = kt_layers(cache.bank, cache.layers, room_bytes)
     if not layers:
         raise ValueError("--moe-backend hybrid: host memory holds no MoE layer's kt-kernel copy beside the bank")
-    kt = KtExperts(_LayerParts(cache.bank, layers), geometry, kt_threads())
+    parts = _LayerParts(cache.bank, layers)
+    kt = KtExperts(parts, geometry, kt_threads())
+    err = verify_kt(kt, layers[0], parts[layers[0]], a.swiglu_limit)  # ValueError: this build computes wrong
     costs = measure_split_costs(kt, device)
     hybrid = HybridExperts(kt, cache, costs)
     for m in moe_layers(model):
         m.cpu_experts = hybrid
     log.info(
-        "hybrid MoE: %s (%d of %d offloaded layers, the rest offload only); measured: %s",
+        "hybrid MoE: %s (%d of %d offloaded layers, the rest offload only; checked against the torch reference: "
+        "relative error %.2g); measured: %s",
         kt.describe,
         len(layers),
         len(cache.layers),
+        err,
         costs.describe(cache.bank.expert_bytes),
     )
     return hybrid

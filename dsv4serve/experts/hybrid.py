@@ -27,6 +27,8 @@ from dsv4serve.experts.slot_cache import ExpertSlotCache
 class HybridStats:
     cpu_experts: int = 0  # (layer, expert) computations kt-kernel ran
     fetched_misses: int = 0  # misses the split left to the device path (fetched or read in place)
+    layer_steps: int = 0  # (layer, step) routings the split saw
+    routed_experts: int = 0  # distinct experts those routings used (hits + misses)
 
 
 class HybridJob:
@@ -66,6 +68,8 @@ class HybridExperts:
         ids_host = ids.to("cpu")  # the one host sync of the layer
         counts = torch.bincount(ids_host.flatten(), minlength=bank.n_experts)
         misses = {e: int(counts[e]) for e in torch.nonzero((counts > 0) & (slot_of < 0)).flatten().tolist()}
+        self.stats.layer_steps += 1
+        self.stats.routed_experts += int((counts > 0).sum())
         cpu = sorted(split_misses(misses, bank.expert_bytes, layer in bank.pinned, self.costs))
         self.stats.fetched_misses += len(misses) - len(cpu)
         if not cpu:

@@ -48,9 +48,18 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4_kernels.fp4_moe_tiles import _act_tile, _load_fp4_tile, _quantize_rows, _round_bf16
+from dsv4_kernels import tuning
+from dsv4_kernels.fp4_moe_tiles import (
+    _act_tile,
+    _decode_fp4_halves,
+    _decode_fp4_joined,
+    _load_fp4_raw,
+    _quantize_rows,
+    _round_bf16,
+)
 from dsv4_kernels.moe_align import align_blocks, moe_align
 from dsv4_kernels.outputs import output_buffer
+from dsv4_kernels.split_k import _split_arrive, _split_sum, split_counters, unsplit_parts
 
 GATE_UP_BLOCK_N = 128  # one whole FP8 activation block of act per tile: the epilogue quantizes it
 
@@ -72,6 +81,8 @@ def fp4_moe_gemm_kernel(
     slot_of_expert_ptr,
     out_ptr,
     out_scale_ptr,
+    part_ptr,
+    count_ptr,
     topk_weight_ptr,
     sorted_ids_ptr,
     expert_ids_ptr,
@@ -87,6 +98,7 @@ def fp4_moe_gemm_kernel(
     stride_wsn,
     stride_om,
     stride_osm,
+    stride_ps,
     A_ROW_DIV: tl.constexpr,
     GATE_UP: tl.constexpr,
     QUANT_A: tl.constexpr,
@@ -98,11 +110,18 @@ def fp4_moe_gemm_kernel(
     EVEN_K: tl.constexpr,
     DOT_FP32: tl.constexpr,
     ROUND_BITS: tl.constexpr,
+    EVEN_ODD: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False,
+    SPLIT_K: tl.constexpr = 1,
 ):
-    """One (expert block of BLOCK_M routes, BLOCK_N output columns) tile, computed transposed
+    """One (expert block of BLOCK_M routes, BLOCK_N output columns[, K split]) tile, computed transposed
     ([BLOCK_N, BLOCK_M], see the module doc). A row = route // A_ROW_DIV (the token for GATE_UP, the
     route itself for the down GEMM). BLOCK_K divides 128. SLOTS: the expert's weights come from the
-    sw* slots when slot_of_expert[expert] >= 0 (same per-expert strides), else from w*."""
+    sw* slots when slot_of_expert[expert] >= 0 (same per-expert strides), else from w*. The K-loop forms
+    (LOOP_FORMS): EVEN_ODD, the even and odd K of each tile as two dots (no join); PREFETCH, the next
+    tile's bytes loaded before this tile is decoded; SPLIT_K > 1, program axis 2 takes K / SPLIT_K, stores
+    its fp32 sums into part_ptr ([SPLIT_K, routes, N (, N more for up)]) and the tile's last split to arrive
+    (count_ptr: one counter a tile) adds them and finishes the tile (split_k.py)."""
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(expert_ids_ptr + pid_b)
@@ -121,28 +140,115 @@ def fp4_moe_gemm_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_kp = tl.arange(0, BLOCK_K // 2)  # packed byte index in the tile
-    offs_ks = tl.arange(0, BLOCK_K // 32)  # scale index in the tile
     w_off = src * stride_we + offs_n[:, None] * stride_wn + offs_kp[None, :]
-    ws_off = src * stride_wse + offs_n[:, None] * stride_wsn + offs_ks[None, :]
+    if EVEN_ODD:  # one scale byte per packed byte (a repeated address: one transaction per 16 bytes)
+        ws_off = src * stride_wse + offs_n[:, None] * stride_wsn + (offs_kp // 16)[None, :]
+    else:
+        ws_off = src * stride_wse + offs_n[:, None] * stride_wsn + tl.arange(0, BLOCK_K // 32)[None, :]
+    k_lo = 0
+    k_hi = K
+    if SPLIT_K > 1:
+        k_lo = tl.program_id(2) * (K // SPLIT_K)
+        k_hi = k_lo + K // SPLIT_K
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        w_mask = n_ok[:, None]
-        ws_mask = n_ok[:, None]
-        if not EVEN_K:
-            w_mask = w_mask & (offs_kp < (K - k0) // 2)[None, :]
-            ws_mask = ws_mask & (offs_ks < (K - k0) // 32)[None, :]
-        a = _act_tile(
-            a_ptr, a_scale_ptr, a_rows, row_ok, k0, K, stride_am, stride_asm, QUANT_A, BLOCK_K, EVEN_K, ROUND_BITS
-        )
-        if not DOT_FP32:
-            a = a.to(tl.bfloat16)
-        a = tl.trans(a)  # [BK, BM]
-        w = _load_fp4_tile(w_base + w_off + k0 // 2, ws_base + ws_off + k0 // 32, w_mask, ws_mask, DOT_FP32)
-        acc = tl.dot(w, a, acc)
-        if GATE_UP:
-            u = _load_fp4_tile(w3_base + w_off + k0 // 2, w3s_base + ws_off + k0 // 32, w_mask, ws_mask, DOT_FP32)
-            acc3 = tl.dot(u, a, acc3)
+    nw, nws = _load_fp4_raw(w_base, ws_base, w_off, ws_off, n_ok, offs_kp, k_lo, K, PREFETCH, EVEN_K, EVEN_ODD)
+    nu, nus = nw, nws
+    if GATE_UP:
+        nu, nus = _load_fp4_raw(w3_base, w3s_base, w_off, ws_off, n_ok, offs_kp, k_lo, K, PREFETCH, EVEN_K, EVEN_ODD)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        if PREFETCH:  # this tile's bytes came with the previous step; the next tile's go out now
+            cw, cws, cu, cus = nw, nws, nu, nus
+            more = k0 + BLOCK_K < k_hi
+            nw, nws = _load_fp4_raw(
+                w_base, ws_base, w_off, ws_off, n_ok, offs_kp, k0 + BLOCK_K, K, more, EVEN_K, EVEN_ODD
+            )
+            if GATE_UP:
+                nu, nus = _load_fp4_raw(
+                    w3_base, w3s_base, w_off, ws_off, n_ok, offs_kp, k0 + BLOCK_K, K, more, EVEN_K, EVEN_ODD
+                )
+        else:  # up's bytes are loaded after gate's dot (below): fewer registers live at once
+            cw, cws = _load_fp4_raw(w_base, ws_base, w_off, ws_off, n_ok, offs_kp, k0, K, True, EVEN_K, EVEN_ODD)
+        if EVEN_ODD:
+            a_even = _act_tile(
+                a_ptr, a_scale_ptr, a_rows, row_ok, k0, K, stride_am, stride_asm,
+                QUANT_A, BLOCK_K, EVEN_K, ROUND_BITS, 2, 0,
+            )  # fmt: skip
+            a_odd = _act_tile(
+                a_ptr, a_scale_ptr, a_rows, row_ok, k0, K, stride_am, stride_asm,
+                QUANT_A, BLOCK_K, EVEN_K, ROUND_BITS, 2, 1,
+            )  # fmt: skip
+            if not DOT_FP32:
+                a_even = a_even.to(tl.bfloat16)
+                a_odd = a_odd.to(tl.bfloat16)
+            a_even = tl.trans(a_even)  # [BK/2, BM]
+            a_odd = tl.trans(a_odd)
+            w_lo, w_hi = _decode_fp4_halves(cw, cws, DOT_FP32)
+            acc = tl.dot(w_lo, a_even, acc)
+            acc = tl.dot(w_hi, a_odd, acc)
+            if GATE_UP:
+                if not PREFETCH:
+                    cu, cus = _load_fp4_raw(
+                        w3_base, w3s_base, w_off, ws_off, n_ok, offs_kp, k0, K, True, EVEN_K, EVEN_ODD
+                    )
+                u_lo, u_hi = _decode_fp4_halves(cu, cus, DOT_FP32)
+                acc3 = tl.dot(u_lo, a_even, acc3)
+                acc3 = tl.dot(u_hi, a_odd, acc3)
+        else:
+            a = _act_tile(
+                a_ptr, a_scale_ptr, a_rows, row_ok, k0, K, stride_am, stride_asm, QUANT_A, BLOCK_K, EVEN_K, ROUND_BITS
+            )
+            if not DOT_FP32:
+                a = a.to(tl.bfloat16)
+            a = tl.trans(a)  # [BK, BM]
+            acc = tl.dot(_decode_fp4_joined(cw, cws, DOT_FP32), a, acc)
+            if GATE_UP:
+                if not PREFETCH:
+                    cu, cus = _load_fp4_raw(
+                        w3_base, w3s_base, w_off, ws_off, n_ok, offs_kp, k0, K, True, EVEN_K, EVEN_ODD
+                    )
+                acc3 = tl.dot(_decode_fp4_joined(cu, cus, DOT_FP32), a, acc3)
+    if SPLIT_K > 1:  # store this split's sums; the tile's last split to arrive adds them all and finishes
+        p_ptrs = part_ptr + routes.to(tl.int64)[None, :] * (2 * N if GATE_UP else N) + offs_n[:, None]
+        p_mask = n_ok[:, None] & row_ok[None, :]
+        tl.store(p_ptrs + tl.program_id(2) * stride_ps, acc, mask=p_mask)
+        if GATE_UP:  # up's sums beside gate's, in the same row of part
+            tl.store(p_ptrs + tl.program_id(2) * stride_ps + N, acc3, mask=p_mask)
+        if _split_arrive(count_ptr, pid_b * tl.num_programs(1) + pid_n, SPLIT_K):
+            acc = _split_sum(p_ptrs, p_mask, stride_ps, SPLIT_K)
+            if GATE_UP:
+                acc3 = _split_sum(p_ptrs + N, p_mask, stride_ps, SPLIT_K)
+            _epilogue(
+                acc, acc3, routes, row_ok, offs_n, n_ok, pid_n, out_ptr, out_scale_ptr, topk_weight_ptr, limit,
+                stride_om, stride_osm, GATE_UP, QUANT_OUT, ROUND_BITS,
+            )  # fmt: skip
+    else:
+        _epilogue(
+            acc, acc3, routes, row_ok, offs_n, n_ok, pid_n, out_ptr, out_scale_ptr, topk_weight_ptr, limit,
+            stride_om, stride_osm, GATE_UP, QUANT_OUT, ROUND_BITS,
+        )  # fmt: skip
+
+
+@triton.jit
+def _epilogue(
+    acc,
+    acc3,
+    routes,
+    row_ok,
+    offs_n,
+    n_ok,
+    pid_n,
+    out_ptr,
+    out_scale_ptr,
+    topk_weight_ptr,
+    limit,
+    stride_om,
+    stride_osm,
+    GATE_UP: tl.constexpr,
+    QUANT_OUT: tl.constexpr,
+    ROUND_BITS: tl.constexpr,
+):
+    """The tile's sums [BN, BM] (gate and up for GATE_UP) -> bf16 (SwiGLU, routing weight, FP8) stored."""
     out = _round_bf16(acc)  # [BN, BM]
     if GATE_UP:
         up = _round_bf16(acc3)
@@ -214,6 +320,7 @@ def fp4_moe_gemm(
     slot_of_expert: torch.Tensor | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    loop: LoopForm | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """One grouped GEMM launch. `a`: e4m3 [rows, K] with fp32 `a_scale` [rows, ceil(K/128)], or bf16 /
     fp32 with a_scale None (quantized in the kernel); w packed [E, N, K/2], w_scale e8m0 [E, N, K/32].
@@ -222,7 +329,8 @@ def fp4_moe_gemm(
     pair (e4m3 [num_routes, N], fp32 [num_routes, ceil(N/128)]). `out` / `out_scale` (row strides
     free) receive the stores. `slots` (w, w_scale, w3, w3_scale [S, ...], as the weights) with
     `slot_of_expert` [E] int32: the second weight source (module doc). `num_warps` / `num_stages`: Triton's
-    launch options instead of LAUNCH_OPTIONS' and Triton's default (bench/gpu_fp4_sweep.py times the choices)."""
+    launch options instead of LAUNCH_OPTIONS' and Triton's default; `loop`: the K loop's form (default: the
+    joined tile, one pass; bench/gpu_fp4_sweep.py times the choices, `fp4_moe` takes the card's tuned ones)."""
     e_, n, half_k = w.shape
     k = a.shape[1]
     if k % 32 or half_k * 2 != k or tuple(w_scale.shape) != (e_, n, k // 32):
@@ -252,7 +360,13 @@ def fp4_moe_gemm(
     else:
         out = output_buffer(out, (num_routes, n), store_dtype(), a.device)
         out_scale = out  # never written
-    grid = (len(expert_ids), triton.cdiv(n, block_n))
+    loop = loop or LoopForm()
+    split = loop.split_k > 1
+    if split and k % (loop.split_k * block_k):
+        raise ValueError(f"split_k {loop.split_k} x block_k {block_k} must divide K={k}")
+    part_shape = (loop.split_k, num_routes, 2 * n if gate_up else n)
+    part = torch.empty(part_shape, dtype=torch.float32, device=a.device) if split else unsplit_parts(a.device)
+    grid = (len(expert_ids), triton.cdiv(n, block_n), loop.split_k)
     fp4_moe_gemm_kernel[grid](
         a,
         a_scale,
@@ -263,6 +377,8 @@ def fp4_moe_gemm(
         *sources,
         out,
         out_scale,
+        part,
+        split_counters(grid[0] * grid[1], a.device),
         route_w,
         sorted_ids,
         expert_ids,
@@ -278,6 +394,7 @@ def fp4_moe_gemm(
         w_scale.stride(1),
         out.stride(0),
         out_scale.stride(0),
+        part.stride(0),
         A_ROW_DIV=a_row_div,
         GATE_UP=gate_up,
         QUANT_A=quant_a,
@@ -289,10 +406,31 @@ def fp4_moe_gemm(
         EVEN_K=k % block_k == 0,
         DOT_FP32=interpreting(),
         ROUND_BITS=interpreting(),
+        EVEN_ODD=loop.even_odd,
+        PREFETCH=loop.prefetch,
+        SPLIT_K=loop.split_k,
         num_warps=num_warps or _num_warps(gate_up, block_m),
         **({"num_stages": num_stages} if num_stages else {}),
     )
     return (out, out_scale) if quant_out else out
+
+
+@dataclass(frozen=True)
+class LoopForm:
+    """How the GEMM kernel walks K (its EVEN_ODD / PREFETCH / SPLIT_K constexprs; the kernel's doc)."""
+
+    even_odd: bool = False
+    prefetch: bool = False
+    split_k: int = 1
+
+    def __post_init__(self) -> None:
+        if self.split_k < 1:
+            raise ValueError(f"split_k must be >= 1, got {self.split_k}")
+
+    @property
+    def name(self) -> str:
+        parts = [p for p, on in (("even_odd", self.even_odd), ("prefetch", self.prefetch)) if on]
+        return "+".join(parts + ([f"split{self.split_k}"] if self.split_k > 1 else [])) or "joined"
 
 
 def _slot_sources(slots, slot_of_expert, weights: tuple[torch.Tensor, ...], gate_up: bool, num_experts: int):
@@ -357,7 +495,7 @@ def fp4_moe(
     topk_ids: torch.Tensor,
     limit: float,
     block_m: int | None = None,
-    block_n: int = 64,
+    block_n: int | None = None,
     block_k: int | None = None,
     outs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     slots: ExpertSlots | None = None,
@@ -366,13 +504,17 @@ def fp4_moe(
     """x [T, D] bf16 (or fp32), W1/W3 [E, I, D/2] + [E, I, D/32], W2 [E, D, I/2] + [E, D, I/32], topk [T, k]
     (weights fp32, already route-scaled) -> routed-expert sum fp32 [T, D] (module contract above).
     `outs`: optional (act e4m3 [T*k, I], act scales fp32 [T*k, ceil(I/128)], y [T*k, D]) buffers;
-    `block_n`: the down GEMM's N tile. `slots`: experts read from device slots instead (module doc);
+    `block_n`: the down GEMM's N tile. Decode blocks (16 routes) take the card's tuned choices
+    (tuning.py: K-loop form, tiles, warps, stages) where a tile size is not given and a tuned split fits K.
+    `slots`: experts read from device slots instead (module doc);
     `usage` int64 [E + 1] (needs `slots`): the expert-slot cache's record (moe_align.py)."""
     t, k = topk_ids.shape
     num_routes = t * k
     bm = block_m or pick_block_m(num_routes, w1.shape[0])
-    bk_up = block_k or pick_block_k(bm, True, x.device)
-    bk_down = block_k or pick_block_k(bm)
+    up = _tuned("gate_up", num_routes, bm, x.shape[1], block_k, x.device)
+    down = _tuned("down", num_routes, bm, w2.shape[2] * 2, block_k, x.device)
+    bk_up = block_k or up.get("block_k") or pick_block_k(bm, True, x.device)
+    bk_down = block_k or down.get("block_k") or pick_block_k(bm)
     slot_map = slots.slot_of_expert if slots is not None else None
     if usage is not None and slots is None:
         raise ValueError("usage records which experts came from slots: it needs slots")
@@ -399,6 +541,9 @@ def fp4_moe(
         quant_out=True,
         slots=slots.parts[:4] if slots is not None else None,
         slot_of_expert=slot_map,
+        num_warps=up.get("num_warps"),
+        num_stages=up.get("num_stages"),
+        loop=_loop_form(up),
     )
     y = fp4_moe_gemm(
         act_q,
@@ -410,86 +555,30 @@ def fp4_moe(
         num_routes,
         1,
         block_m=bm,
-        block_n=block_n,
+        block_n=block_n or down.get("block_n") or 64,
         block_k=bk_down,
         out=y_out,
         slots=slots.parts[4:] if slots is not None else None,
         slot_of_expert=slot_map,
+        num_warps=down.get("num_warps"),
+        num_stages=down.get("num_stages"),
+        loop=_loop_form(down),
     )
     assert isinstance(y, torch.Tensor)  # without quant_out the GEMM returns one tensor, not a pair
     return torch.sum(y.view(t, k, -1), dim=1, dtype=torch.float32)
 
 
-_SIG = {
-    "a_ptr": "*fp8e4nv",
-    "a_scale_ptr": "*fp32",
-    "w_ptr": "*u8",
-    "w_scale_ptr": "*u8",
-    "w3_ptr": "*u8",
-    "w3_scale_ptr": "*u8",
-    "sw_ptr": "*u8",
-    "sw_scale_ptr": "*u8",
-    "sw3_ptr": "*u8",
-    "sw3_scale_ptr": "*u8",
-    "slot_of_expert_ptr": "*i32",
-    "out_ptr": "*bf16",
-    "out_scale_ptr": "*bf16",
-    "topk_weight_ptr": "*fp32",
-    "sorted_ids_ptr": "*i32",
-    "expert_ids_ptr": "*i32",
-    "num_routes": "i32",
-    "N": "i32",
-    "K": "i32",
-    "limit": "fp32",
-    "stride_am": "i32",
-    "stride_asm": "i32",
-    "stride_we": "i32",
-    "stride_wn": "i32",
-    "stride_wse": "i32",
-    "stride_wsn": "i32",
-    "stride_om": "i32",
-    "stride_osm": "i32",
-    "A_ROW_DIV": "constexpr",
-    "GATE_UP": "constexpr",
-    "QUANT_A": "constexpr",
-    "QUANT_OUT": "constexpr",
-    "SLOTS": "constexpr",
-    "BLOCK_M": "constexpr",
-    "BLOCK_N": "constexpr",
-    "BLOCK_K": "constexpr",
-    "EVEN_K": "constexpr",
-    "DOT_FP32": "constexpr",
-    "ROUND_BITS": "constexpr",
-}
-# what the model launches: gate/up reads bf16 x (a_scale_ptr: x's own pointer, unread) and stores e4m3 act
-# with fp32 scales; the down GEMM reads those and stores bf16 (out_scale_ptr: its own output, unread)
-_GATE_UP_SIG = {**_SIG, "a_ptr": "*bf16", "a_scale_ptr": "*bf16", "out_ptr": "*fp8e4nv", "out_scale_ptr": "*fp32"}
-# multiples of 16 at DeepSeek-V4-Flash's dims (registry.py; D=4096, I=2048): N, K, the weight strides
-# and the scale strides K/32, the row strides of x / act (K) and of the down output (D); not the route
-# count, nor the activation-scale strides K/128 (16 for D, but 16 also divides I/128 = 16: kept out, as
-# the scale row strides of a tiny model are not)
-ALIGNED_INTS = ("N", "K", "stride_am", "stride_we", "stride_wn", "stride_wse", "stride_wsn", "stride_om")
-_GPU = {"EVEN_K": True, "DOT_FP32": False, "ROUND_BITS": False}
-_GATE_UP = {**_GPU, "A_ROW_DIV": 6, "GATE_UP": True, "QUANT_A": True, "QUANT_OUT": True, "BLOCK_N": 128}
-_DOWN = {**_GPU, "A_ROW_DIV": 1, "GATE_UP": False, "QUANT_A": False, "QUANT_OUT": False, "BLOCK_N": 64}
+def _tuned(gemm: str, num_routes: int, block_m: int, k: int, block_k: int | None, device: torch.device) -> dict:
+    """The card's measured choice for this decode GEMM (tuning.py; {} for none, for prefill tiles, or for a
+    split the shape's K cannot take)."""
+    if block_m != 16:
+        return {}
+    choice = tuning.lookup(device, "fp4_moe", gemm, size=num_routes) or {}
+    bk = block_k or choice.get("block_k") or pick_block_k(block_m, gemm == "gate_up", device)
+    if k % (choice.get("split_k", 1) * bk):
+        return {key: v for key, v in choice.items() if key != "split_k"}
+    return choice
 
-# (config name, signature, constexprs) for the CPU compile checks (tests/kernels/test_compile.py): the
-# resident experts and the expert-slot cache's two sources (SLOTS), decode and prefill tiles; the 64-row
-# gate/up tile takes BLOCK_K 64 where wgmma runs (sm_90) and 32 elsewhere (pick_block_k)
-_PHASES = {
-    "gate_up": (("decode", 16, 64), ("prefill", 64, 64), ("prefill_bk32", 64, 32)),
-    "down": (("decode", 16, 128), ("prefill", 64, 64)),
-}
-COMPILE_CONFIGS = tuple(
-    (f"{form}_{phase}{'_slots' if slots else ''}", sig, {**base, "SLOTS": slots, "BLOCK_M": bm, "BLOCK_K": bk})
-    for form, sig, base in (("gate_up", _GATE_UP_SIG, _GATE_UP), ("down", _SIG, _DOWN))
-    for phase, bm, bk in _PHASES[form]
-    for slots in (False, True)
-)
-LAUNCH_OPTIONS = {
-    name: {"num_warps": _num_warps(bool(cx["GATE_UP"]), cx["BLOCK_M"])} for name, _, cx in COMPILE_CONFIGS
-}
-LAUNCH_ARCHS = {
-    **{name: (90,) for name, _, _ in COMPILE_CONFIGS if name.startswith("gate_up_prefill") and "bk32" not in name},
-    **{name: (120,) for name, _, _ in COMPILE_CONFIGS if "bk32" in name},
-}
+
+def _loop_form(choice: dict) -> LoopForm:
+    return LoopForm(bool(choice.get("even_odd")), bool(choice.get("prefetch")), int(choice.get("split_k", 1)))

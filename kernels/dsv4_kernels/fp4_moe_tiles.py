@@ -43,18 +43,51 @@ def _dequant_e2m1(codes, scale):
 
 
 @triton.jit
-def _load_fp4_tile(w_ptrs, ws_ptrs, w_mask, ws_mask, DOT_FP32: tl.constexpr):
+def _load_fp4_raw(
+    w_ptr, ws_ptr, w_off, ws_off, n_ok, offs_kp, k0, K, live, EVEN_K: tl.constexpr, PER_BYTE: tl.constexpr
+):
+    """The packed bytes [BN, BK/2] of the K tile at k0 and its scale bytes (ws_off: [BN, BK/32] offsets, or
+    with PER_BYTE [BN, BK/2], one scale per packed byte, as the even / odd form takes them), loaded, not yet
+    decoded; `live` (a scalar) False loads nothing (zeros: the prefetch past the last tile)."""
+    w_mask = n_ok[:, None] & live
+    ws_mask = w_mask
+    if not EVEN_K:
+        w_mask = w_mask & (offs_kp < (K - k0) // 2)[None, :]
+        if PER_BYTE:
+            ws_mask = w_mask
+        else:
+            ws_mask = ws_mask & (tl.arange(0, offs_kp.shape[0] // 16) < (K - k0) // 32)[None, :]
+    packed = tl.load(w_ptr + w_off + k0 // 2, mask=w_mask, other=0)
+    s_raw = tl.load(ws_ptr + ws_off + k0 // 32, mask=ws_mask, other=0)
+    return packed, s_raw
+
+
+@triton.jit
+def _decode_fp4_joined(packed, s_raw, DOT_FP32: tl.constexpr):
     """Packed [BN, BK/2] bytes and their [BN, BK/32] scale bytes -> the dequantized [BN, BK] tile
     (low nibble = even K). Each scale byte is loaded once and broadcast over its 16 packed bytes."""
-    packed = tl.load(w_ptrs, mask=w_mask, other=0).to(tl.int32) & 0xFF
-    s_raw = tl.load(ws_ptrs, mask=ws_mask, other=0).to(tl.int32) & 0xFF
-    scale = (s_raw << 23).to(tl.float32, bitcast=True)  # 2^(byte-127)
+    packed = packed.to(tl.int32) & 0xFF
+    scale = ((s_raw.to(tl.int32) & 0xFF) << 23).to(tl.float32, bitcast=True)  # 2^(byte-127)
     scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (scale.shape[0], scale.shape[1], 16)), packed.shape)
     w = tl.join(_dequant_e2m1(packed & 0xF, scale), _dequant_e2m1(packed >> 4, scale))
     w = tl.reshape(w, (packed.shape[0], 2 * packed.shape[1]))
     if not DOT_FP32:
         w = w.to(tl.bfloat16)
     return w
+
+
+@triton.jit
+def _decode_fp4_halves(packed, s_raw, DOT_FP32: tl.constexpr):
+    """Packed [BN, BK/2] bytes and one scale byte per packed byte [BN, BK/2] -> (even K, odd K) tiles
+    [BN, BK/2], dequantized: the two nibbles each become a dot operand as loaded, no join or reshape."""
+    packed = packed.to(tl.int32) & 0xFF
+    scale = ((s_raw.to(tl.int32) & 0xFF) << 23).to(tl.float32, bitcast=True)
+    lo = _dequant_e2m1(packed & 0xF, scale)
+    hi = _dequant_e2m1(packed >> 4, scale)
+    if not DOT_FP32:
+        lo = lo.to(tl.bfloat16)
+        hi = hi.to(tl.bfloat16)
+    return lo, hi
 
 
 @triton.jit
@@ -104,16 +137,19 @@ def _act_tile(
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     ROUND_BITS: tl.constexpr,
+    STEP: tl.constexpr = 1,
+    PHASE: tl.constexpr = 0,
 ):
-    """The activation rows' K tile [BM, BLOCK_K] at k0, dequantized (exact fp32): e4m3 times its loaded
-    per-128 scale, or (QUANT_A) bf16 / fp32 quantized here over the 128-channel block holding the tile."""
-    offs_k = k0 + tl.arange(0, BLOCK_K)
+    """The activation rows' K tile at k0, dequantized (exact fp32): [BM, BLOCK_K], or with STEP 2 its even
+    (PHASE 0) or odd (PHASE 1) columns [BM, BLOCK_K / 2]; e4m3 times its loaded per-128 scale, or (QUANT_A)
+    bf16 / fp32 quantized here over the 128-channel block holding the tile."""
+    offs_k = k0 + PHASE + STEP * tl.arange(0, BLOCK_K // STEP)
     mask = row_ok[:, None]
     if not EVEN_K:
         mask = mask & (offs_k < K)[None, :]
     a = tl.load(a_ptr + a_rows[:, None] * stride_am + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
     if QUANT_A:
-        if BLOCK_K == 128:
+        if STEP == 1 and BLOCK_K == 128:  # the tile is the whole block
             q, scale = _quantize_rows(a, 1, ROUND_BITS)
         else:  # the block's amax needs all of its 128 channels: load them (x is small and L2-resident)
             offs_b = (k0 // 128) * 128 + tl.arange(0, 128)

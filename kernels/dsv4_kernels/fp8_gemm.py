@@ -49,9 +49,11 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv4_kernels import tuning
 from dsv4_kernels.fp4_moe_tiles import _pow2_scale, _round_to_e4m3  # the one FP8 activation quantizer's parts
 from dsv4_kernels.fp8_gemm_ref import FP8_AMAX_FLOOR, FP8_BLOCK
 from dsv4_kernels.outputs import output_buffer
+from dsv4_kernels.split_k import _split_arrive, _split_sum, split_counters, unsplit_parts
 
 AMAX_FLOOR = tl.constexpr(FP8_AMAX_FLOOR)
 
@@ -86,6 +88,8 @@ def fp8_gemm_kernel(
     b_ptr,
     b_scale_ptr,
     c_ptr,
+    part_ptr,
+    count_ptr,
     M,
     N,
     K,
@@ -101,11 +105,14 @@ def fp8_gemm_kernel(
     EVEN_K: tl.constexpr,
     QUANT_A: tl.constexpr,
     ROUND_BITS: tl.constexpr,
+    SPLIT_K: tl.constexpr = 1,
 ):
     """One [BLOCK_M, BLOCK_N] output tile. SWAP_AB computes its transpose, b_tile @ a_tile^T, so that
     N fills the 64-row side of a Hopper wgmma when M is a decode batch (M < 64). EVEN_K (K a multiple
     of BLOCK_K) drops the K masks, so the tile loads are masked along M / N only. QUANT_A: a_ptr holds
-    bf16 / fp32 activations quantized in the loop (a_scale_ptr unused), else e4m3 with fp32 scales."""
+    bf16 / fp32 activations quantized in the loop (a_scale_ptr unused), else e4m3 with fp32 scales.
+    SPLIT_K > 1 (SWAP_AB only: decode): program axis 2 walks K / SPLIT_K of the K blocks, and the tile's last
+    split to arrive adds the fp32 parts (part_ptr [SPLIT_K, M, N]; count_ptr one counter a tile: split_k.py)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -116,10 +123,15 @@ def fp8_gemm_kernel(
     a_scale_ptrs = a_scale_ptr + offs_m * stride_asm  # the pre-quantized form's; QUANT_A passes a's pointer
     b_scale_ptrs = b_scale_ptr + (offs_n // BLOCK_K) * stride_bsn
     if SWAP_AB:
-        a_ptrs = a_ptr + offs_m[None, :] * stride_am + offs_k[:, None]  # [BK, BM], K-major
-        b_ptrs = b_ptr + offs_n[:, None] * stride_bn + offs_k[None, :]  # [BN, BK]
+        kb_lo = 0
+        kb_hi = tl.cdiv(K, BLOCK_K)
+        if SPLIT_K > 1:  # the wrapper makes SPLIT_K divide the K blocks
+            kb_lo = tl.program_id(2) * (kb_hi // SPLIT_K)
+            kb_hi = kb_lo + kb_hi // SPLIT_K
+        a_ptrs = a_ptr + offs_m[None, :] * stride_am + offs_k[:, None] + kb_lo * BLOCK_K  # [BK, BM], K-major
+        b_ptrs = b_ptr + offs_n[:, None] * stride_bn + offs_k[None, :] + kb_lo * BLOCK_K  # [BN, BK]
         acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        for kb in range(kb_lo, kb_hi):
             a_mask = mask_m[None, :]
             b_mask = mask_n[:, None]
             if not EVEN_K:
@@ -134,7 +146,15 @@ def fp8_gemm_kernel(
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K
         c_ptrs = c_ptr + offs_m.to(tl.int64)[None, :] * stride_cm + offs_n[:, None]  # M x N may pass 2^31
-        tl.store(c_ptrs, acc_t.to(c_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
+        c_mask = mask_n[:, None] & mask_m[None, :]
+        if SPLIT_K > 1:
+            p_ptrs = part_ptr + offs_m.to(tl.int64)[None, :] * N + offs_n[:, None]
+            tl.store(p_ptrs + tl.program_id(2).to(tl.int64) * M * N, acc_t, mask=c_mask)
+            if _split_arrive(count_ptr, pid_m * tl.num_programs(1) + pid_n, SPLIT_K):
+                acc_t = _split_sum(p_ptrs, c_mask, M * N, SPLIT_K)
+                tl.store(c_ptrs, acc_t.to(c_ptr.dtype.element_ty), mask=c_mask)
+        else:
+            tl.store(c_ptrs, acc_t.to(c_ptr.dtype.element_ty), mask=c_mask)
     else:
         a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :]  # [BM, BK]
         b_ptrs = b_ptr + offs_n[None, :] * stride_bn + offs_k[:, None]  # [BK, BN], K-major (B^T view)
@@ -180,6 +200,13 @@ def num_warps(device: torch.device, swap_ab: bool) -> int:
     return 4 if _sm_major(device.index if device.index is not None else torch.cuda.current_device()) in (9, 10) else 8
 
 
+def pick_split_k(m: int, n: int, k: int, device: torch.device) -> int:
+    """The K split of a decode (swapped-tile) launch of [m, k] x [n, k]^T: what bench/gpu_fp8_sweep.py measured
+    fastest on this card for this weight shape (tuning.py), when it divides the K blocks; else 1."""
+    split = tuning.lookup(device, "fp8_gemm", f"{n}x{k}", size=m) or 1
+    return split if (-(-k // FP8_BLOCK)) % split == 0 else 1
+
+
 @functools.cache
 def _sm_major(device_index: int) -> int:
     return torch.cuda.get_device_capability(device_index)[0]
@@ -202,8 +229,10 @@ def _launch(
     b_scale: torch.Tensor,
     blocks: tuple[int, int, bool] | None,
     out: torch.Tensor | None,
+    split_k: int | None = None,
 ) -> torch.Tensor:
-    """The one kernel launch of both forms; a_scale None: `a` is bf16 / fp32 and quantized in the kernel."""
+    """The one kernel launch of both forms; a_scale None: `a` is bf16 / fp32 and quantized in the kernel.
+    `split_k` None: `pick_split_k`'s (decode tiles only)."""
     m, k = a.shape
     n = b.shape[0]
     quant_a = a_scale is None
@@ -214,13 +243,23 @@ def _launch(
         a_scale = a  # never read (QUANT_A); a pointer of the right kind for the signature
     bm, bn, swap_ab = blocks or pick_blocks(m)
     out = output_buffer(out, (m, n), store_dtype(), a.device)
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
-    fp8_gemm_kernel[grid](
+    k_blocks = -(-k // FP8_BLOCK)
+    tiles = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    if split_k is None:
+        split_k = pick_split_k(m, n, k, a.device) if swap_ab else 1
+    if split_k > 1 and (not swap_ab or k_blocks % split_k):
+        raise ValueError(f"split_k {split_k} needs the swapped (decode) tile and must divide the {k_blocks} K blocks")
+    split = split_k > 1
+    part = torch.empty((split_k, m, n), dtype=torch.float32, device=a.device) if split else unsplit_parts(a.device)
+    counters = split_counters(tiles[0] * tiles[1], a.device)
+    fp8_gemm_kernel[(tiles[0], tiles[1], split_k)](
         a,
         a_scale,
         b,
         b_scale,
         out,
+        part,
+        counters,
         m,
         n,
         k,
@@ -236,6 +275,7 @@ def _launch(
         EVEN_K=k % FP8_BLOCK == 0,
         QUANT_A=quant_a,
         ROUND_BITS=quant_a and interpreting(),
+        SPLIT_K=split_k,
         num_warps=num_warps(a.device, swap_ab),
     )
     return out.to(torch.bfloat16)
@@ -247,14 +287,16 @@ def fp8_linear(
     b_scale: torch.Tensor,
     blocks: tuple[int, int, bool] | None = None,
     out: torch.Tensor | None = None,
+    split_k: int | None = None,
 ) -> torch.Tensor:
     """x [M, K] bf16 / fp32 -> bf16 [M, N]: the whole FP8 projection (`numerics.linear` with fp8_act) in
     one launch; the kernel quantizes x (idempotent: an input quantized before gives the same bytes).
-    `out` ([M, N], row stride free, dtype `store_dtype()`) receives the kernel's stores."""
+    `out` ([M, N], row stride free, dtype `store_dtype()`) receives the kernel's stores; `split_k` the
+    decode tile's K split instead of `pick_split_k`'s (bench/gpu_fp8_sweep.py times them)."""
     if x.dtype not in (torch.bfloat16, torch.float32) or x.dim() != 2:
         raise TypeError(f"fp8_linear takes bf16 or fp32 activations [M, K], got {x.dtype} {tuple(x.shape)}")
     _check_weight(b, b_scale, x.shape[1])
-    return _launch(x, None, b, b_scale, blocks, out)
+    return _launch(x, None, b, b_scale, blocks, out, split_k)
 
 
 def fp8_gemm(
@@ -264,16 +306,17 @@ def fp8_gemm(
     b_scale: torch.Tensor,
     blocks: tuple[int, int, bool] | None = None,
     out: torch.Tensor | None = None,
+    split_k: int | None = None,
 ) -> torch.Tensor:
     """The pre-quantized form: a e4m3 [M, K] with fp32 scales [M, ceil(K/128)] (as `act_quant_fp8_ref`
-    makes them) -> bf16 [M, N]. `blocks` and `out` as in `fp8_linear`."""
+    makes them) -> bf16 [M, N]. `blocks`, `out` and `split_k` as in `fp8_linear`."""
     m, k = a.shape
     if a.dtype != torch.float8_e4m3fn:
         raise ValueError(f"need e4m3 activations [M, K], got {a.dtype}")
     _check_weight(b, b_scale, k)
     if tuple(a_scale.shape) != (m, -(-k // FP8_BLOCK)):
         raise ValueError(f"activation scale shape {tuple(a_scale.shape)} does not fit M={m} K={k}")
-    return _launch(a, a_scale.float().contiguous(), b, b_scale, blocks, out)
+    return _launch(a, a_scale.float().contiguous(), b, b_scale, blocks, out, split_k)
 
 
 _SIGNATURE = {
@@ -282,6 +325,8 @@ _SIGNATURE = {
     "b_ptr": "*fp8e4nv",
     "b_scale_ptr": "*u8",
     "c_ptr": "*bf16",
+    "part_ptr": "*fp32",
+    "count_ptr": "*i32",
     "M": "i32",
     "N": "i32",
     "K": "i32",
@@ -297,6 +342,7 @@ _SIGNATURE = {
     "EVEN_K": "constexpr",
     "QUANT_A": "constexpr",
     "ROUND_BITS": "constexpr",
+    "SPLIT_K": "constexpr",
 }
 # what the model launches (fp8_linear on the bf16 compute dtype): a_scale_ptr is a's own pointer, unread
 COMPILE_SIGNATURE = {**_SIGNATURE, "a_ptr": "*bf16", "a_scale_ptr": "*bf16"}
@@ -306,7 +352,7 @@ PREQUANT_SIGNATURE = _SIGNATURE
 ALIGNED_INTS = ("N", "K", "stride_am", "stride_bn", "stride_cm")
 
 # (config name, signature, constexprs) for the CPU compile checks (tests/kernels/test_compile.py)
-_K = {"BLOCK_K": 128, "EVEN_K": True, "ROUND_BITS": False}  # every model K is a multiple of 128
+_K = {"BLOCK_K": 128, "EVEN_K": True, "ROUND_BITS": False, "SPLIT_K": 1}  # every model K is a multiple of 128
 _FUSED, _PREQUANT = {**_K, "QUANT_A": True}, {**_K, "QUANT_A": False}
 _PREFILL, _DECODE = {"BLOCK_M": 64, "BLOCK_N": 128, "SWAP_AB": False}, {"BLOCK_M": 16, "BLOCK_N": 128, "SWAP_AB": True}
 COMPILE_CONFIGS = (
@@ -317,6 +363,8 @@ COMPILE_CONFIGS = (
     ("prefill_prequant", PREQUANT_SIGNATURE, {**_PREQUANT, **_PREFILL}),
     ("prefill_prequant_w8", PREQUANT_SIGNATURE, {**_PREQUANT, **_PREFILL}),
     ("decode_prequant", PREQUANT_SIGNATURE, {**_PREQUANT, **_DECODE}),
+    # the K split decode projections take (tuned/NVIDIA_H200.json: 2-16; one build per value, 8 checked here)
+    ("decode_split8", COMPILE_SIGNATURE, {**_FUSED, **_DECODE, "SPLIT_K": 8}),
 )
 # `num_warps`: the prefill tile launches with 4 warps on sm_90 and 8 on sm_120; the pre-quantized
 # form's wrapper launches it the same way (only the fused form is measured to need 8: see num_warps)

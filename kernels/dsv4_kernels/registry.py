@@ -94,7 +94,7 @@ KERNELS: tuple[KernelSpec, ...] = (
             "dsv4_kernels.fp4_moe_ref:fp4_moe_ref",
         ),
         test_module="tests/kernels/test_fp4_moe.py",
-        compile_configs="dsv4_kernels.fp4_moe:COMPILE_CONFIGS",
+        compile_configs="dsv4_kernels.fp4_moe_configs:COMPILE_CONFIGS",
     ),
     KernelSpec(  # the FP4 MoE's route layout on the device (no host sync), one program
         name="moe_align",

@@ -43,6 +43,8 @@ EXPECTED = {
     ("fp8_gemm", "decode_noswap", 120): "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32",
     ("fp8_gemm", "prefill_prequant", 90): "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3",
     ("fp8_gemm", "decode_prequant", 90): "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3",
+    ("fp8_gemm", "decode_split8", 90): "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3",
+    ("fp8_gemm", "decode_split8", 120): "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32",
     ("fp8_gemm", "prefill_prequant_w8", 120): "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32",
     ("fp8_gemm", "decode_prequant", 120): "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32",
     # P @ V of 64 heads: [64, BLOCK_N] @ [BLOCK_N, 512] on bf16 operands; 32-key blocks on sm_90, 16 on sm_120

@@ -24,45 +24,22 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4_kernels.formats import dequant_fp4, quant_fp4
+from dsv4_kernels.formats import dequant_fp4
 from dsv4_kernels.fp4_moe import ExpertSlots, fp4_moe, fp4_moe_gemm, store_dtype
 from dsv4_kernels.fp4_moe_ref import down_ref, fp4_moe_ref, gate_up_ref, moe_align_ref
 from dsv4_kernels.fp8_gemm_ref import act_quant_fp8_ref
 from dsv4_kernels.launch_guard import HostSync, launch_guard
 from dsv4_kernels.moe_align import align_blocks, moe_align
+from dsv4_kernels.testing import assert_fp4_stage as _assert_stage
+from dsv4_kernels.testing import fp4_moe_problem as _problem
 from dsv4serve.model.moe import Expert
 from dsv4serve.model.numerics import NUMERICS_ON
 
 LIMIT = 0.75  # small enough that the clamps bite with these magnitudes
 
 
-def _experts(e: int, n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    packed, scales = zip(*(quant_fp4(torch.randn(n, k, generator=gen) * 0.08 * (1 + i % 3)) for i in range(e)))
-    return torch.stack(packed), torch.stack(scales)  # int8 [E, N, K/2], e8m0 [E, N, K/32]
-
-
-def _problem(t: int, topk: int, e: int, d: int, i: int, seed: int, unused: int = 0):
-    """Weights and routing; the last `unused` experts receive no token."""
-    gen = torch.Generator().manual_seed(seed)
-    w1, s1 = _experts(e, i, d, gen)
-    w3, s3 = _experts(e, i, d, gen)
-    w2, s2 = _experts(e, d, i, gen)
-    x = (torch.randn(t, d, generator=gen) * 2).to(torch.bfloat16)
-    ids = torch.stack([torch.randperm(e - unused, generator=gen)[:topk] for _ in range(t)])
-    weights = torch.rand(t, topk, generator=gen) * 2.5  # already route-scaled
-    return x, (w1, s1, w3, s3, w2, s2), weights, ids
-
-
 def _poison(rows: int, cols: int, dtype: torch.dtype | None = None) -> torch.Tensor:
     return torch.full((rows, cols), float("nan"), dtype=dtype or store_dtype())
-
-
-def _assert_stage(out: torch.Tensor, ref: torch.Tensor) -> None:
-    out, ref = out.float(), ref.float()
-    assert not torch.isnan(out).any(), "unwritten output elements"
-    assert bool(((out - ref).abs() <= 2.0**-8 * ref.abs()).all()), f"max err {(out - ref).abs().max()}"
-    assert (out == ref).float().mean() >= 0.95
-    assert torch.equal(out.to(torch.bfloat16).float(), out), "outputs must be bf16 values"
 
 
 # (T, k, E, D, I, unused experts, block_m, block_k): decode (T=1), a decode batch, a prefill with
