@@ -101,7 +101,7 @@ def decode_plan(
         "projections": {b: p.to_json() for b, p in projections.items()},
         "with_todays_kernels": {
             "kernel_efficiency": ds.MEASURED_KERNEL_EFFICIENCY,
-            "source": "one H200, 2026-12-04: a batch-1 decode step read its weights at 25% of the copy bandwidth",
+            "source": ds.MEASURED_KERNEL_EFFICIENCY_SOURCE,
             "tokens_per_second": {b: round(p.tokens_per_second, 2) for b, p in measured.items()},
         },
         "disk_expert_fraction": _host_fraction(memory, "disk_bytes", 0.0),

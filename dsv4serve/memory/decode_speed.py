@@ -46,10 +46,13 @@ DEFAULT_CPU_EFFICIENCY = 0.5
 # achieved / spec device-memory bandwidth: toolchain.md measured 4.3 TB/s copy on an H200 sold at 4.8 TB/s
 DEVICE_READ_EFFICIENCY = 0.9
 # the share of that read bandwidth today's decode kernels reach: measured on one H200 (2026-12-04, bench/RESULTS.md
-# "the first GPU session"): a batch-1 decode step of 2 real-dimension layers + head, replayed as a CUDA graph, read
-# its weights at 1,061 GB/s against a 4,267 GB/s device copy. The projection prints the step at the bandwidth
-# bound (1.0) and at this share (`plan`'s "with today's kernels" line)
-MEASURED_KERNEL_EFFICIENCY = 0.25
+# "the second GPU session"): a batch-1 decode step of 2 real-dimension layers + head, replayed as a CUDA graph, read
+# its weights at 1,164 GB/s against a 4,267 GB/s device copy (1,061 before the decode GEMMs' K splits). The
+# projection prints the step at the bandwidth bound (1.0) and at this share (`plan`'s "with today's kernels" line)
+MEASURED_KERNEL_EFFICIENCY = 0.27
+MEASURED_KERNEL_EFFICIENCY_SOURCE = (
+    "one H200, 2026-12-04: a batch-1 decode step read its weights at 27% of the copy bandwidth (1,164 of 4,267 GB/s)"
+)
 # kernel launches of one batch-1 decode step projected to DeepSeek-V4-Flash (bench/RESULTS.md, issue 16 census)
 CENSUS_LAUNCHES_PER_STEP = 2134
 # gap per kernel node when a CUDA graph replays: measured on that H200, 0.095 ms of idle device time over the 110
