@@ -22,6 +22,12 @@
 # 2-layer model with its MTP block and checks each replay against the same buffers run eagerly.
 # gpu_cases/multi_gpu.py (issue 21) splits a tiny model over 2 (and 4) GPUs over NCCL against one rank when the
 # machine has them (a note says so on one GPU); on a lent multi-GPU kind the same command runs it.
+# SWEEPS=1 first times the decode GEMMs' K-loop forms and splits (bench/gpu_fp4_sweep.py, gpu_fp8_sweep.py: ~4 min)
+# and records the fastest in kernels/dsv4_kernels/tuned/<GPU>.json, which the cases then run with (commit the copy
+# in $OUT); PROFILE=1 ends with bench/gpu_profile.py at batch 1. The device tool returns at most 8 files from $OUT:
+# this script writes at most 6 (gpu_check.log / .json, fp4_sweep.log, fp8_sweep.log, the tuning file, profile.log).
+# kt-kernel (the hybrid cases) rides in .whl too: a slimmed wheel (only kt_kernel/ and kt_kernel.libs/, 13.7 MB;
+# bench/slim_kt_wheel.py makes it) with gguf, safetensors and pyyaml beside it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-/tmp}"
@@ -35,4 +41,13 @@ export DSV4_REAL_CONFIG_DIR="${DSV4_REAL_CONFIG_DIR:-$PWD/tests/data/DeepSeek-V4
 [ -f "$DSV4_REAL_CONFIG_DIR/config.json" ] || { echo "no $DSV4_REAL_CONFIG_DIR/config.json"; exit 2; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu_check.log"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/gpu_check.log"
+if [ "${SWEEPS:-0}" = 1 ]; then  # the decode GEMMs' launch choices, measured and recorded for this card first
+  tuned=$(python3 -c "import torch; from dsv4_kernels.tuning import file_for, device_name; print(file_for(device_name(torch.device('cuda'))))")
+  timeout 200 python3 bench/gpu_fp4_sweep.py --tokens 1 8 --budget-s 120 --write-tuning "$tuned" > "$out/fp4_sweep.log" 2>&1
+  timeout 100 python3 bench/gpu_fp8_sweep.py --rows 1 8 --write-tuning "$tuned" > "$out/fp8_sweep.log" 2>&1
+  cp "$tuned" "$out/" 2>/dev/null
+fi
 python3 bench/gpu_check.py --budget-s "${BUDGET_S:-420}" --json "$out/gpu_check.json" 2>&1 | tee -a "$out/gpu_check.log"
+if [ "${PROFILE:-0}" = 1 ]; then
+  timeout 90 python3 bench/gpu_profile.py --batch 1 > "$out/profile.log" 2>&1
+fi

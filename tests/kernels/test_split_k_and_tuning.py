@@ -36,7 +36,7 @@ def _poison(rows: int, cols: int) -> torch.Tensor:
 # (T, D, I, BLOCK_K) x the forms whose split divides both K (D for gate/up, I for down); D=160, I=96: the masked K
 CASES = [
     (loop, *case)
-    for case in [(1, 256, 128, 64), (3, 512, 256, 32), (2, 160, 96, 32)]
+    for case in [(1, 256, 128, 64), (3, 256, 128, 32), (2, 160, 96, 32)]
     for loop in FORMS
     if not (case[1] % (loop.split_k * case[3]) or case[2] % (loop.split_k * case[3]))
 ]
