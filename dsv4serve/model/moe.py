@@ -180,6 +180,7 @@ class MoE(nn.Module):
         self.tp: TensorParallel | None = None
         self.not_owned: frozenset[int] = frozenset()
         self.experts_split = False  # without expert parallelism: every expert's w1 / w3 rows, w2 columns cut
+        self.local_expert: torch.Tensor | None = None  # expert parallel, packed: global expert -> stack row (-1)
         for part in FP4_PARTS:  # stacked MXFP4 copies for the fp4_moe kernel: [E, N, K/2] int8, [E, N, K/32] e8m0
             self.register_buffer(f"{part}_fp4", None, persistent=False)
             self.register_buffer(f"{part}_fp4_scale", None, persistent=False)
@@ -189,14 +190,19 @@ class MoE(nn.Module):
         exact MXFP4 dequantizations (they are, loaded from the checkpoint): re-packing must give them back."""
         if not len(self.experts):
             raise RuntimeError("the routed experts come from an expert-slot cache; nothing resident to pack")
+        owned = [e for e in range(len(self.experts)) if e not in self.not_owned]  # expert parallel: this rank's
         for part in FP4_PARTS:
-            packed = [quant_fp4(getattr(expert, part).weight.detach()) for expert in self.experts]
-            for e, (codes, scale) in enumerate(packed):
+            packed = [quant_fp4(getattr(self.experts[e], part).weight.detach()) for e in owned]
+            for e, (codes, scale) in zip(owned, packed):
                 dense = getattr(self.experts[e], part).weight.detach().float()
                 if not torch.equal(dequant_fp4(codes, scale), dense):
                     raise ValueError(f"layer {self.layer_id} expert {e} {part} is not an exact MXFP4 dequantization")
             setattr(self, f"{part}_fp4", torch.stack([codes for codes, _ in packed]))
             setattr(self, f"{part}_fp4_scale", torch.stack([scale for _, scale in packed]))
+        if self.not_owned:  # global expert -> its row in the stacks, -1 for another rank's
+            local = torch.full((len(self.experts),), -1, dtype=torch.int64)
+            local[owned] = torch.arange(len(owned))
+            self.local_expert = local.to(packed[0][0].device)
 
     def use_packed_experts(self, stacks: dict[str, torch.Tensor]) -> None:
         """Hold the routed experts only as the kernel's stacked MXFP4 copies (`w1_fp4`, `w1_fp4_scale`, ...
@@ -226,9 +232,9 @@ class MoE(nn.Module):
         job = None if cpu is None else cpu.submit(self.layer_id, act_quant(x, num), ids, weights)
         xq = None  # act_quant(x): the FP8 input of every expert, quantized once, where torch reads it
         if num.backends.fp4_moe == "triton":
-            if self.not_owned:
-                raise RuntimeError("fp4_moe=triton runs every expert; expert parallelism runs on torch (for now)")
             dev_ids, dev_weights = (ids, weights) if job is None else job.device_routes(ids, weights)
+            if self.not_owned:
+                dev_ids, dev_weights = self._owned_routes(dev_ids, dev_weights, job is not None)
             y = self._routed_kernel(x, dev_weights, dev_ids)  # quantizes x in its K loop
         elif self.expert_source is None and not len(self.experts):
             raise RuntimeError(
@@ -276,6 +282,17 @@ class MoE(nn.Module):
         total = self.tp.all_reduce_sum(both, "MoE output (routed + shared)").to(num.compute_dtype)
         y = self._sum_pairs(total[:, :-1], ids)
         return (y + total[:, -1]).to(num.compute_dtype)
+
+    def _owned_routes(
+        self, ids: torch.Tensor, weights: torch.Tensor, hybrid: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert parallel on the MXFP4 kernel: ids as rows of this rank's stacks; a route to another rank's expert
+        gets weight 0 and row 0 (its output is an exact 0, as the torch path leaves it out). Four small launches."""
+        if self.expert_source is not None or hybrid or self.local_expert is None:
+            raise RuntimeError("expert parallelism on the MXFP4 kernel runs on this rank's packed resident experts")
+        local = self.local_expert[ids]
+        owned = local >= 0
+        return torch.where(owned, local, 0), torch.where(owned, weights, 0.0)
 
     def _routed_kernel(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The routed experts' sum [N, D] fp32 by the grouped MXFP4 kernel (resident or cached experts)."""

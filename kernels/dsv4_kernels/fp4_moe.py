@@ -59,7 +59,7 @@ from dsv4_kernels.fp4_moe_tiles import (
 )
 from dsv4_kernels.moe_align import align_blocks, moe_align
 from dsv4_kernels.outputs import output_buffer
-from dsv4_kernels.split_k import _split_arrive, _split_sum, split_counters, unsplit_parts
+from dsv4_kernels.split_k import _split_arrive, _split_sum, split_counters, unsplit_args
 
 GATE_UP_BLOCK_N = 128  # one whole FP8 activation block of act per tile: the epilogue quantizes it
 
@@ -365,7 +365,10 @@ def fp4_moe_gemm(
     if split and k % (loop.split_k * block_k):
         raise ValueError(f"split_k {loop.split_k} x block_k {block_k} must divide K={k}")
     part_shape = (loop.split_k, num_routes, 2 * n if gate_up else n)
-    part = torch.empty(part_shape, dtype=torch.float32, device=a.device) if split else unsplit_parts(a.device)
+    part, counters = unsplit_args(a.device)
+    if split:
+        part = torch.empty(part_shape, dtype=torch.float32, device=a.device)
+        counters = split_counters(len(expert_ids) * triton.cdiv(n, block_n), a.device)
     grid = (len(expert_ids), triton.cdiv(n, block_n), loop.split_k)
     fp4_moe_gemm_kernel[grid](
         a,
@@ -378,7 +381,7 @@ def fp4_moe_gemm(
         out,
         out_scale,
         part,
-        split_counters(grid[0] * grid[1], a.device),
+        counters,
         route_w,
         sorted_ids,
         expert_ids,

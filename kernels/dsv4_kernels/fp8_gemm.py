@@ -53,7 +53,7 @@ from dsv4_kernels import tuning
 from dsv4_kernels.fp4_moe_tiles import _pow2_scale, _round_to_e4m3  # the one FP8 activation quantizer's parts
 from dsv4_kernels.fp8_gemm_ref import FP8_AMAX_FLOOR, FP8_BLOCK
 from dsv4_kernels.outputs import output_buffer
-from dsv4_kernels.split_k import _split_arrive, _split_sum, split_counters, unsplit_parts
+from dsv4_kernels.split_k import _split_arrive, _split_sum, split_counters, unsplit_args
 
 AMAX_FLOOR = tl.constexpr(FP8_AMAX_FLOOR)
 
@@ -250,8 +250,10 @@ def _launch(
     if split_k > 1 and (not swap_ab or k_blocks % split_k):
         raise ValueError(f"split_k {split_k} needs the swapped (decode) tile and must divide the {k_blocks} K blocks")
     split = split_k > 1
-    part = torch.empty((split_k, m, n), dtype=torch.float32, device=a.device) if split else unsplit_parts(a.device)
-    counters = split_counters(tiles[0] * tiles[1], a.device)
+    part, counters = unsplit_args(a.device)
+    if split:
+        part = torch.empty((split_k, m, n), dtype=torch.float32, device=a.device)
+        counters = split_counters(tiles[0] * tiles[1], a.device)
     fp8_gemm_kernel[(tiles[0], tiles[1], split_k)](
         a,
         a_scale,

@@ -34,15 +34,16 @@ def split_counters(n: int, device: torch.device) -> torch.Tensor:
     return buf
 
 
-_NO_PARTS: dict[torch.device, torch.Tensor] = {}
+_UNUSED: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 
-def unsplit_parts(device: torch.device) -> torch.Tensor:
-    """The part buffer an unsplit launch passes (never read nor written): fp32, so every launch has the
-    pointer types the compile checks build."""
-    if device not in _NO_PARTS:
-        _NO_PARTS[device] = torch.zeros(16, dtype=torch.float32, device=device)
-    return _NO_PARTS[device]
+def unsplit_args(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (part, counters) pointers an unsplit launch passes, never read nor written: fp32 and int32, so every
+    launch has the pointer types the compile checks build; `torch.empty`, so no launch (the step census)."""
+    for dtype in (torch.float32, torch.int32):
+        if (device, dtype) not in _UNUSED:
+            _UNUSED[device, dtype] = torch.empty(16, dtype=dtype, device=device)
+    return _UNUSED[device, torch.float32], _UNUSED[device, torch.int32]
 
 
 @triton.jit
