@@ -155,7 +155,7 @@ def run_module(
         return [Row(name, ok=error_text(exc))]
     rows, times = [], {}
     for case in cases:
-        if opts.only and not re.search(opts.only, case.name):
+        if opts.only and not selected(opts.only, case.name):
             continue
         if time.monotonic() > deadline:
             rows.append(Row(case.name, ok="skipped: over --budget-s"))
@@ -211,6 +211,17 @@ def write_json(path: Path, title: str, ceilings: dict[str, float], rows: list[Ro
     path.write_text(json.dumps(payload, indent=2))
 
 
+def selected(only: str, name: str) -> bool:
+    """--only: a substring of the case name (names hold brackets: "[resident"), or a regular expression
+    ("resident|hybrid")."""
+    if only in name:
+        return True
+    try:
+        return re.search(only, name) is not None
+    except re.error:
+        return False
+
+
 def main() -> int:
     """Exit status 1 when any case is not OK (a failed check, an error or a skip)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -218,7 +229,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--budget-s", type=float, default=420.0, help="skip the cases that would start later")
-    parser.add_argument("--only", help="run only the cases whose name this regular expression matches (re.search)")
+    parser.add_argument("--only", help="run only the cases whose name contains this, or that it matches as a regex")
     parser.add_argument("--module", action="append", help="run only this module of gpu_cases/ (repeatable)")
     parser.add_argument("--json", type=Path, help="write the numbers here")
     opts = parser.parse_args()

@@ -139,3 +139,11 @@ def test_the_gpu_diagnostics_run_on_the_cpu(tmp_path: Path) -> None:
         assert f"[{kind}] logits of token 40: max |diff| 0," in proc.stdout, proc.stdout
     assert proc.stdout.count("no module output differs") == 2
     assert "DIFFER" not in proc.stdout and proc.stdout.count("experts same") == 4
+
+
+def test_only_takes_a_substring_with_brackets_or_a_regex(gpu_check) -> None:
+    name = "decode_step bs=1 eager [resident, triton]"
+    assert gpu_check.selected("bs=1 eager [resident", name)  # an invalid regex, a plain substring
+    assert gpu_check.selected("resident|hybrid", name)
+    assert not gpu_check.selected("hybrid|slot", name)
+    assert not gpu_check.selected("[hybrid", name)
