@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import pytest
 
+from dsv4serve.experts.kt_backend import kt_kernel_available
 from dsv4serve.ipc.messages import Sourced
 from dsv4serve.ipc.sampling import SamplingParams
 
 from .conftest import launch_for, start_client
 
-pytest.importorskip("kt_kernel", reason="kt-kernel not installed (pip install --no-deps kt-kernel==0.7.2 gguf)")
+# found without importing it: kt-kernel's import turns on flush-to-zero for the process (kt_backend.load_kt
+# turns it off again), which a module-level import here would leave on for every later test in the worker
+pytestmark = pytest.mark.skipif(not kt_kernel_available()[0], reason=kt_kernel_available()[1])
 
 PROMPT = [128803] + list(range(1000, 1037)) + [128804]
 

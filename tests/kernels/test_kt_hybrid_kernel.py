@@ -14,12 +14,15 @@ from dsv4_kernels.fp4_moe_ref import down_ref, gate_up_ref
 from dsv4_kernels.fp8_gemm_ref import act_quant_fp8_ref
 from dsv4serve.checkpoint.loader import open_checkpoint
 from dsv4serve.experts.attach import attach_cpu_experts, attach_expert_cache, iter_resident_dense
+from dsv4serve.experts.kt_backend import kt_kernel_available
 from dsv4serve.experts.slot_cache import PART_ORDER
 from dsv4serve.model.backends import KernelBackends
 from dsv4serve.model.numerics import NUMERICS_ON
 from dsv4serve.model.transformer import Transformer
 
-pytest.importorskip("kt_kernel", reason="kt-kernel not installed (pip install --no-deps kt-kernel==0.7.2 gguf)")
+# found without importing it: kt-kernel's import turns on flush-to-zero for the process (kt_backend.load_kt
+# turns it off again), which a module-level import here would leave on for every later test in the worker
+pytestmark = pytest.mark.skipif(not kt_kernel_available()[0], reason=kt_kernel_available()[1])
 
 CPU = torch.device("cpu")
 

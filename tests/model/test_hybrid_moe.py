@@ -17,11 +17,14 @@ import torch
 
 from dsv4serve.checkpoint.loader import open_checkpoint
 from dsv4serve.experts.attach import attach_cpu_experts, attach_expert_cache, iter_resident_dense
+from dsv4serve.experts.kt_backend import kt_kernel_available
 from dsv4serve.experts.kt_experts import KtJob
 from dsv4serve.model.numerics import NUMERICS_ON, act_quant
 from dsv4serve.model.transformer import BatchRow, Transformer
 
-pytest.importorskip("kt_kernel", reason="kt-kernel not installed (pip install --no-deps kt-kernel==0.7.2 gguf)")
+# found without importing it: kt-kernel's import turns on flush-to-zero for the process (kt_backend.load_kt
+# turns it off again), which a module-level import here would leave on for every later test in the worker
+pytestmark = pytest.mark.skipif(not kt_kernel_available()[0], reason=kt_kernel_available()[1])
 
 SLOTS = 20  # of 5 MoE layers x 8 experts: 4 a layer at the start
 PROMPT_TOKENS, DECODE_STEPS = 24, 6

@@ -11,10 +11,12 @@ import pytest
 import torch
 
 from dsv4_kernels.formats import quant_fp4
-from dsv4serve.experts.kt_backend import KtGeometry, KtThreads
+from dsv4serve.experts.kt_backend import KtGeometry, KtThreads, kt_kernel_available
 from dsv4serve.experts.kt_experts import KtExperts
 
-pytest.importorskip("kt_kernel", reason="kt-kernel not installed (pip install --no-deps kt-kernel==0.7.2 gguf)")
+# found without importing it: kt-kernel's import turns on flush-to-zero for the process (kt_backend.load_kt
+# turns it off again), which a module-level import here would leave on for every later test in the worker
+pytestmark = pytest.mark.skipif(not kt_kernel_available()[0], reason=kt_kernel_available()[1])
 
 
 def _load(name: str):
