@@ -41,29 +41,38 @@ K (D for GATE_UP, I for the down GEMM) must be a multiple of 32; N is free.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from dsv4_kernels import tuning
-from dsv4_kernels.fp4_moe_tiles import (
-    _act_tile,
-    _decode_fp4_halves,
-    _decode_fp4_joined,
-    _load_fp4_raw,
-    _quantize_rows,
-    _round_bf16,
+from dsv4_kernels.fp4_moe_choices import (
+    LoopForm,
+    _num_warps,
+    loop_form_for,
+    pick_block_k,
+    pick_block_m,
+    tuned_choice,
 )
+from dsv4_kernels.fp4_moe_tiles import _act_operands, _epilogue, _fp4_dot, _load_fp4_raw
 from dsv4_kernels.moe_align import align_blocks, moe_align
 from dsv4_kernels.outputs import output_buffer
 from dsv4_kernels.split_k import _split_arrive, _split_sum, split_counters, unsplit_args
 
 GATE_UP_BLOCK_N = 128  # one whole FP8 activation block of act per tile: the epilogue quantizes it
 
-__all__ = ["ExpertSlots", "align_blocks", "fp4_moe", "fp4_moe_gemm", "moe_align", "store_dtype"]
+__all__ = [
+    "ExpertSlots",
+    "LoopForm",
+    "align_blocks",
+    "fp4_moe",
+    "fp4_moe_gemm",
+    "moe_align",
+    "pick_block_k",
+    "pick_block_m",
+    "store_dtype",
+]
 
 
 @triton.jit
@@ -118,7 +127,7 @@ def fp4_moe_gemm_kernel(
     ([BLOCK_N, BLOCK_M], see the module doc). A row = route // A_ROW_DIV (the token for GATE_UP, the
     route itself for the down GEMM). BLOCK_K divides 128. SLOTS: the expert's weights come from the
     sw* slots when slot_of_expert[expert] >= 0 (same per-expert strides), else from w*. The K-loop forms
-    (LOOP_FORMS): EVEN_ODD, the even and odd K of each tile as two dots (no join); PREFETCH, the next
+    (fp4_moe.LoopForm): EVEN_ODD, the even and odd K of each tile as two dots (no join); PREFETCH, the next
     tile's bytes loaded before this tile is decoded; SPLIT_K > 1, program axis 2 takes K / SPLIT_K, stores
     its fp32 sums into part_ptr ([SPLIT_K, routes, N (, N more for up)]) and the tile's last split to arrive
     (count_ptr: one counter a tile) adds them and finishes the tile (split_k.py)."""
@@ -169,45 +178,15 @@ def fp4_moe_gemm_kernel(
                 )
         else:  # up's bytes are loaded after gate's dot (below): fewer registers live at once
             cw, cws = _load_fp4_raw(w_base, ws_base, w_off, ws_off, n_ok, offs_kp, k0, K, True, EVEN_K, EVEN_ODD)
-        if EVEN_ODD:
-            a_even = _act_tile(
-                a_ptr, a_scale_ptr, a_rows, row_ok, k0, K, stride_am, stride_asm,
-                QUANT_A, BLOCK_K, EVEN_K, ROUND_BITS, 2, 0,
-            )  # fmt: skip
-            a_odd = _act_tile(
-                a_ptr, a_scale_ptr, a_rows, row_ok, k0, K, stride_am, stride_asm,
-                QUANT_A, BLOCK_K, EVEN_K, ROUND_BITS, 2, 1,
-            )  # fmt: skip
-            if not DOT_FP32:
-                a_even = a_even.to(tl.bfloat16)
-                a_odd = a_odd.to(tl.bfloat16)
-            a_even = tl.trans(a_even)  # [BK/2, BM]
-            a_odd = tl.trans(a_odd)
-            w_lo, w_hi = _decode_fp4_halves(cw, cws, DOT_FP32)
-            acc = tl.dot(w_lo, a_even, acc)
-            acc = tl.dot(w_hi, a_odd, acc)
-            if GATE_UP:
-                if not PREFETCH:
-                    cu, cus = _load_fp4_raw(
-                        w3_base, w3s_base, w_off, ws_off, n_ok, offs_kp, k0, K, True, EVEN_K, EVEN_ODD
-                    )
-                u_lo, u_hi = _decode_fp4_halves(cu, cus, DOT_FP32)
-                acc3 = tl.dot(u_lo, a_even, acc3)
-                acc3 = tl.dot(u_hi, a_odd, acc3)
-        else:
-            a = _act_tile(
-                a_ptr, a_scale_ptr, a_rows, row_ok, k0, K, stride_am, stride_asm, QUANT_A, BLOCK_K, EVEN_K, ROUND_BITS
-            )
-            if not DOT_FP32:
-                a = a.to(tl.bfloat16)
-            a = tl.trans(a)  # [BK, BM]
-            acc = tl.dot(_decode_fp4_joined(cw, cws, DOT_FP32), a, acc)
-            if GATE_UP:
-                if not PREFETCH:
-                    cu, cus = _load_fp4_raw(
-                        w3_base, w3s_base, w_off, ws_off, n_ok, offs_kp, k0, K, True, EVEN_K, EVEN_ODD
-                    )
-                acc3 = tl.dot(_decode_fp4_joined(cu, cus, DOT_FP32), a, acc3)
+        a0, a1 = _act_operands(
+            a_ptr, a_scale_ptr, a_rows, row_ok, k0, K, stride_am, stride_asm,
+            QUANT_A, BLOCK_K, EVEN_K, ROUND_BITS, EVEN_ODD, DOT_FP32,
+        )  # fmt: skip
+        acc = _fp4_dot(cw, cws, a0, a1, acc, EVEN_ODD, DOT_FP32)
+        if GATE_UP:
+            if not PREFETCH:
+                cu, cus = _load_fp4_raw(w3_base, w3s_base, w_off, ws_off, n_ok, offs_kp, k0, K, True, EVEN_K, EVEN_ODD)
+            acc3 = _fp4_dot(cu, cus, a0, a1, acc3, EVEN_ODD, DOT_FP32)
     if SPLIT_K > 1:  # store this split's sums; the tile's last split to arrive adds them all and finishes
         p_ptrs = part_ptr + routes.to(tl.int64)[None, :] * (2 * N if GATE_UP else N) + offs_n[:, None]
         p_mask = n_ok[:, None] & row_ok[None, :]
@@ -227,44 +206,6 @@ def fp4_moe_gemm_kernel(
             acc, acc3, routes, row_ok, offs_n, n_ok, pid_n, out_ptr, out_scale_ptr, topk_weight_ptr, limit,
             stride_om, stride_osm, GATE_UP, QUANT_OUT, ROUND_BITS,
         )  # fmt: skip
-
-
-@triton.jit
-def _epilogue(
-    acc,
-    acc3,
-    routes,
-    row_ok,
-    offs_n,
-    n_ok,
-    pid_n,
-    out_ptr,
-    out_scale_ptr,
-    topk_weight_ptr,
-    limit,
-    stride_om,
-    stride_osm,
-    GATE_UP: tl.constexpr,
-    QUANT_OUT: tl.constexpr,
-    ROUND_BITS: tl.constexpr,
-):
-    """The tile's sums [BN, BM] (gate and up for GATE_UP) -> bf16 (SwiGLU, routing weight, FP8) stored."""
-    out = _round_bf16(acc)  # [BN, BM]
-    if GATE_UP:
-        up = _round_bf16(acc3)
-        if limit > 0:
-            out = tl.minimum(out, limit)
-            up = tl.minimum(tl.maximum(up, -limit), limit)
-        route_w = tl.load(topk_weight_ptr + routes, mask=row_ok, other=0.0)
-        out = _round_bf16(route_w[None, :] * (out / (1.0 + tl.exp(-out)) * up))
-    o_ptrs = out_ptr + routes.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
-    o_mask = n_ok[:, None] & row_ok[None, :]
-    if QUANT_OUT:  # this tile is the whole 128-channel block pid_n of each route's act row
-        q, scale = _quantize_rows(tl.where(n_ok[:, None], out, 0.0), 0, ROUND_BITS)
-        tl.store(o_ptrs, q.to(out_ptr.dtype.element_ty), mask=o_mask)
-        tl.store(out_scale_ptr + routes.to(tl.int64) * stride_osm + pid_n, scale, mask=row_ok)
-    else:
-        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
 def interpreting() -> bool:
@@ -364,10 +305,9 @@ def fp4_moe_gemm(
     split = loop.split_k > 1
     if split and k % (loop.split_k * block_k):
         raise ValueError(f"split_k {loop.split_k} x block_k {block_k} must divide K={k}")
-    part_shape = (loop.split_k, num_routes, 2 * n if gate_up else n)
     part, counters = unsplit_args(a.device)
-    if split:
-        part = torch.empty(part_shape, dtype=torch.float32, device=a.device)
+    if split:  # gate's and up's sums side by side in a route's row
+        part = torch.empty((loop.split_k, num_routes, 2 * n if gate_up else n), dtype=torch.float32, device=a.device)
         counters = split_counters(len(expert_ids) * triton.cdiv(n, block_n), a.device)
     grid = (len(expert_ids), triton.cdiv(n, block_n), loop.split_k)
     fp4_moe_gemm_kernel[grid](
@@ -418,24 +358,6 @@ def fp4_moe_gemm(
     return (out, out_scale) if quant_out else out
 
 
-@dataclass(frozen=True)
-class LoopForm:
-    """How the GEMM kernel walks K (its EVEN_ODD / PREFETCH / SPLIT_K constexprs; the kernel's doc)."""
-
-    even_odd: bool = False
-    prefetch: bool = False
-    split_k: int = 1
-
-    def __post_init__(self) -> None:
-        if self.split_k < 1:
-            raise ValueError(f"split_k must be >= 1, got {self.split_k}")
-
-    @property
-    def name(self) -> str:
-        parts = [p for p, on in (("even_odd", self.even_odd), ("prefetch", self.prefetch)) if on]
-        return "+".join(parts + ([f"split{self.split_k}"] if self.split_k > 1 else [])) or "joined"
-
-
 def _slot_sources(slots, slot_of_expert, weights: tuple[torch.Tensor, ...], gate_up: bool, num_experts: int):
     """(sw, sw_scale, sw3, sw3_scale, slot_of_expert) launch arguments: the slots, checked to share the
     weights' per-expert layout, or the weights themselves (never read without SLOTS)."""
@@ -449,41 +371,6 @@ def _slot_sources(slots, slot_of_expert, weights: tuple[torch.Tensor, ...], gate
         if not _same_layout(s, ref):
             raise ValueError(f"slots {tuple(s.shape)} must be laid out as the weights {tuple(ref.shape)}")
     return sw, sws, sw3, sws3, slot_of_expert
-
-
-def pick_block_m(num_routes: int, num_experts: int) -> int:
-    """Decode (a few routes per expert) takes the smallest dot tile, 16; prefill 64."""
-    return 16 if num_routes <= 4 * num_experts else 64
-
-
-def pick_block_k(block_m: int, gate_up: bool = False, device: torch.device | None = None) -> int:
-    """The down GEMM: 128 (one activation scale block per step) for decode blocks, 64 for 64-row blocks,
-    whose [BLOCK_K, BLOCK_M] activation operand each warp holds whole on mma.sync GPUs (at 128 it spills).
-    The gate/up form holds two [128, BLOCK_M] fp32 accumulators and two weight tiles: 64, and 32 for
-    64-row blocks on GPUs without wgmma (Hopper's wgmma reads that operand from shared memory)."""
-    if not gate_up:
-        return 128 if block_m < 64 else 64
-    return 32 if block_m >= 64 and not _has_wgmma(device) else 64
-
-
-def _has_wgmma(device: torch.device | None) -> bool:
-    """True on sm_90 / sm_100 (and under the interpreter, which has no arch: the tests take the sm_90 tiles)."""
-    if device is None or device.type != "cuda":
-        return True
-    return _sm_major(device.index if device.index is not None else torch.cuda.current_device()) in (9, 10)
-
-
-@functools.cache
-def _sm_major(device_index: int) -> int:
-    return torch.cuda.get_device_capability(device_index)[0]
-
-
-def _num_warps(gate_up: bool, block_m: int) -> int:
-    """LAUNCH_OPTIONS below: 8 for the gate/up tiles (two weight tiles dequantized a step: at batch-1 decode on
-    an H200, bench/gpu_fp4_sweep.py, 8 warps took 183 us where 4 took 258, the best of BLOCK_K 32 / 64 / 128
-    and 2-4 stages; the 64-row prefill tile holds two [128, 64] fp32 accumulators), 4 for the down GEMM
-    (8 were slower there at every tile)."""
-    return 8 if gate_up else 4
 
 
 def fp4_moe(
@@ -514,8 +401,7 @@ def fp4_moe(
     t, k = topk_ids.shape
     num_routes = t * k
     bm = block_m or pick_block_m(num_routes, w1.shape[0])
-    up = _tuned("gate_up", num_routes, bm, x.shape[1], block_k, x.device)
-    down = _tuned("down", num_routes, bm, w2.shape[2] * 2, block_k, x.device)
+    up, down = (tuned_choice(gemm, num_routes, bm, x.device) for gemm in ("gate_up", "down"))
     bk_up = block_k or up.get("block_k") or pick_block_k(bm, True, x.device)
     bk_down = block_k or down.get("block_k") or pick_block_k(bm)
     slot_map = slots.slot_of_expert if slots is not None else None
@@ -546,7 +432,7 @@ def fp4_moe(
         slot_of_expert=slot_map,
         num_warps=up.get("num_warps"),
         num_stages=up.get("num_stages"),
-        loop=_loop_form(up),
+        loop=loop_form_for(up, x.shape[1], bk_up),
     )
     y = fp4_moe_gemm(
         act_q,
@@ -565,23 +451,7 @@ def fp4_moe(
         slot_of_expert=slot_map,
         num_warps=down.get("num_warps"),
         num_stages=down.get("num_stages"),
-        loop=_loop_form(down),
+        loop=loop_form_for(down, w2.shape[2] * 2, bk_down),
     )
     assert isinstance(y, torch.Tensor)  # without quant_out the GEMM returns one tensor, not a pair
     return torch.sum(y.view(t, k, -1), dim=1, dtype=torch.float32)
-
-
-def _tuned(gemm: str, num_routes: int, block_m: int, k: int, block_k: int | None, device: torch.device) -> dict:
-    """The card's measured choice for this decode GEMM (tuning.py; {} for none, for prefill tiles, or for a
-    split the shape's K cannot take)."""
-    if block_m != 16:
-        return {}
-    choice = tuning.lookup(device, "fp4_moe", gemm, size=num_routes) or {}
-    bk = block_k or choice.get("block_k") or pick_block_k(block_m, gemm == "gate_up", device)
-    if k % (choice.get("split_k", 1) * bk):
-        return {key: v for key, v in choice.items() if key != "split_k"}
-    return choice
-
-
-def _loop_form(choice: dict) -> LoopForm:
-    return LoopForm(bool(choice.get("even_odd")), bool(choice.get("prefetch")), int(choice.get("split_k", 1)))

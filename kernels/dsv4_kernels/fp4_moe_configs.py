@@ -5,7 +5,7 @@ LAUNCH_ARCHS and ALIGNED_INTS here; tests/kernels/test_compile.py builds them fo
 
 from __future__ import annotations
 
-from dsv4_kernels.fp4_moe import _num_warps
+from dsv4_kernels.fp4_moe_choices import _num_warps
 
 _SIG = {
     "a_ptr": "*fp8e4nv",

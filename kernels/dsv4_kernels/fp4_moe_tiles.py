@@ -2,7 +2,8 @@
 
 - `_round_bf16`: fp32 -> nearest bf16 value (ties to even) by bits: the interpreter truncates
   fp32->bf16 casts, so both builds round this way.
-- `_dequant_e2m1` / `_load_fp4_tile`: packed e2m1 codes and their e8m0 scale bytes -> exact fp32
+- `_dequant_e2m1`, `_load_fp4_raw`, `_decode_fp4_joined` / `_decode_fp4_halves`: packed e2m1 codes and their
+  e8m0 scale bytes, loaded, then decoded as one tile or its even / odd K halves -> exact fp32
   values (bf16 on a GPU: at most 2 significant bits, exact too).
 - `_pow2_scale` / `_round_to_e4m3` / `_quantize_rows`: the FP8 activation quantization of
   `fp8_gemm_ref.act_quant_fp8_ref` (per row per 128 channels, scale 2^ceil(log2(max(amax, 1e-4) / 448)),
@@ -169,3 +170,90 @@ def _act_tile(
     else:
         a_s = tl.load(a_scale_ptr + a_rows * stride_asm + k0 // 128, mask=row_ok, other=0.0)
         return a * a_s[:, None]  # exact
+
+
+@triton.jit
+def _epilogue(
+    acc,
+    acc3,
+    routes,
+    row_ok,
+    offs_n,
+    n_ok,
+    pid_n,
+    out_ptr,
+    out_scale_ptr,
+    topk_weight_ptr,
+    limit,
+    stride_om,
+    stride_osm,
+    GATE_UP: tl.constexpr,
+    QUANT_OUT: tl.constexpr,
+    ROUND_BITS: tl.constexpr,
+):
+    """The tile's sums [BN, BM] (gate and up for GATE_UP) -> bf16 (SwiGLU, routing weight, FP8) stored."""
+    out = _round_bf16(acc)  # [BN, BM]
+    if GATE_UP:
+        up = _round_bf16(acc3)
+        if limit > 0:
+            out = tl.minimum(out, limit)
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+        route_w = tl.load(topk_weight_ptr + routes, mask=row_ok, other=0.0)
+        out = _round_bf16(route_w[None, :] * (out / (1.0 + tl.exp(-out)) * up))
+    o_ptrs = out_ptr + routes.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
+    o_mask = n_ok[:, None] & row_ok[None, :]
+    if QUANT_OUT:  # this tile is the whole 128-channel block pid_n of each route's act row
+        q, scale = _quantize_rows(tl.where(n_ok[:, None], out, 0.0), 0, ROUND_BITS)
+        tl.store(o_ptrs, q.to(out_ptr.dtype.element_ty), mask=o_mask)
+        tl.store(out_scale_ptr + routes.to(tl.int64) * stride_osm + pid_n, scale, mask=row_ok)
+    else:
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+@triton.jit
+def _act_operands(
+    a_ptr,
+    a_scale_ptr,
+    a_rows,
+    row_ok,
+    k0,
+    K,
+    stride_am,
+    stride_asm,
+    QUANT_A: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    ROUND_BITS: tl.constexpr,
+    EVEN_ODD: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """The activations' K tile at k0 as the dot's right operand(s), transposed: [BK, BM] (and the same again,
+    unused), or with EVEN_ODD its even and odd K columns, [BK/2, BM] each."""
+    if EVEN_ODD:
+        a0 = _act_tile(
+            a_ptr, a_scale_ptr, a_rows, row_ok, k0, K, stride_am, stride_asm, QUANT_A, BLOCK_K, EVEN_K, ROUND_BITS, 2, 0
+        )
+        a1 = _act_tile(
+            a_ptr, a_scale_ptr, a_rows, row_ok, k0, K, stride_am, stride_asm, QUANT_A, BLOCK_K, EVEN_K, ROUND_BITS, 2, 1
+        )
+    else:
+        a0 = _act_tile(
+            a_ptr, a_scale_ptr, a_rows, row_ok, k0, K, stride_am, stride_asm, QUANT_A, BLOCK_K, EVEN_K, ROUND_BITS
+        )
+        a1 = a0
+    if not DOT_FP32:
+        a0 = a0.to(tl.bfloat16)
+        a1 = a1.to(tl.bfloat16)
+    return tl.trans(a0), tl.trans(a1)
+
+
+@triton.jit
+def _fp4_dot(packed, s_raw, a0, a1, acc, EVEN_ODD: tl.constexpr, DOT_FP32: tl.constexpr):
+    """acc + the decoded weight tile @ the activations: one dot on the joined tile, or two on its halves."""
+    if EVEN_ODD:
+        lo, hi = _decode_fp4_halves(packed, s_raw, DOT_FP32)
+        acc = tl.dot(lo, a0, acc)
+        acc = tl.dot(hi, a1, acc)
+    else:
+        acc = tl.dot(_decode_fp4_joined(packed, s_raw, DOT_FP32), a0, acc)
+    return acc

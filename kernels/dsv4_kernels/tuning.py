@@ -41,9 +41,15 @@ def file_for(device_name: str) -> Path:
 
 
 def device_name(device: torch.device) -> str | None:
+    """The CUDA device's model name (None off CUDA); asked once per device: the wrappers look it up per launch."""
     if device.type != "cuda":
         return None
-    return torch.cuda.get_device_name(device.index if device.index is not None else torch.cuda.current_device())
+    return _cuda_name(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _cuda_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
 
 
 @functools.cache
