@@ -196,6 +196,20 @@ class ServeConfig:
         default=0,
         metavar="N",
     )
+    tensor_parallel_size: Setting[int] = option(
+        "ranks the model is split over, one worker process each (GPUs on CUDA: rank r on cuda:r; NCCL), or CPU "
+        "processes over gloo; attention heads, the shared expert, embed and head split, the rest replicated",
+        parse=positive_int,
+        default=1,
+        metavar="N",
+    )
+    expert_parallel: Setting[bool] = option(
+        "with --tensor-parallel-size N > 1: each rank owns 1/N of the routed experts whole, instead of a 1/N "
+        "slice of every expert",
+        parse=boolean,
+        default=False,
+        switch=True,
+    )
     log_level: Setting[str] = option("log verbosity", default="info", choices=("debug", "info", "warning", "error"))
 
 

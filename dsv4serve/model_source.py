@@ -1,7 +1,8 @@
 """Turning the --model argument into a local checkpoint folder.
 
 MODEL is a local folder (official or transformers layout), a Hugging Face repo id, the alias
-`DeepSeek-V4-Flash`, or the built-in `dsv4-tiny`. Repo ids are fetched with huggingface_hub into the
+`DeepSeek-V4-Flash`, or the built-in `dsv4-tiny` (and `dsv4-tiny-split`, its variant that 2 or 4
+tensor-parallel ranks can split). Repo ids are fetched with huggingface_hub into the
 normal HF cache (HF_HOME / HF_HUB_CACHE), with its progress bars; a snapshot already in the cache is
 used without the network.
 """
@@ -14,7 +15,7 @@ from pathlib import Path
 from typing import Literal
 
 from dsv4serve.tiny.builder import ensure_tiny
-from dsv4serve.tiny.spec import TINY_NAME
+from dsv4serve.tiny.spec import TINY_NAME, TINY_SPLIT_NAME
 
 ALIASES = {"DeepSeek-V4-Flash": "deepseek-ai/DeepSeek-V4-Flash"}
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -43,8 +44,8 @@ class ModelLocation:
 
 def locate_model(spec: str, cache_dir: Path, config_only: bool = False) -> ModelLocation:
     """Find (or build, or download) the model; `config_only` fetches no weights from the hub."""
-    if spec == TINY_NAME:
-        return ModelLocation(TINY_NAME, ensure_tiny(cache_dir), "builtin")
+    if spec in (TINY_NAME, TINY_SPLIT_NAME):
+        return ModelLocation(spec, ensure_tiny(cache_dir, split=spec == TINY_SPLIT_NAME), "builtin")
     local = Path(spec).expanduser()
     if local.is_dir():
         return ModelLocation(local.resolve().name, local.resolve(), "local")
@@ -52,7 +53,7 @@ def locate_model(spec: str, cache_dir: Path, config_only: bool = False) -> Model
     if not REPO_ID.match(repo_id) or spec.startswith((".", "/", "~")):
         raise ModelSourceError(
             f"--model {spec}: not a folder, not a Hugging Face repo id (owner/name), and not "
-            f"one of {', '.join([TINY_NAME, *ALIASES])}"
+            f"one of {', '.join([TINY_NAME, TINY_SPLIT_NAME, *ALIASES])}"
         )
     path = _download(repo_id, CONFIG_PATTERNS if config_only else WEIGHT_PATTERNS)
     return ModelLocation(spec.split("/")[-1], path, "hub", repo_id)

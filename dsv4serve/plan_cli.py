@@ -41,9 +41,9 @@ def add_plan_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--gpus",
         type=_positive_int,
-        default=1,
+        default=None,
         metavar="N",
-        help="plan each of N tensor-parallel ranks (GPUs of --gpu-memory each); multi-GPU serving is not built yet",
+        help="plan each of N tensor-parallel ranks (GPUs of --gpu-memory each) [--tensor-parallel-size]",
     )
     add_decode_options(parser)
 
@@ -115,7 +115,8 @@ def build_plan(ns: argparse.Namespace, env: Environment) -> dict[str, Any]:
     weights = weight_bytes_by_group(args, specs)
     chunk = cfg.max_prefill_length
     prefill = {"requested": chunk.value, "source": chunk.source.value, "note": chunk.note}
-    backends, ranks, gpus = None, None, getattr(ns, "gpus", 1)
+    backends, ranks = None, None
+    gpus = getattr(ns, "gpus", None) or cfg.tensor_parallel_size.value
     if gpus > 1 and target.device != "cuda":
         raise ConfigError(f"--gpus {gpus} plans GPUs: give --gpu-memory (the size of each), or run it on a GPU host")
     try:

@@ -33,6 +33,7 @@ from dsv4serve.ipc.messages import (
     WorkerLaunch,
 )
 from dsv4serve.ipc.sampling import SamplingParams
+from dsv4serve.parallel.rendezvous import free_port
 
 log = logging.getLogger("dsv4serve.supervisor")
 # the worker's entry point, imported only in the spawned child: the API process never loads torch
@@ -62,12 +63,33 @@ class WorkerDied(RequestFailed):
 
 @dataclass
 class _Incarnation:
-    process: mp.process.BaseProcess
+    process: mp.process.BaseProcess  # rank 0: the scheduler's worker, the one on the channel
     channel: ApiChannel
     started: float
     ready: Ready | None = None
     stop: threading.Event = field(default_factory=threading.Event)
     monitor: threading.Thread | None = None
+    ranks: list[mp.process.BaseProcess] = field(default_factory=list)  # --tensor-parallel-size N: ranks 1..N-1
+
+    @property
+    def processes(self) -> list[mp.process.BaseProcess]:
+        return [self.process, *self.ranks]
+
+    def dead(self) -> str | None:
+        """Which processes have ended, with their exit codes ("the worker process (exit code -9)", "rank 1 of
+        the worker's 2 (exit code -9)"); None while all live."""
+        ended = [(r, p.exitcode) for r, p in enumerate(self.processes) if not p.is_alive()]
+        if not ended:
+            return None
+        if not self.ranks:
+            return f"the worker process (exit code {ended[0][1]})"
+        return ", ".join(f"rank {r} of the worker's {len(self.processes)} (exit code {c})" for r, c in ended)
+
+    def kill_all(self) -> None:
+        """A group lives and dies whole: what one rank's death leaves behind waits in a collective forever."""
+        for p in self.processes:
+            if p.is_alive():
+                p.kill()
 
 
 class EngineClient:
@@ -111,21 +133,35 @@ class EngineClient:
         return self._current.ready if self._current else None
 
     def _spawn(self) -> None:
+        """Start the worker: one process, or with --tensor-parallel-size N one per rank (a fresh rendezvous port
+        each time: a restarted group never meets a stale one)."""
         endpoints, folder = new_endpoints()
         channel = ApiChannel(endpoints, folder)
-        launch = msgspec.structs.replace(self._launch, to_worker=endpoints.to_worker, from_worker=endpoints.from_worker)
-        proc = mp.get_context("spawn").Process(
-            target=run_module_main,
-            args=(WORKER_MODULE, msgspec.msgpack.encode(launch)),
-            name="dsv4serve-worker",
-            daemon=True,
+        n = self._launch.tensor_parallel_size.value
+        launch = msgspec.structs.replace(
+            self._launch,
+            to_worker=endpoints.to_worker,
+            from_worker=endpoints.from_worker,
+            rendezvous_port=free_port() if n > 1 else 0,
         )
-        proc.start()
-        inc = _Incarnation(proc, channel, time.monotonic())
+        procs: list[mp.process.BaseProcess] = []
+        for rank in range(n):
+            proc = mp.get_context("spawn").Process(
+                target=run_module_main,
+                args=(WORKER_MODULE, msgspec.msgpack.encode(msgspec.structs.replace(launch, rank=rank))),
+                name="dsv4serve-worker" if rank == 0 else f"dsv4serve-rank{rank}",
+                daemon=True,
+            )
+            proc.start()
+            procs.append(proc)
+        inc = _Incarnation(procs[0], channel, time.monotonic(), ranks=procs[1:])
         self._current = inc
         inc.monitor = threading.Thread(target=self._monitor, args=(inc,), name="dsv4serve-monitor", daemon=True)
         inc.monitor.start()
-        log.info("worker started (pid %s)", proc.pid)
+        if n == 1:
+            log.info("worker started (pid %s)", procs[0].pid)
+        else:
+            log.info("worker started: %d ranks (pids %s)", n, ", ".join(str(p.pid) for p in procs))
 
     def _monitor(self, inc: _Incarnation) -> None:
         """Runs in a thread: forwards messages, and reports the process's death."""
@@ -140,8 +176,10 @@ class EngineClient:
             if msg is not None:
                 self._loop.call_soon_threadsafe(self._dispatch, inc, msg)
                 continue
-            if not inc.process.is_alive():
-                self._loop.call_soon_threadsafe(self._on_death, inc)
+            dead = inc.dead()
+            if dead is not None:
+                inc.kill_all()
+                self._loop.call_soon_threadsafe(self._on_death, inc, dead)
                 return
 
     def _dispatch(self, inc: _Incarnation, msg) -> None:
@@ -169,15 +207,15 @@ class EngineClient:
             if queue is not None:
                 queue.put_nowait(msg)
 
-    def _on_death(self, inc: _Incarnation) -> None:
+    def _on_death(self, inc: _Incarnation, who: str) -> None:
+        """`who`: the processes that ended, with their exit codes (_Incarnation.dead)."""
         if inc is not self._current:
             return
-        code = inc.process.exitcode
         was_ready = inc.ready is not None
         inc.ready = None
         inc.stop.set()
         inc.channel.close()
-        message = f"the worker process died (exit code {code}); the request was not finished"
+        message = f"{who} died; the request was not finished"
         for queue in self._queues.values():
             queue.put_nowait(WorkerDied(message))
         if self._closing:
@@ -193,11 +231,11 @@ class EngineClient:
             log.error(
                 "the worker keeps dying (%d times in a row, last: %s); next start in %.1f s",
                 self._failures_in_a_row,
-                self.last_failure or f"exit code {code}",
+                self.last_failure or who,
                 delay,
             )
         else:
-            log.error("the worker died (exit code %s); restarting in %.1f s", code, delay)
+            log.error("%s died; restarting in %.1f s", who, delay)
         assert self._loop is not None
         self._loop.call_later(delay, self._restart)
 
@@ -214,10 +252,10 @@ class EngineClient:
             return
         if inc.process.is_alive():
             with contextlib.suppress(Exception):  # the channel may be gone with the worker
-                inc.channel.send(Shutdown())
-            await asyncio.to_thread(inc.process.join, 5.0)
-            if inc.process.is_alive():
-                inc.process.kill()
+                inc.channel.send(Shutdown())  # rank 0 tells the other ranks to stop
+        for proc in inc.processes:
+            await asyncio.to_thread(proc.join, 5.0)
+        inc.kill_all()
         inc.stop.set()
         if inc.monitor is not None:  # the monitor polls the channel: it must stop before the close
             await asyncio.to_thread(inc.monitor.join, 2 * POLL_S + 1.0)
@@ -267,6 +305,11 @@ class EngineClient:
     @property
     def worker_pid(self) -> int | None:
         return self._current.process.pid if self._current else None
+
+    @property
+    def worker_pids(self) -> list[int | None]:
+        """Every rank's process id, rank order (one entry without tensor parallelism)."""
+        return [p.pid for p in self._current.processes] if self._current else []
 
 
 def run_module_main(module: str, launch_bytes: bytes) -> None:

@@ -24,6 +24,14 @@ def tiny_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_split_dir(tiny_cache: Path) -> Path:
+    """dsv4-tiny-split (tiny/spec.TINY_SPLIT_CONFIG): dsv4-tiny widened so that 2 or 4 tensor-parallel ranks split it."""
+    from dsv4serve.tiny.builder import ensure_tiny
+
+    return ensure_tiny(tiny_cache, split=True)
+
+
+@pytest.fixture(scope="session")
 def tiny_dir(tiny_cache: Path) -> Path:
     from dsv4serve.tiny.builder import tiny_folder
 

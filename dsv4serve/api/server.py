@@ -36,6 +36,8 @@ def worker_launch(cfg: ServeConfig, model_path) -> WorkerLaunch:
         enforce_eager=wire(cfg.enforce_eager),
         moe_backend=wire(cfg.moe_backend),
         speculative_tokens=wire(cfg.speculative_tokens),
+        tensor_parallel_size=wire(cfg.tensor_parallel_size),
+        expert_parallel=wire(cfg.expert_parallel),
         log_level=cfg.log_level.value,
         tokenizer_path=str(tokenizer_file(model_path)),
     )
@@ -66,6 +68,7 @@ def format_ready(ready: Ready) -> str:
         f"  expert slots           {slots}",
         *([f"  decode graphs          {ready.decode_graphs}"] if ready.decode_graphs else []),
         *([f"  expert bank            {ready.expert_bank}"] if ready.expert_bank else []),
+        *[f"  tensor parallel        {line}" for line in ready.ranks],
         f"  prefill chunk          requested {requested}, effective {chunk.effective_tokens} tokens, "
         f"bound by {chunk.binding}: {chunk.reason}",
     ]

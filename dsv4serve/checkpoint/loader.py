@@ -7,7 +7,7 @@ every tensor that does not fit the config. `iter_dense` then reads the tensors o
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,17 +68,25 @@ def open_checkpoint(folder: str | Path) -> Checkpoint:
     return Checkpoint(folder, layout, args, specs, source)
 
 
+# what a tensor-parallel rank reads of a tensor, by official name and stored shape (parallel/partition.py's
+# Partition.shard_slice for one rank): the slices, or None when the rank holds none of it
+Cut = Callable[[str, tuple[int, ...]], "tuple[slice, ...] | None"]
+
+
 def iter_dense(
-    ckpt: Checkpoint, dtype: torch.dtype = torch.float32, progress: bool = True
+    ckpt: Checkpoint, dtype: torch.dtype = torch.float32, progress: bool = True, cut: Cut | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(official parameter name, dense tensor) for every weight; `.scale` tensors are consumed.
 
     FP8 and FP4 weights are dequantized exactly and cast to `dtype`; bf16/f16 tensors are cast to
     `dtype`; tensors the checkpoint keeps in fp32 (HC, sinks, ape, gate bias) stay fp32 so the
     reference's fp32 parts keep their precision; integer tensors (tid2eid) are returned as stored.
+    With `cut` (a tensor-parallel rank's part), each tensor is yielded as that part, or not at all: from the
+    official layout only those bytes are read (a weight's slice and its scale's slice dequantize alone, as the
+    partition cuts on whole quantization blocks); transformers-named tensors are read whole and then cut.
     """
     bar = tqdm(
-        total=ckpt.total_bytes,
+        total=ckpt.total_bytes if cut is None else _cut_bytes(ckpt, cut),
         unit="B",
         unit_scale=True,
         unit_divisor=1024,
@@ -87,9 +95,9 @@ def iter_dense(
     )
     try:
         if ckpt.layout == "official":
-            yield from _iter_official(ckpt, dtype, bar)
+            yield from _iter_official(ckpt, dtype, bar, cut)
         else:
-            yield from _iter_hf(ckpt, dtype, bar)
+            yield from _iter_hf(ckpt, dtype, bar, cut)
     finally:
         bar.close()
 
@@ -100,11 +108,31 @@ def _cast(t: torch.Tensor, dtype: torch.dtype, spec_dtype: str) -> torch.Tensor:
     return t.to(dtype)
 
 
-def _iter_official(ckpt: Checkpoint, dtype: torch.dtype, bar: tqdm) -> Iterator[tuple[str, torch.Tensor]]:
+def _cut_bytes(ckpt: Checkpoint, cut: Cut) -> int:
+    """The bytes a rank reads of the checkpoint's specs (the progress bar's total)."""
+    wanted = {s.name for s in ckpt.specs}
+    total = 0
+    for name, info in ckpt.source.infos.items():
+        official = hf_names.hf_to_official(name) if ckpt.layout == "hf" else name
+        if official is None:  # stacked experts (transformers' layout): read whole, then cut
+            total += _nbytes(info.dtype, info.shape)
+            continue
+        sl = cut(official, tuple(info.shape)) if official in wanted else None
+        if sl is not None:
+            total += _nbytes(info.dtype, tuple(s.stop - s.start for s in sl))
+    return total
+
+
+def _iter_official(
+    ckpt: Checkpoint, dtype: torch.dtype, bar: tqdm, cut: Cut | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     src, block = ckpt.source, ckpt.args.weight_block_size
     pending: dict[str, torch.Tensor] = {}
     for spec in ckpt.specs:
-        t = src.read(spec.name)
+        part = None if cut is None else cut(spec.name, spec.shape)
+        if cut is not None and part is None:
+            continue  # another rank's (a routed expert it owns, and its scale)
+        t = src.read(spec.name, part)
         bar.update(t.numel() * t.element_size())
         if spec.role in ("fp8_weight", "fp4_weight"):
             pending[spec.name] = t
@@ -121,20 +149,30 @@ def _iter_official(ckpt: Checkpoint, dtype: torch.dtype, bar: tqdm) -> Iterator[
         raise CheckpointError(f"weights without scales: {sorted(pending)[:5]}")
 
 
-def _iter_hf(ckpt: Checkpoint, dtype: torch.dtype, bar: tqdm) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_hf(
+    ckpt: Checkpoint, dtype: torch.dtype, bar: tqdm, cut: Cut | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     spec_dtype = {s.name: s.dtype for s in ckpt.specs}
     src = ckpt.source
     for name in sorted(src.infos, key=lambda n: (src.infos[n].file, n)):
-        t = src.read(name)
-        bar.update(t.numel() * t.element_size())
         official = hf_names.hf_to_official(name)
         if official is not None:
+            part = None if cut is None else cut(official, tuple(src.infos[name].shape))
+            if cut is not None and part is None:
+                continue
+            t = src.read(name, part)
+            bar.update(t.numel() * t.element_size())
             yield official, _cast(t, dtype, spec_dtype[official])
             continue
+        t = src.read(name)
+        bar.update(t.numel() * t.element_size())
         stacked = hf_names.hf_stacked_experts(name)
         assert stacked is not None  # check_tensors rejected every other name
-        for part, tensor in hf_names.split_stacked(*stacked, t).items():
-            yield part, tensor.to(dtype).clone()
+        for part_name, tensor in hf_names.split_stacked(*stacked, t).items():
+            sl = None if cut is None else cut(part_name, tuple(tensor.shape))
+            if cut is not None and sl is None:
+                continue
+            yield part_name, (tensor if sl is None else tensor[sl]).to(dtype).clone()
 
 
 def load_dense_state_dict(

@@ -95,14 +95,17 @@ class SafetensorsFolder:
                 where = "is in no shard" if info is None else f"is in {info.file}"
                 raise CheckpointError(f"{index}: maps {name} to {file}, but it {where}")
 
-    def read(self, name: str) -> torch.Tensor:
-        """One tensor, copied out of its memory-mapped shard."""
+    def read(self, name: str, cut: tuple[slice, ...] | None = None) -> torch.Tensor:
+        """One tensor, copied out of its memory-mapped shard; with `cut`, only that part of it is read (a
+        tensor-parallel rank's shard: safetensors' get_slice reads just the bytes the slice covers)."""
         info = self.infos[name]
         handle = self._handles.get(info.file)
         if handle is None:
             handle = safe_open(str(self.folder / info.file), framework="pt")
             self._handles[info.file] = handle
-        return handle.get_tensor(name)  # type: ignore[attr-defined]
+        if cut is None:
+            return handle.get_tensor(name)  # type: ignore[attr-defined]
+        return handle.get_slice(name)[cut]  # type: ignore[attr-defined]
 
     def close(self) -> None:
         self._handles.clear()

@@ -86,3 +86,21 @@ class WorkerChannel(_Side):
             Codec(FromWorker),
             Codec(ToWorker),
         )
+
+
+class ReportChannel:
+    """A worker process other than the scheduler's (a tensor-parallel rank > 0): it may only send FromWorker
+    messages (its start-up failure). It never receives: a second reader of `to_worker` would take messages
+    meant for rank 0."""
+
+    def __init__(self, from_worker: str):
+        self._send: zmq.Socket = zmq.Context.instance().socket(zmq.PUSH)
+        self._send.setsockopt(zmq.LINGER, 1000)
+        self._send.connect(from_worker)
+        self._codec = Codec(FromWorker)
+
+    def send(self, message: msgspec.Struct) -> None:
+        self._send.send(self._codec.encode(message), copy=False)
+
+    def close(self) -> None:
+        self._send.close()

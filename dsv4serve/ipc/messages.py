@@ -69,6 +69,7 @@ class Ready(msgspec.Struct, frozen=True, tag="ready", forbid_unknown_fields=True
     page_tokens: int = 0
     sequence_slots: int = 0
     decode_graphs: str = ""  # how decode steps run: CUDA graphs per batch bucket (capture time, memory), or eager
+    ranks: list[str] = []  # --tensor-parallel-size N > 1: one line per rank (device, weights held, KV pool)
 
 
 class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
@@ -175,5 +176,9 @@ class WorkerLaunch(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     enforce_eager: Sourced[bool] = Sourced(False)  # --enforce-eager: no CUDA graphs
     moe_backend: Sourced[str] = Sourced("auto")  # --moe-backend: auto | gpu | offload | hybrid
     speculative_tokens: Sourced[int] = Sourced(0)  # --speculative-tokens: MTP drafts per step (0 = off)
+    tensor_parallel_size: Sourced[int] = Sourced(1)  # --tensor-parallel-size: ranks, one process each
+    expert_parallel: Sourced[bool] = Sourced(False)  # --expert-parallel: routed experts owned whole by one rank
+    rank: int = 0  # this process's rank in the group (0: the scheduler's, the one talking to the API process)
+    rendezvous_port: int = 0  # the group's env:// rendezvous on 127.0.0.1 (tensor_parallel_size > 1)
     log_level: str = "info"
     tokenizer_path: str = ""  # the tokenizer.json the API uses (structured output compiles against it); "": bundled

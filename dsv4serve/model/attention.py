@@ -29,20 +29,31 @@ from dsv4serve.model.rope import Rotation, inv_freq
 
 
 def sparse_attention(
-    q: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor, sink: torch.Tensor, scale: float
+    q: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor, sink: torch.Tensor, scale: float, per_head: bool = False
 ) -> torch.Tensor:
     """q [T, H, d], keys (= values) [L, d], allowed [T, L] bool, sink [H] -> [T, H, d] fp32.
 
     The sink logit joins only the denominator: o = sum_j e^(s_j - M) v_j / (sum_j e^(s_j - M) + e^(sink - M)).
+    `per_head`: the two products run one head at a time, so that a head's bits do not depend on how many heads
+    share the call (a GEMM over H rows sums in an order that depends on H): with --batch-invariant a
+    tensor-parallel rank's heads then equal one rank's (bench/RESULTS.md, issue 21).
     """
     kf = keys.float()
-    s = torch.einsum("thd,ld->thl", q.float(), kf) * scale
+    s = _heads("thd,ld->thl", q.float(), kf, per_head) * scale
     s = s.masked_fill(~allowed.unsqueeze(1), float("-inf"))
     sink = sink.float().view(1, -1)
     m = torch.maximum(s.amax(dim=-1), sink)  # [T, H]
     p = torch.exp(s - m.unsqueeze(-1))
     denom = p.sum(dim=-1) + torch.exp(sink - m)
-    return torch.einsum("thl,ld->thd", p, kf) / denom.unsqueeze(-1)
+    return _heads("thl,ld->thd", p, kf, per_head) / denom.unsqueeze(-1)
+
+
+def _heads(equation: str, a: torch.Tensor, b: torch.Tensor, per_head: bool) -> torch.Tensor:
+    """einsum over a [T, H, ...] and b, all heads at once or one head at a time (stacked back on dim 1)."""
+    if not per_head:
+        return torch.einsum(equation, a, b)
+    one = equation.replace("h", "")
+    return torch.stack([torch.einsum(one, a[:, h], b) for h in range(a.shape[1])], dim=1)
 
 
 class Attention(nn.Module):
@@ -191,7 +202,7 @@ class Attention(nn.Module):
         for t in range(n_new):  # each query over exactly its own keys, in position / entry order
             mine = keys[allowed[t].nonzero().squeeze(1)]
             every = torch.ones(1, mine.shape[0], dtype=torch.bool, device=q.device)
-            out[t] = sparse_attention(q[t : t + 1], mine, every, self.attn_sink, self.softmax_scale)[0]
+            out[t] = sparse_attention(q[t : t + 1], mine, every, self.attn_sink, self.softmax_scale, per_head=True)[0]
         return out
 
     def _store_window(self, ring: torch.Tensor, kv: torch.Tensor, start_pos: int) -> None:

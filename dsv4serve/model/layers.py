@@ -31,6 +31,10 @@ class TensorParallel(Protocol):
         """Every rank's x concatenated along `dim`, in rank order."""
         ...
 
+    def reset(self) -> None:
+        """A step starts: the calls counted so far are forgotten (what is counted is the last step's)."""
+        ...
+
 
 class Linear(nn.Module):
     """A bias-free projection; `fp8_act` marks one the checkpoint stores in FP8 or FP4 (`fp4_weight`:

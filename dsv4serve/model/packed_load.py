@@ -84,13 +84,19 @@ def load_packed(
         _load_fp8(model, ckpt, [s for s in specs if kinds[s.name] == "fp8_packed"], device, bar)
         _load_fp4(model, ckpt, [s for s in specs if kinds[s.name] == "fp4_stacked"], device, bar)
         _load_dense(model, ckpt, [s for s in specs if kinds[s.name] == "dense"], backends, device, bar)
-    for module in model.modules():
-        if isinstance(module, Attention):  # as __init__ computes it (on the CPU, like the dense path)
-            module.freqs = inv_freq(ckpt.args, bool(module.compress_ratio)).to(device)
+    compute_buffers(model, device)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
         raise RuntimeError(f"the packed load left {len(left)} tensors unloaded: {left[:5]}")
     return model.eval(), cache
+
+
+def compute_buffers(model: Transformer, device: torch.device) -> None:
+    """The buffers `__init__` computes (the RoPE frequencies), for a model built on the meta device: as
+    `__init__` computes them (on the CPU, like the dense path), then placed."""
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.freqs = inv_freq(model.args, bool(module.compress_ratio)).to(device)
 
 
 def _placed(t: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:

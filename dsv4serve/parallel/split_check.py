@@ -28,22 +28,15 @@ from dsv4serve.parallel.collectives import CollectiveCall, Collectives
 from dsv4serve.parallel.group import free_port, start_group, stop_group
 from dsv4serve.parallel.partition import make_partition
 from dsv4serve.parallel.shard_model import shard_model
-from dsv4serve.tiny.spec import TINY_CONFIG, inference_config
+from dsv4serve.tiny.spec import TINY_SPLIT_CONFIG, inference_config
 
 
 def split_tiny_args(vocab_size: int = 1024) -> ModelArgs:
-    """dsv4-tiny (every layer kind, hash and gate routing, hc 4) with the split dims on FP8's 128-row blocks
-    at T = 4: 8 heads in 4 output groups of o_lora_rank 128 (wo_a 128 rows a rank, wo_b 128 columns),
-    moe_intermediate_size 512 (the shared expert's 128 rows / columns a rank), 8 experts (2 a rank with
-    expert parallelism); a small vocabulary (4 x 256 rows), which no quantization block constrains."""
-    config = copy.deepcopy(TINY_CONFIG)
-    config.update(
-        vocab_size=vocab_size,
-        num_attention_heads=8,
-        o_groups=4,
-        o_lora_rank=128,
-        moe_intermediate_size=512,
-    )
+    """dsv4-tiny-split (tiny/spec.TINY_SPLIT_CONFIG: dsv4-tiny's layers, routing and hc 4, with the split dims on
+    FP8's 128-row blocks at T = 4; 8 experts, 2 a rank with expert parallelism) with a small vocabulary (4 x 256
+    rows), which no quantization block constrains."""
+    config = copy.deepcopy(TINY_SPLIT_CONFIG)
+    config.update(vocab_size=vocab_size)
     return args_from_dicts(config, inference_config(config))
 
 

@@ -14,6 +14,7 @@ import shutil
 import tempfile
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -22,25 +23,34 @@ from dsv4_kernels.formats import quant_fp4, quant_fp8_block
 from dsv4serve.model.args import args_from_dicts
 from dsv4serve.model.schema import TensorSpec, checkpoint_schema
 from dsv4serve.tiny import rng
-from dsv4serve.tiny.spec import TINY_CONFIG, TINY_NAME, TINY_SEED, TINY_VERSION, inference_config
+from dsv4serve.tiny.spec import (
+    TINY_CONFIG,
+    TINY_NAME,
+    TINY_SEED,
+    TINY_SPLIT_CONFIG,
+    TINY_SPLIT_NAME,
+    TINY_VERSION,
+    inference_config,
+)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 MANIFEST = "BUILD_INFO.json"
 
 
-def tiny_folder(cache_dir: Path) -> Path:
-    return cache_dir / f"{TINY_NAME}-v{TINY_VERSION}"
+def tiny_folder(cache_dir: Path, split: bool = False) -> Path:
+    return cache_dir / f"{TINY_SPLIT_NAME if split else TINY_NAME}-v{TINY_VERSION}"
 
 
-def ensure_tiny(cache_dir: Path) -> Path:
-    """The dsv4-tiny folder under `cache_dir`, built first if it is not there yet."""
-    target = tiny_folder(cache_dir)
+def ensure_tiny(cache_dir: Path, split: bool = False) -> Path:
+    """The dsv4-tiny folder under `cache_dir` (split: its variant that tensor parallelism can split,
+    tiny/spec.TINY_SPLIT_CONFIG), built first if it is not there yet."""
+    target = tiny_folder(cache_dir, split)
     if (target / MANIFEST).is_file():
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=cache_dir))
     try:
-        write_tiny(tmp)
+        write_tiny(tmp, TINY_SPLIT_CONFIG if split else TINY_CONFIG)
         try:
             os.replace(tmp, target)
         except OSError:
@@ -119,8 +129,8 @@ def _shard_of(spec: TensorSpec, n_layers: int) -> int:
     return 1 if spec.layer < n_layers // 2 else 2
 
 
-def write_tiny(folder: Path) -> None:
-    args = args_from_dicts(TINY_CONFIG, inference_config(TINY_CONFIG))
+def write_tiny(folder: Path, config: dict[str, Any] = TINY_CONFIG) -> None:
+    args = args_from_dicts(config, inference_config(config))
     specs = checkpoint_schema(args)
     tensors = make_tensors(specs, args.hc_mult * args.dim)
     n_shards = 3
@@ -135,9 +145,9 @@ def write_tiny(folder: Path) -> None:
         save_file(content, str(folder / f"model-{shard:05d}-of-{n_shards:05d}.safetensors"), metadata={"format": "pt"})
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     _write_json(folder / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
-    _write_json(folder / "config.json", TINY_CONFIG)
+    _write_json(folder / "config.json", config)
     (folder / "inference").mkdir()
-    _write_json(folder / "inference" / "config.json", inference_config(TINY_CONFIG))
+    _write_json(folder / "inference" / "config.json", inference_config(config))
     _write_json(
         folder / "generation_config.json",
         {"bos_token_id": 0, "eos_token_id": 1, "do_sample": True, "temperature": 1.0, "top_p": 1.0},
@@ -150,7 +160,8 @@ def write_tiny(folder: Path) -> None:
         for p in sorted(folder.rglob("*"))
         if p.is_file()
     }
-    _write_json(folder / MANIFEST, {"name": TINY_NAME, "version": TINY_VERSION, "seed": TINY_SEED, "sha256": digests})
+    name = TINY_NAME if config is TINY_CONFIG else TINY_SPLIT_NAME
+    _write_json(folder / MANIFEST, {"name": name, "version": TINY_VERSION, "seed": TINY_SEED, "sha256": digests})
 
 
 def _write_json(path: Path, data: object) -> None:

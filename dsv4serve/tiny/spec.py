@@ -84,6 +84,22 @@ TINY_CONFIG: dict[str, Any] = {
 }
 
 
+# dsv4-tiny widened so that it splits over 1, 2 or 4 tensor-parallel ranks on every quantization block
+# (parallel/partition.py): 8 heads in 4 output groups of o_lora_rank 128 (wo_a 128 rows a rank, wo_b 128 columns
+# at 4 ranks), moe_intermediate_size 512 (the shared expert's 128 rows / columns a rank at 4); the rest, layer
+# kinds, routing, vocabulary and tokenizer included, as dsv4-tiny. dsv4-tiny itself does not split: its
+# o_lora_rank 64 is half an FP8 block. Built by tiny/builder.ensure_tiny(cache, split=True) for the
+# tensor-parallel tests and benchmarks.
+TINY_SPLIT_NAME = "dsv4-tiny-split"
+TINY_SPLIT_CONFIG: dict[str, Any] = {
+    **TINY_CONFIG,
+    "num_attention_heads": 8,
+    "o_groups": 4,
+    "o_lora_rank": 128,
+    "moe_intermediate_size": 512,
+}
+
+
 def inference_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """inference/config.json (the reference code's dialect) for the same architecture."""
     rs = cfg["rope_scaling"]

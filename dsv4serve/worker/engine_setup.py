@@ -21,12 +21,16 @@ from dsv4serve.memory.weights import include_mtp
 from dsv4serve.model.kv_pool import KvPool, SequenceState
 from dsv4serve.model.numerics import Numerics
 from dsv4serve.model.transformer import BatchRow, Transformer
+from dsv4serve.parallel.group import RankGroup, agree_min, backend_for, gather_lines, start_group
+from dsv4serve.parallel.step_link import StepLink
 from dsv4serve.worker.grammar import GrammarBook
 from dsv4serve.worker.graphs import DecodeGraphs
 from dsv4serve.worker.model_load import (
     StartupError,
+    check_parallel,
     checked_numerics,
     load_model,
+    rank_partition,
     worker_device,
     worker_numerics,
 )
@@ -65,19 +69,28 @@ class EngineParts:
     chunk: ChunkState
     ready: Ready
     expert_cache: ExpertSlotCache | None = None  # the routed experts' slot cache when they are offloaded
+    group: RankGroup = RankGroup.single()  # the tensor-parallel group this worker is a rank of
 
 
 def build_engine(launch: WorkerLaunch) -> EngineParts:
-    device = worker_device(launch.device)
+    """This worker's engine; with --tensor-parallel-size N, rank `launch.rank`'s: every rank builds the same one
+    around its part of the model (rank 0's scheduler alone is used), sized by what every rank can hold."""
+    ranks = launch.tensor_parallel_size.value
+    device = worker_device(launch.device, launch.rank, ranks)
+    check_parallel(launch, device)
+    group = start_group(launch.rank, ranks, launch.rendezvous_port, device)
     ckpt = open_checkpoint(launch.model_path)
     args = ckpt.args
+    if ranks > 1:
+        rank_partition(args, launch)  # a split this model cannot take stops the start before any loading
     numerics = worker_numerics(args, launch.kernels.value, device, launch.batch_invariant.value)
     if device.type == "cuda":
         numerics = checked_numerics(numerics, launch.kernels.value, device)
-    model, expert_cache, launch = load_model(ckpt, launch, numerics, device)
+    model, expert_cache, launch = load_model(ckpt, launch, numerics, device, group)
     hybrid = cpu_experts_of(model)
-    # decode steps captured as CUDA graphs: not with --enforce-eager, nor in hybrid mode (it syncs per layer)
-    capture = device.type == "cuda" and not launch.enforce_eager.value and hybrid is None
+    # decode steps captured as CUDA graphs: not with --enforce-eager, nor in hybrid mode (it syncs per layer), nor
+    # in a tensor-parallel group yet (its NCCL collectives inside the graphs have not run on GPUs here)
+    capture = device.type == "cuda" and not launch.enforce_eager.value and hybrid is None and ranks == 1
     n_spec = launch.speculative_tokens.value
     graph_reserve = (
         decode_graph_bytes(args, launch.max_num_seqs.value, launch.max_model_len.value, n_spec) if capture else 0
@@ -90,7 +103,7 @@ def build_engine(launch: WorkerLaunch) -> EngineParts:
         max_rows=launch.max_num_seqs.value,
         dense_attention=numerics.backends.attention == "torch",
     )
-    usable, max_len = _kv_tokens(launch, args, device, numerics, geometry, graph_reserve)
+    usable, max_len = agree_min(group, list(_kv_tokens(launch, args, device, numerics, geometry, graph_reserve)))
     capacity = usable + page  # the pool's last page and last slot: the padding rows' (worker/graphs.py)
     limits = SchedulerLimits(
         max_running=launch.max_num_seqs.value,
@@ -157,6 +170,7 @@ def build_engine(launch: WorkerLaunch) -> EngineParts:
         PROBE_TOKENS_MAX,
         usable,
     )
+    (probe_tokens,) = agree_min(group, [probe_tokens])  # the calibration prefill runs the collectives too
     snapshot = planner_snapshot(device, ratio, _probe(model, pool, numerics, device), probe_tokens)
     plan = plan_chunk(snapshot, geometry, planner_limits)
     if plan.warning:
@@ -174,7 +188,9 @@ def build_engine(launch: WorkerLaunch) -> EngineParts:
         grammars,
         graphs=graphs,
         drafter=_drafter(model, pool, numerics, n_spec, spec_graphs),
+        link=StepLink(group) if ranks > 1 else None,
     )
+    rank_lines = gather_lines(group, _rank_line(launch, group, device, model, pool)) if ranks > 1 else []
     ready = Ready(
         device=device.type,
         kv_capacity_tokens=usable,
@@ -191,8 +207,9 @@ def build_engine(launch: WorkerLaunch) -> EngineParts:
         decode_graphs=HYBRID_EAGER
         if hybrid is not None and device.type == "cuda"
         else _graphs_line(graphs, launch, device, graph_reserve) + _speculative_note(n_spec, graphs, spec_graphs),
+        ranks=rank_lines,
     )
-    return EngineParts(Scheduler(limits), runner, ChunkState(plan), ready, expert_cache)
+    return EngineParts(Scheduler(limits), runner, ChunkState(plan), ready, expert_cache, group)
 
 
 def _kv_tokens(
@@ -267,4 +284,18 @@ def _speculative_note(n_tokens: int, graphs: DecodeGraphs | None, spec_graphs: S
 def _graphs_line(graphs: DecodeGraphs | None, launch: WorkerLaunch, device: torch.device, planned: int) -> str:
     if graphs is not None:
         return f"{graphs.report.describe()} (planned {planned / 2**20:.0f} MiB)"
-    return "off (--enforce-eager)" if device.type == "cuda" else "off (CPU: every step eager)"
+    if device.type != "cuda":
+        return "off (CPU: every step eager)"
+    if launch.enforce_eager.value:
+        return "off (--enforce-eager)"
+    return f"off (--tensor-parallel-size {launch.tensor_parallel_size.value}: the ranks run eager)"
+
+
+def _rank_line(launch: WorkerLaunch, group: RankGroup, device: torch.device, model: Transformer, pool: KvPool) -> str:
+    """One rank's line of the start-up report: where it runs, what of the model it holds, its KV pool."""
+    held = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    split = "experts owned whole" if launch.expert_parallel.value else "every expert split"
+    return (
+        f"rank {group.rank}/{group.size} on {device} ({backend_for(device)}): {held / 2**20:.1f} MiB of weights "
+        f"({split}), KV pool {pool.num_bytes / 2**20:.1f} MiB"
+    )

@@ -24,20 +24,28 @@ from dsv4serve.ipc.messages import (
     WorkerFailed,
     WorkerLaunch,
 )
+from dsv4serve.parallel.group import stop_group
+from dsv4serve.parallel.step_link import Ping, RunStep, Stop
 from dsv4serve.worker.engine_setup import EngineParts, build_engine
+from dsv4serve.worker.follower import follower_main
 from dsv4serve.worker.step import StepPlan
 
 log = logging.getLogger("dsv4serve.worker")
 STATS_INTERVAL_S = 0.2
 IDLE_POLL_S = 0.05
 SPEC_LOG_INTERVAL_S = 10.0
+PING_S = 60.0  # an idle rank 0 pings the other ranks this often (well within parallel/group.GROUP_TIMEOUT)
 
 
 def worker_main(launch_bytes: bytes) -> None:
     launch = msgspec.msgpack.decode(launch_bytes, type=WorkerLaunch)
+    who = "worker" if launch.tensor_parallel_size.value == 1 else f"rank {launch.rank}"
     logging.basicConfig(
-        level=launch.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s[worker]: %(message)s"
+        level=launch.log_level.upper(), format=f"%(asctime)s %(levelname)s %(name)s[{who}]: %(message)s"
     )
+    if launch.rank > 0:
+        follower_main(launch)
+        return
     channel = WorkerChannel(Endpoints(launch.to_worker, launch.from_worker))
     try:
         parts = build_engine(launch)
@@ -52,13 +60,16 @@ def worker_main(launch_bytes: bytes) -> None:
         EngineLoop(parts, channel).run()
     finally:
         channel.close()
+        stop_group(parts.group)
 
 
 class EngineLoop:
     def __init__(self, parts: EngineParts, channel: WorkerChannel):
         self.p, self.channel = parts, channel
+        self.link = parts.runner.link  # tensor parallel: the other ranks run the plans this loop sends them
         self.oom_recoveries = 0
         self._last_stats = 0.0
+        self._last_sent = time.monotonic()  # the last message to the other ranks (they are pinged when idle)
         self._spec_logged, self._spec_logged_at = (0, 0), 0.0  # (draft tokens, accepted) at the last log line
 
     def run(self) -> None:
@@ -67,12 +78,20 @@ class EngineLoop:
             msg = self.channel.recv(0 if busy else IDLE_POLL_S)
             while msg is not None:
                 if isinstance(msg, Shutdown):
+                    self._to_ranks(Stop())
                     return
                 self._handle(msg)
                 msg = self.channel.recv(0)
             if self.p.scheduler.has_work:
                 self.step()
+            elif self.link is not None and time.monotonic() - self._last_sent > PING_S:
+                self._to_ranks(Ping())
             self._maybe_stats(force=not busy)
+
+    def _to_ranks(self, message: RunStep | Ping | Stop) -> None:
+        if self.link is not None:
+            self.link.send(message)
+            self._last_sent = time.monotonic()
 
     def _handle(self, msg: AddRequest | AbortRequest) -> None:
         if isinstance(msg, AddRequest):
@@ -88,9 +107,15 @@ class EngineLoop:
         takes the output (worker/step.py)."""
         sched = self.p.scheduler
         plan = sched.schedule(self.p.chunk.chunk_tokens)
+        self._to_ranks(RunStep(plan))  # every rank runs the plan's forward; this one samples
         try:
             out = self.p.runner.execute(plan)
         except torch.OutOfMemoryError as exc:
+            if self.link is not None and not self.p.runner.fault_injected:
+                # out of memory mid-forward: the ranks' collectives are out of step, so the group cannot go on;
+                # this rank ends, and the supervisor restarts the group (in-flight requests get an error)
+                log.error("out of memory in a tensor-parallel step (%s): the rank group restarts", exc)
+                raise
             self._recover_from_oom(plan, exc)
             return
         for message in sched.complete(plan, out):

@@ -36,6 +36,8 @@ from dsv4serve.model.backends import TORCH, KernelBackends, default_backends, na
 from dsv4serve.model.numerics import NUMERICS_OFF, NUMERICS_ON, Numerics
 from dsv4serve.model.packed_load import load_packed
 from dsv4serve.model.transformer import Transformer
+from dsv4serve.parallel.group import RankGroup
+from dsv4serve.parallel.partition import Partition, PartitionError, make_partition, rank_specs
 from dsv4serve.worker.kernel_check import KernelCheckError, check_kernels
 
 log = logging.getLogger("dsv4serve.worker")
@@ -45,15 +47,22 @@ class StartupError(RuntimeError):
     """The worker cannot honour the settings; the message names the flag, the limit and why."""
 
 
-def worker_device(name: str) -> torch.device:
+def worker_device(name: str, rank: int = 0, ranks: int = 1) -> torch.device:
+    """The device this worker (tensor-parallel rank `rank` of `ranks`) computes on: cuda:rank, or the CPU
+    with its share of the cores."""
     if name == "cuda" and not torch.cuda.is_available():
         raise StartupError("--device cuda: no CUDA device is visible to torch; run `dsv4serve doctor`")
-    threads = cpu_worker_threads(os.environ, usable_cores()) if name == "cpu" else None
+    threads = cpu_worker_threads(os.environ, usable_cores(), ranks) if name == "cpu" else None
     if threads is not None:
         torch.set_num_threads(threads)
         log.info(
-            "CPU worker: %d torch thread(s), one core left to the API process (OMP_NUM_THREADS overrides)", threads
+            "CPU worker: %d torch thread(s)%s, one core left to the API process (OMP_NUM_THREADS overrides)",
+            threads,
+            f" in each of {ranks} ranks" if ranks > 1 else "",
         )
+    if name == "cuda" and ranks > 1:
+        torch.cuda.set_device(rank)
+        return torch.device("cuda", rank)
     return torch.device(name)
 
 
@@ -62,14 +71,15 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def cpu_worker_threads(env: Mapping[str, str], cores: int) -> int | None:
+def cpu_worker_threads(env: Mapping[str, str], cores: int, ranks: int = 1) -> int | None:
     """Torch threads for a worker computing on the CPU: every core but one, which the API process needs while
     it renders, tokenizes and streams beside the worker (bench/RESULTS.md, issues 17 and 20: on 2 cores, two
     worker threads served 36 soak requests where one served 141, their hand-offs waiting on a descheduled
-    peer). None (torch's default) when the user set OMP_NUM_THREADS."""
+    peer), shared out between the tensor-parallel ranks (at least one each). None (torch's default) when the
+    user set OMP_NUM_THREADS."""
     if env.get("OMP_NUM_THREADS"):
         return None
-    return max(1, cores - 1)
+    return max(1, (cores - 1) // ranks)
 
 
 def worker_numerics(args: ModelArgs, kernels: str, device: torch.device, batch_invariant: bool = False) -> Numerics:
@@ -121,15 +131,17 @@ def loads_packed(backends: KernelBackends) -> bool:
 
 
 def load_model(
-    ckpt: Checkpoint, launch: WorkerLaunch, numerics: Numerics, device: torch.device
+    ckpt: Checkpoint, launch: WorkerLaunch, numerics: Numerics, device: torch.device, group: RankGroup | None = None
 ) -> tuple[Transformer, ExpertSlotCache | None, WorkerLaunch]:
     """The model on `device` (and its expert-slot cache, None when every expert is resident), and the
     launch with the expert slots it was loaded with (the memory plan's, when --moe-cache-size is auto on
-    CUDA and the weights load packed)."""
+    CUDA and the weights load packed). In a group of more than one rank: this rank's part (parallel/rank_load.py)."""
     args, backends = ckpt.args, numerics.backends
     check_speculative(args, launch.speculative_tokens.value)
     mtp = include_mtp(args, launch.speculative_tokens.value)
     packed = loads_packed(backends)
+    if group is not None and group.size > 1:
+        return _load_rank(ckpt, launch, numerics, device, group, packed, mtp), None, launch
     if packed and launch.moe_cache_size.value is None and device.type == "cuda":
         launch = _with_planned_expert_slots(ckpt, launch, backends)
     check_weights_fit(ckpt, backends, packed, mtp, launch, device)
@@ -166,6 +178,74 @@ def load_model(
     model.use_kernels(backends)  # packs what the Triton kernels read (nothing left to do after load_packed)
     log.info("kernels: %s", backends)
     return model, cache, launch
+
+
+def rank_partition(args: ModelArgs, launch: WorkerLaunch) -> Partition:
+    """The split of --tensor-parallel-size / --expert-parallel, or the reason this model cannot take it."""
+    try:
+        return make_partition(args, launch.tensor_parallel_size.value, launch.expert_parallel.value)
+    except PartitionError as exc:
+        raise StartupError(f"{exc} (parallel/partition.py)") from exc
+
+
+def check_parallel(launch: WorkerLaunch, device: torch.device) -> None:
+    """What a tensor-parallel group does not run yet, refused by name before anything loads."""
+    n = launch.tensor_parallel_size.value
+    if n == 1:
+        if launch.expert_parallel.value:
+            raise StartupError("--expert-parallel needs --tensor-parallel-size N > 1 (the ranks that own the experts)")
+        return
+    refused = [
+        (launch.moe_cache_size.value is not None, f"--moe-cache-size {launch.moe_cache_size.value}: expert slots"),
+        (launch.moe_backend.value in ("offload", "hybrid"), f"--moe-backend {launch.moe_backend.value}"),
+        (launch.speculative_tokens.value > 0, f"--speculative-tokens {launch.speculative_tokens.value}"),
+    ]
+    for is_set, what in refused:
+        if is_set:
+            raise StartupError(
+                f"--tensor-parallel-size {n} with {what}: not built for a split model yet (every rank holds its "
+                "experts resident; `dsv4serve plan --gpus N` sizes each rank)"
+            )
+    if device.type == "cuda" and torch.cuda.device_count() < n:
+        raise StartupError(f"--tensor-parallel-size {n}: one GPU per rank, and torch sees {torch.cuda.device_count()}")
+
+
+def _load_rank(
+    ckpt: Checkpoint,
+    launch: WorkerLaunch,
+    numerics: Numerics,
+    device: torch.device,
+    group: RankGroup,
+    packed: bool,
+    mtp: bool,
+) -> Transformer:
+    """This rank's part of the model, read as that part (parallel/rank_load.py); every expert resident."""
+    if packed:
+        raise StartupError(
+            f"--tensor-parallel-size {group.size}: the split model loads dense, and fp8_gemm / fp4_moe on Triton "
+            "read weights packed as stored, which the per-rank loader does not write yet: give --kernels "
+            "fp8_gemm=torch,fp4_moe=torch (the other kernels may stay on Triton)"
+        )
+    partition = rank_partition(ckpt.args, launch)
+    specs = rank_specs(model_specs(ckpt.specs, ckpt.args, mtp), partition, group.rank)
+    need = device_bytes(specs, ckpt.args, TORCH, mtp).total_bytes
+    where, have = (
+        ("GPU", take_snapshot(str(device)).total_bytes)
+        if device.type == "cuda"
+        else ("host", host_snapshot().free_bytes)
+    )
+    if need > have:
+        raise StartupError(
+            f"rank {group.rank}: its part of the weights needs {need / 2**30:.1f} GiB dense in fp32, more than the "
+            f"{have / 2**30:.1f} GiB of {where} memory (`dsv4serve plan --gpus {group.size}` sizes each rank)"
+        )
+    from dsv4serve.parallel.collectives import Collectives  # lazy: a one-rank worker never cuts a model
+    from dsv4serve.parallel.rank_load import load_rank_dense
+
+    model = load_rank_dense(ckpt, partition, Collectives(group), device, mtp, progress=group.rank == 0)
+    model.use_kernels(numerics.backends)
+    log.info("kernels: %s", numerics.backends)
+    return model
 
 
 def check_speculative(args: ModelArgs, n_tokens: int) -> None:

@@ -18,6 +18,7 @@ from dsv4serve.model.batch import HostStaging, build_layout
 from dsv4serve.model.kv_pool import KvPool, SequenceState
 from dsv4serve.model.numerics import Numerics
 from dsv4serve.model.transformer import ForwardOutput, Transformer
+from dsv4serve.parallel.step_link import StepLink
 from dsv4serve.worker.grammar import GrammarBook, RequestGrammar
 from dsv4serve.worker.graphs import DecodeGraphs
 from dsv4serve.worker.sampler_inputs import HostReader
@@ -56,6 +57,7 @@ class Runner:
         grammars: GrammarBook | None = None,
         graphs: DecodeGraphs | None = None,
         drafter: Drafter | None = None,
+        link: StepLink | None = None,
     ):
         self.model, self.pool, self.numerics, self.device = model, pool, numerics, device
         self.eos_token_id = eos_token_id
@@ -76,6 +78,11 @@ class Runner:
         self.draft_probs: dict[str, torch.Tensor] = {}  # sampled requests' q [N, V] of their pending drafts
         # structured output: compiled grammars (built on first use; the bundled tokenizer unless given)
         self.grammars = grammars or GrammarBook("", model.args.vocab_size, eos_token_id)
+        # tensor parallel (parallel/step_link.py): every rank runs the plan's forward; rank 0 alone samples and
+        # hands the tokens to the others, which take them instead of sampling. None: one rank
+        self.link = link
+        self.samples = link is None or link.root
+        self.fault_injected = False  # the last step failed on the testing fault, before any forward
 
     def drop(self, request_ids: tuple[str, ...] | list[str]) -> None:
         """Forget the sequences of these requests (preempted, finished or aborted); the scheduler
@@ -156,6 +163,19 @@ class Runner:
             if req.grammar is not None:
                 req.grammar.advance(tok.token_id)
 
+    def _step_tokens(self, plan: StepPlan, out: ForwardOutput) -> dict[str, tuple[TokenOut, ...]]:
+        """The step's tokens: sampled here (one rank, or rank 0), or rank 0's, taken from the link."""
+        if self.link is None:
+            return self._sample_step(plan, out)
+        if not any(r.sample for r in plan.rows):  # every rank knows from the plan: nothing is shared
+            return {}
+        if self.samples:
+            return self.link.share_tokens(self._sample_step(plan, out))
+        tokens = self.link.share_tokens()
+        for rid, toks in tokens.items():
+            self._commit(rid, toks)
+        return tokens
+
     def _sample_step(self, plan: StepPlan, out: ForwardOutput) -> dict[str, tuple[TokenOut, ...]]:
         """Every sampling row's tokens: one, or for a verify row the accepted drafts' tokens and the bonus (greedy:
         accepted while equal to the sampled token; sampled rows: speculative rejection sampling)."""
@@ -221,7 +241,8 @@ class Runner:
 
     def _check_fault(self, plan: StepPlan) -> None:
         budget = self.oom_above_bytes
-        if budget is not None and plan.num_tokens * self.activation_bytes_per_token > budget:
+        self.fault_injected = budget is not None and plan.num_tokens * self.activation_bytes_per_token > budget
+        if self.fault_injected:
             raise torch.OutOfMemoryError(
                 f"injected for testing: {plan.num_tokens} tokens x {self.activation_bytes_per_token} "
                 f"activation bytes > budget {budget} bytes"
@@ -245,6 +266,8 @@ class Runner:
         """Run one step: the sampled token(s) of every row that asked, the prompt logprobs of the rows whose
         request asked for them, and (speculative decoding) the next drafts."""
         self._admit(plan.new_requests)  # first: a failed step must not lose what the plan announced
+        if self.model.tp is not None:
+            self.model.tp.reset()  # a split model counts its collectives: the last step's are kept
         self.drop(plan.dropped)
         self._forget(plan.finished)
         if not plan.rows:
@@ -266,8 +289,12 @@ class Runner:
             out, saved = self._forward(plan, states, wants, drafting)
         for st, r in zip(states, plan.rows):
             st.num_tokens += len(r.token_ids)
-        prompt_lps = {plan.rows[i].request_id: self._prompt_logprobs(plan.rows[i], out.logits[i]) for i in wants}
-        tokens = self._sample_step(plan, out)
+        prompt_lps = (
+            {plan.rows[i].request_id: self._prompt_logprobs(plan.rows[i], out.logits[i]) for i in wants}
+            if self.samples
+            else {}
+        )
+        tokens = self._step_tokens(plan, out)
         # positions kept: a verify row keeps its first token and the accepted drafts (one fewer than its tokens)
         kept = [len(tokens[r.request_id]) if r.num_draft_tokens else len(r.token_ids) for r in plan.rows]
         if saved is not None:  # the rejected drafts' state, as if never written (model/rollback.py)

@@ -72,7 +72,7 @@ def test_build_is_atomic_and_reused(tiny_cache, monkeypatch):
 def test_interrupted_build_leaves_nothing(tmp_path, monkeypatch):
     import dsv4serve.tiny.builder as builder
 
-    def boom(folder):
+    def boom(folder, config=None):
         (folder / "partial").write_text("x")
         raise KeyboardInterrupt
 
