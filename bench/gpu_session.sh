@@ -21,7 +21,8 @@
 # gpu_cases/spec_graphs.py captures the speculative steps' graphs (verify per (bucket, n), the MTP chain) on a random
 # 2-layer model with its MTP block and checks each replay against the same buffers run eagerly.
 # gpu_cases/multi_gpu.py (issue 21) splits a tiny model over 2 (and 4) GPUs over NCCL against one rank when the
-# machine has them (a note says so on one GPU); on a lent multi-GPU kind the same command runs it.
+# machine has them (a note says so on one GPU); on a lent multi-GPU kind the same command runs it, and then
+# bench/bench_tp_engine.py --device cuda serves the split engine itself (rank r on cuda:r) against one rank.
 # SWEEPS=1 first times the decode GEMMs' K-loop forms and splits (bench/gpu_fp4_sweep.py, gpu_fp8_sweep.py: ~4 min)
 # and records the fastest in kernels/dsv4_kernels/tuned/<GPU>.json, which the cases then run with (commit the copy
 # in $OUT); PROFILE=1 ends with bench/gpu_profile.py at batch 1. The device tool returns at most 8 files from $OUT:
@@ -48,6 +49,16 @@ if [ "${SWEEPS:-0}" = 1 ]; then  # the decode GEMMs' launch choices, measured an
   cp "$tuned" "$out/" 2>/dev/null
 fi
 python3 bench/gpu_check.py --budget-s "${BUDGET_S:-420}" --json "$out/gpu_check.json" 2>&1 | tee -a "$out/gpu_check.log"
+gpus=$(nvidia-smi --list-gpus | wc -l)
+if [ "$gpus" -ge 2 ]; then  # issue 21: the server's engine split over ranks (needs pyzmq and safetensors there)
+  if python3 -c "import zmq, safetensors, tokenizers" 2>/dev/null; then
+    timeout 300 python3 bench/bench_tp_engine.py --device cuda --ranks 2 $([ "$gpus" -ge 4 ] && echo 4) \
+      2>&1 | grep -v ' INFO ' | tee -a "$out/gpu_check.log"
+  else
+    echo "bench_tp_engine: skipped (pyzmq / safetensors / tokenizers not importable: carry their wheels in .whl)" \
+      | tee -a "$out/gpu_check.log"
+  fi
+fi
 if [ "${PROFILE:-0}" = 1 ]; then
   timeout 90 python3 bench/gpu_profile.py --batch 1 > "$out/profile.log" 2>&1
 fi

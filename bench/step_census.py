@@ -43,22 +43,28 @@ def cache_sizes(values: list[str], n_experts: int) -> list[int | None]:
 
 
 def run_all(opts: argparse.Namespace) -> dict:
-    tiny = ensure_tiny(opts.cache_dir)
+    ranks = opts.tensor_parallel_size
+    tiny = ensure_tiny(opts.cache_dir, split=ranks > 1)  # dsv4-tiny does not split: its widened variant does
     real = read_model_args(opts.real_config)
     twin, runs = None, []
     sampling = GREEDY if opts.greedy else CHAT
     for slots in opts.slots:
         for batch in opts.batch:
-            engine = build_census_engine(tiny, batch, opts.prompt_tokens + 64, slots, twin, not opts.enforce_eager)
+            engine = build_census_engine(
+                tiny, batch, opts.prompt_tokens + 64, slots, twin, not opts.enforce_eager, None, ranks, opts.ep
+            )
             twin = engine.twin
             steps = decode_census(engine, batch, opts.prompt_tokens, sampling, opts.settle_steps, opts.compare_gap)
             s = summarize(steps[0], engine.args)
             s["compare"] = compare_steps(steps[0].seen, steps[1].seen) if len(steps) > 1 else None
             runs.append({"batch": batch, "cache_slots": slots, **s, "projected": project(s, real)})
-            print(f"decode B={batch} slots={slots}: {s['total']['launches']} launches, {s['total']['syncs']} syncs")
+            print(
+                f"decode B={batch} slots={slots}: {s['total']['launches']} launches, {s['total']['syncs']} syncs"
+                + (f", {s['collectives']['calls']} collectives" if ranks > 1 else "")
+            )
         if opts.prefill_tokens:
             length = opts.prefill_context + 2 * opts.prefill_tokens
-            engine = build_census_engine(tiny, 1, length, slots, twin, not opts.enforce_eager)
+            engine = build_census_engine(tiny, 1, length, slots, twin, not opts.enforce_eager, None, ranks, opts.ep)
             step = prefill_census(engine, opts.prefill_context, opts.prefill_tokens, sampling)
             s = summarize(step, engine.args)
             runs.append({"batch": 1, "cache_slots": slots, **s, "projected": project(s, real)})
@@ -68,6 +74,7 @@ def run_all(opts: argparse.Namespace) -> dict:
         "real_config": str(opts.real_config),
         "sampling": repr(sampling),
         "decode_path": "eager (--enforce-eager)" if opts.enforce_eager else "decode buckets (static buffers)",
+        "rank": None if ranks == 1 else f"rank 0 of {ranks}, experts {'owned (EP)' if opts.ep else 'split'}",
         "runs": runs,
     }
 
@@ -85,17 +92,19 @@ def table(result: dict) -> str:
         outside = f"{r['outside_forward']['launches']} / {r['outside_forward']['syncs']}"
         rows.append(
             [f"{r['phase']} x{r['tokens']}", r["batch"], r["cache_slots"] or "-", *per, step, outside,
-             f"{t['launches']} / {t['syncs']}", f"{p['launches']} / {p['syncs']}", static]
+             f"{t['launches']} / {t['syncs']}", f"{p['launches']} / {p['syncs']}", static,
+             f"{r['collectives']['calls']} / {p['collectives']}"]
         )  # fmt: skip
     kinds = result["runs"][0]["projected"]["layers"]
     headers = ["step", "B", "slots", "swa/layer", "csa/layer", "hca/layer", "per-step", "outside fwd", "tiny",
-               "V4-Flash", "static"]  # fmt: skip
+               "V4-Flash", "static", "collectives"]  # fmt: skip
     return (
         "launches / syncs; V4-Flash = per-kind counts x its layers "
         + ", ".join(f"{n} {kind}" for kind, n in kinds.items())
         + " + the per-step parts; outside fwd: the per-step parts outside the model's forward (sampler, runner,"
         + " slot-cache boundary), what a CUDA graph of the decode forward leaves around its replay; static: two decode"
-        + " steps a page apart issue the same ops and shapes (forward: the forward's do, the rest not)\n"
+        + " steps a page apart issue the same ops and shapes (forward: the forward's do, the rest not); collectives:"
+        + " a tensor-parallel rank's calls, tiny / V4-Flash (--tensor-parallel-size)\n"
         + format_table(headers, [[str(c) for c in row] for row in rows])
     )
 
@@ -137,6 +146,10 @@ def main() -> None:
     parser.add_argument(
         "--enforce-eager", action="store_true", help="decode without the static-buffer buckets (as --enforce-eager)"
     )
+    parser.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="count rank 0 of N (dsv4-tiny-split; no slot cache)"
+    )
+    parser.add_argument("--expert-parallel", dest="ep", action="store_true", help="with N > 1: experts owned whole")
     parser.add_argument("--greedy", action="store_true", help="greedy sampling instead of temperature 0.6, top-p 0.95")
     parser.add_argument("--cache-dir", type=Path, default=read_environment().cache_dir, help="holds dsv4-tiny")
     parser.add_argument("--real-config", type=Path, default=real_config_dir(), help="the projection's config")

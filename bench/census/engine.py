@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from bench.census.rank import CountedRank
 from dsv4serve.checkpoint.loader import Checkpoint, iter_dense, open_checkpoint
 from dsv4serve.experts.slot_cache import ExpertSlotCache
 from dsv4serve.ipc.messages import AddRequest
@@ -41,6 +42,8 @@ from dsv4serve.model.kv_pool import KvPool
 from dsv4serve.model.numerics import Numerics
 from dsv4serve.model.packed_load import load_packed
 from dsv4serve.model.transformer import Transformer
+from dsv4serve.parallel.partition import make_partition
+from dsv4serve.parallel.rank_load import load_rank_dense, load_rank_packed
 from dsv4serve.worker.graphs import DecodeGraphs
 from dsv4serve.worker.model_load import worker_numerics
 from dsv4serve.worker.runner import Runner
@@ -121,15 +124,27 @@ def build_census_engine(
     twin: WarmTwin | None = None,
     decode_graphs: bool = True,
     graph_sizes: tuple[int, ...] | None = None,
+    ranks: int = 1,
+    expert_parallel: bool = False,
 ) -> CensusEngine:
     """The engine (module doc); KV for `max_running` sequences of `max_model_len` tokens. `twin` may be
     shared between engines of the same checkpoint (it holds no state). `graph_sizes`: the decode buckets
-    (default: the worker's, 1, 2, 4, ... up to max_running)."""
+    (default: the worker's, 1, 2, 4, ... up to max_running). `ranks` > 1: rank 0 of a tensor-parallel group,
+    loaded as the worker loads it (parallel/rank_load.py), its collectives counted and not run (census/rank.py)."""
     ckpt = open_checkpoint(tiny_dir)
     args = ckpt.args
     numerics = cuda_worker_numerics(args)
     mtp = include_mtp(args)
-    model, cache = load_packed(ckpt, numerics.backends, CPU, mtp, moe_cache_size, progress=False)
+    if ranks > 1:
+        if moe_cache_size is not None:
+            raise ValueError("a tensor-parallel rank holds its experts resident: no slot cache")
+        partition = make_partition(args, ranks, expert_parallel)
+        tp = CountedRank(0, ranks)
+        model, cache = load_rank_packed(ckpt, partition, tp, numerics.backends, CPU, mtp, progress=False), None
+        dense = load_rank_dense(ckpt, partition, tp, CPU, mtp, progress=False)
+        twin = WarmTwin(dense, dataclasses.replace(numerics, backends=TORCH))
+    else:
+        model, cache = load_packed(ckpt, numerics.backends, CPU, mtp, moe_cache_size, progress=False)
     model.use_kernels(numerics.backends)
     page = args.page_tokens
     limits = SchedulerLimits(

@@ -29,8 +29,10 @@ from bench.census.engine import (
     run_step,
     warm_path,
 )
+from bench.census.rank import CountedRank
 from bench.census.stand_ins import stand_ins
 from dsv4serve.ipc.sampling import SamplingParams
+from dsv4serve.parallel.collectives import CollectiveCall
 from dsv4serve.worker.step import StepPlan
 
 WARM_CHUNK_TOKENS = 512  # the warm path's step budget
@@ -46,6 +48,7 @@ class StepCensus:
     start_positions: list[int]  # each row's first position
     seen: Seen
     wall_s: float  # the counted step on the CPU, in the interpreter (not a GPU time)
+    collectives: list[CollectiveCall]  # a tensor-parallel rank's (census/rank.py); [] for one rank
 
 
 def counted_step(engine: CensusEngine, chunk_tokens: int, phase: str) -> tuple[StepPlan, StepCensus]:
@@ -54,7 +57,9 @@ def counted_step(engine: CensusEngine, chunk_tokens: int, phase: str) -> tuple[S
         plan = run_step(engine, chunk_tokens)
     wall = time.perf_counter() - t0
     starts = [r.start_position for r in plan.rows]
-    return plan, StepCensus(phase, len(plan.rows), plan.num_tokens, starts, seen, wall)
+    tp = engine.model.tp
+    calls = list(tp.calls) if isinstance(tp, CountedRank) else []  # reset by the runner as the step started
+    return plan, StepCensus(phase, len(plan.rows), plan.num_tokens, starts, seen, wall, calls)
 
 
 def decode_census(

@@ -82,6 +82,23 @@ def summarize(census: StepCensus, args: ModelArgs) -> dict:
         "sync_components": dict(Counter(s.component for s in seen.syncs).most_common()),
         "triton_kernels": dict(Counter(x.name for x in seen.launches if x.kind == "triton").most_common()),
         "fingerprint": fingerprint(seen)[1],
+        "collectives": _collectives(census, args),
+    }
+
+
+PER_STEP_COLLECTIVES = ("embedding", "logits")  # outside the layers (model/transformer.py's `what` names)
+
+
+def _collectives(census: StepCensus, args: ModelArgs) -> dict:
+    """A tensor-parallel rank's collectives of the step: calls and operand bytes, per step and per layer."""
+    calls = census.collectives
+    per_step = [c for c in calls if c.what.startswith(PER_STEP_COLLECTIVES)]
+    return {
+        "calls": len(calls),
+        "bytes": sum(c.message_bytes for c in calls),
+        "per_step_calls": len(per_step),
+        "per_layer_calls": (len(calls) - len(per_step)) / args.n_layers,
+        "by_what": dict(Counter(c.what for c in calls).most_common()),
     }
 
 
@@ -103,7 +120,9 @@ def project(summary: dict, target: ModelArgs) -> dict:
         kinds[cls[0]] += 1
         launches += mean(r["launches"] for r in rows)
         syncs += mean(r["syncs"] for r in rows)
-    return {"layers": dict(kinds), "launches": round(launches), "syncs": round(syncs)}
+    c = summary["collectives"]
+    collectives = round(c["per_step_calls"] + c["per_layer_calls"] * target.n_layers)
+    return {"layers": dict(kinds), "launches": round(launches), "syncs": round(syncs), "collectives": collectives}
 
 
 def _forward(seen: Seen) -> Seen:

@@ -3,12 +3,16 @@
 `dsv4serve.parallel.split_check` runs the model split by `partition.py` (tensor-parallel attention, shared
 expert, embedding and head by vocabulary; routed experts split, or owned whole per rank with expert parallelism)
 on its tiny model that splits (`split_tiny_args`), one process a rank (torch.multiprocessing spawn, env://
-rendezvous, rank r on cuda:r), prefilling 3 prompts and decoding 4 greedy steps; the same job on one rank is the
-reference. Cases (with T = 2, and 4 when there are 4 GPUs; none on a one-GPU machine, which a note says):
+rendezvous, rank r on cuda:r), prefilling 3 prompts and decoding 4 greedy steps, then serving them again through
+the runner's decode buckets (captured as CUDA graphs, NCCL collectives inside: what the worker does per rank); the
+same job on one rank is the reference. Cases (with T = 2, and 4 when there are 4 GPUs; none on a one-GPU machine,
+which a note says):
   `multi_gpu T=T [torch]` and `[torch, EP]`: the torch kernels, whose split sums land on one rank's values
       (on the CPU over gloo they are bit for bit: tests/unit/test_tp_forward.py): atol 1e-3;
-  `multi_gpu T=T [triton]`: every kernel on Triton, whose FP8 epilogues round each rank's partial before the sum:
-      atol 0.5 on logits of scale ~4 (0.25 on the CPU's interpreter), same greedy tokens expected (see notes).
+  `multi_gpu T=T [triton]` and `[triton, EP]`: every kernel on Triton. The FP8 GEMM hands row-parallel partials
+      over in fp32, but with every expert's columns split the MXFP4 kernel rounds each rank's share of an expert's
+      output to bf16 before the sum: atol 0.5 on logits of scale ~4 (0.26 on the CPU's interpreter; EP there: 0),
+      same greedy tokens expected (see notes).
 A run is a spawn of T processes, so the time column means nothing (one call, cached); the notes give each run's
 wall time, the greedy tokens' agreement and the collectives of a decode step (all-reduces and all-gathers,
 counted by the ranks: 10 for the tiny model's 4 layers, as `comm_volume.py` projects).
@@ -69,6 +73,12 @@ class SplitProbe:
         self.lines.append(
             f"multi_gpu {self.label}: greedy tokens equal to one rank's at {100 * same:.0f}% of positions"
         )
+        if self.result is not None:  # the runner's decode buckets: CUDA graphs with the collectives inside, on GPUs
+            equal = self.result[0].served == self.reference_result[0].served
+            self.lines.append(
+                f"multi_gpu {self.label}: served through decode buckets {sorted(set(self.result[0].buckets))}: "
+                f"tokens {'equal to' if equal else 'DIFFERENT from'} one rank's"
+            )
         return self.reference_result[0].logits
 
     def notes(self) -> list[str]:
@@ -83,9 +93,10 @@ def build(device_kind: str, sizes: tuple[int, ...], with_triton: bool) -> list[G
     for t in sizes:
         variants = [("torch", TORCH, False, 1e-3), ("torch, EP", TORCH, True, 1e-3)]
         if with_triton:
-            variants.append(("triton", KernelBackends.every("triton"), False, 0.5))
+            triton = KernelBackends.every("triton")
+            variants += [("triton", triton, False, 0.5), ("triton, EP", triton, True, 0.5)]
         for label, backends, ep, atol in variants:
-            job = SplitJob(tp_size=t, expert_parallel=ep, backends=backends, device=device_kind)
+            job = SplitJob(tp_size=t, expert_parallel=ep, backends=backends, device=device_kind, served=True)
             probe = SplitProbe(job, f"T={t} [{label}]", [])
             out.append(
                 SplitCase(

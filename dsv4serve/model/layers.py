@@ -97,11 +97,10 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor, num: Numerics, x_quantized: bool = False, partial: bool = False) -> torch.Tensor:
         """`partial`: a row-parallel shard's share of a sum over ranks, returned uncast (the weight's dtype:
-        fp32 for the dense torch path) so that the all-reduce adds fp32 partials and the one cast to the
-        compute dtype comes after it, as an unsplit GEMM's does; the kernel's result is bf16 (its epilogue
-        rounds), there the partials are summed as such."""
+        fp32 for the dense torch path, the kernel's fp32 accumulator on the FP8 kernel) so that the all-reduce
+        adds fp32 partials and the one cast to the compute dtype comes after it, as an unsplit GEMM's does."""
         if self.quantizes_in_kernel(num):
-            return self._fp8_kernel(x)
+            return self._fp8_kernel(x, torch.float32 if partial else torch.bfloat16)
         if self.weight is None:
             raise RuntimeError(
                 "this projection was loaded packed for fp8_gemm=triton and holds no dense weight: "
@@ -113,14 +112,14 @@ class Linear(nn.Module):
             return matmul(x.to(self.weight.dtype), self.weight, num)
         return linear(x, self.weight, num, self.fp8_act, x_quantized)
 
-    def _fp8_kernel(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., in] bf16 -> bf16 [..., out] in one launch: the kernel quantizes x per token per 128
+    def _fp8_kernel(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """x [..., in] bf16 -> [..., out] out_dtype in one launch: the kernel quantizes x per token per 128
         channels itself (idempotent on an input the caller quantized already; `x_quantized` is moot)."""
         if self.weight_fp8 is None:
             raise RuntimeError("fp8_gemm=triton needs packed FP8 weights: call Transformer.use_kernels first")
         from dsv4_kernels.fp8_gemm import fp8_linear  # lazy: kernel modules build their kernels on import
 
-        out = fp8_linear(x.reshape(-1, x.shape[-1]), self.weight_fp8, self.weight_fp8_scale)
+        out = fp8_linear(x.reshape(-1, x.shape[-1]), self.weight_fp8, self.weight_fp8_scale, out_dtype=out_dtype)
         return out.view(*x.shape[:-1], out.shape[-1])
 
 

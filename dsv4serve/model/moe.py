@@ -126,15 +126,15 @@ class Expert(nn.Module):
         """x [n, D] already through `act_quant` (unless the kernel quantizes it) -> [n, D] compute dtype:
         w1 and w3, the clamped SwiGLU (times the routing weight [n, 1], in fp32), w2. The FP8-stored (shared)
         expert with fp8_gemm on Triton runs as two kernel launches instead (`_fp8_kernels`). `partial`: w2
-        is a row-parallel shard, its product returned uncast (layers.Linear.forward)."""
+        is a row-parallel shard, its product returned uncast (layers.Linear.forward; fp32 from the kernel)."""
         if weights is None and self.w1.quantizes_in_kernel(num):
-            return self._fp8_kernels(x)
+            return self._fp8_kernels(x, torch.float32 if partial else torch.bfloat16)
         gate, up = self.w1(x, num, x_quantized=True), self.w3(x, num, x_quantized=True)
         act = swiglu(gate, up, self.swiglu_limit, weights)
         return self.w2(act.to(num.compute_dtype), num, partial=partial)
 
-    def _fp8_kernels(self, x: torch.Tensor) -> torch.Tensor:
-        """x [N, D] bf16 (raw: quantized in the kernel) -> bf16 [N, D]: w1 and w3 in one FP8 GEMM whose
+    def _fp8_kernels(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """x [N, D] bf16 (raw: quantized in the kernel) -> [N, D] out_dtype: w1 and w3 in one FP8 GEMM whose
         epilogue applies the clamped SwiGLU and quantizes the result as w2's input, then the w2 FP8 GEMM
         on it (dsv4_kernels.fp8_swiglu). The arithmetic of the torch path (bf16 gate / up, SwiGLU in
         fp32 with silu in fp64, bf16 act) up to the GEMMs' fp32 summation order."""
@@ -146,7 +146,7 @@ class Expert(nn.Module):
         rows = x.reshape(-1, x.shape[-1])
         out = shared_expert(
             rows, w1.weight_fp8, w1.weight_fp8_scale, w3.weight_fp8, w3.weight_fp8_scale,
-            w2.weight_fp8, w2.weight_fp8_scale, self.swiglu_limit,
+            w2.weight_fp8, w2.weight_fp8_scale, self.swiglu_limit, out_dtype,
         )  # fmt: skip
         return out.view(*x.shape[:-1], out.shape[-1])
 
@@ -199,21 +199,27 @@ class MoE(nn.Module):
                     raise ValueError(f"layer {self.layer_id} expert {e} {part} is not an exact MXFP4 dequantization")
             setattr(self, f"{part}_fp4", torch.stack([codes for codes, _ in packed]))
             setattr(self, f"{part}_fp4_scale", torch.stack([scale for _, scale in packed]))
-        if self.not_owned:  # global expert -> its row in the stacks, -1 for another rank's
-            local = torch.full((len(self.experts),), -1, dtype=torch.int64)
-            local[owned] = torch.arange(len(owned))
-            self.local_expert = local.to(packed[0][0].device)
+        self._map_owned(owned, packed[0][0].device)
 
     def use_packed_experts(self, stacks: dict[str, torch.Tensor]) -> None:
         """Hold the routed experts only as the kernel's stacked MXFP4 copies (`w1_fp4`, `w1_fp4_scale`, ...
         as `pack_fp4` makes them, read from the checkpoint by the packed loader); no dense experts."""
         if set(stacks) != {f"{part}_fp4{kind}" for part in FP4_PARTS for kind in ("", "_scale")}:
             raise ValueError(f"layer {self.layer_id}: packed experts need every MXFP4 part, got {sorted(stacks)}")
-        if any(t.shape[0] != self.n_routed_experts for t in stacks.values()):
-            raise ValueError(f"layer {self.layer_id}: packed experts must stack all {self.n_routed_experts} experts")
+        owned = [e for e in range(self.n_routed_experts) if e not in self.not_owned]  # expert parallel: this rank's
+        if any(t.shape[0] != len(owned) for t in stacks.values()):
+            raise ValueError(f"layer {self.layer_id}: packed experts must stack the {len(owned)} experts it holds")
         self.experts = nn.ModuleList()
         for name, tensor in stacks.items():
             setattr(self, name, tensor)
+        self._map_owned(owned, next(iter(stacks.values())).device)
+
+    def _map_owned(self, owned: list[int], device: torch.device) -> None:
+        """Expert parallel: global expert -> its row in the stacks, -1 for another rank's (`local_expert`)."""
+        if self.not_owned:
+            local = torch.full((self.n_routed_experts,), -1, dtype=torch.int64)
+            local[owned] = torch.arange(len(owned))
+            self.local_expert = local.to(device)
 
     def use_expert_cache(self, source: ExpertSource) -> None:
         """From now on the routed experts come from `source`; the resident copies are dropped (their
@@ -260,7 +266,8 @@ class MoE(nn.Module):
         """Split over ranks: this rank's routed sum [N, D] fp32 and its shared-expert w2 partial [N, D] fp32,
         summed over the ranks in one all-reduce of both; then, as unsplit, the shared expert's output cast to
         the compute dtype and added to the routed sum in fp32. With expert parallelism (each rank's sum over its
-        own experts) this differs from one rank's only by the order of the routed sum. With the experts split on
+        own experts) this differs from one rank's only by the order of the routed sum (the FP8 kernel hands the
+        shared expert's w2 partial over unrounded, as the torch path does). With the experts split on
         the MXFP4 kernel (the torch path takes `_split_experts`), the kernel rounds each rank's partial of an
         expert's output to bf16, where one rank rounds the whole output: there the difference is that rounding."""
         assert self.tp is not None

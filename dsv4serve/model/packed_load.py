@@ -23,12 +23,13 @@ dsv4serve/memory/weights.py (`device_bytes`), from the same placement rules (`sp
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 from torch import nn
 from tqdm import tqdm
 
-from dsv4serve.checkpoint.loader import Checkpoint, iter_dense
+from dsv4serve.checkpoint.loader import Checkpoint, Cut, iter_dense
 from dsv4serve.checkpoint.source import CheckpointError
 from dsv4serve.experts.attach import attach_expert_cache
 from dsv4serve.experts.slot_cache import ExpertSlotCache
@@ -42,7 +43,7 @@ from dsv4serve.model.schema import TORCH_DTYPES, TensorSpec
 from dsv4serve.model.transformer import Transformer
 
 
-def _check_packable(ckpt: Checkpoint, backends: KernelBackends) -> None:
+def check_packable(ckpt: Checkpoint, backends: KernelBackends) -> None:
     if ckpt.layout != "official" or ckpt.args.dtype != "fp8":
         raise CheckpointError(
             f"{ckpt.folder}: the packed loader reads official FP8 checkpoints "
@@ -67,12 +68,29 @@ def load_packed(
     """The model for `backends` on `device`, loaded packed (see the module doc), and its expert-slot
     cache (None: the routed experts are resident). `expert_cache_slots` and `bank_ram_bytes` (its
     `ram_bytes`) as for attach_expert_cache."""
-    _check_packable(ckpt, backends)
+    check_packable(ckpt, backends)
     with torch.device("meta"):
         model = Transformer(ckpt.args, include_mtp=include_mtp)
     cache = attach_expert_cache(model, ckpt, expert_cache_slots, device, ram_bytes=bank_ram_bytes, progress=progress)
     specs = model_specs(ckpt.specs, ckpt.args, include_mtp)
-    kinds = {s.name: spec_kind(s, backends, cache is None) for s in specs}
+    fill_packed(model, ckpt, specs, backends, device, cache is None, progress)
+    return model.eval(), cache
+
+
+def fill_packed(
+    model: Transformer,
+    ckpt: Checkpoint,
+    specs: list[TensorSpec],
+    backends: KernelBackends,
+    device: torch.device,
+    experts_resident: bool,
+    progress: bool,
+    cut: Cut | None = None,
+) -> None:
+    """Read `specs` into the meta `model`, packed where the kernels read them so. With `cut` (a tensor-parallel
+    rank's part: parallel/rank_load.py, on a model cut to the rank's shapes, `specs` at their shard shapes), each
+    tensor is read as that part alone; a rank's owned experts stack in global order (MoE.local_expert maps)."""
+    kinds = {s.name: spec_kind(s, backends, experts_resident) for s in specs}
     with tqdm(
         total=sum(s.nbytes for s in specs if kinds[s.name] != "bank"),
         unit="B",
@@ -81,14 +99,23 @@ def load_packed(
         desc=f"loading {ckpt.folder.name} packed",
         disable=not progress,
     ) as bar:
-        _load_fp8(model, ckpt, [s for s in specs if kinds[s.name] == "fp8_packed"], device, bar)
-        _load_fp4(model, ckpt, [s for s in specs if kinds[s.name] == "fp4_stacked"], device, bar)
-        _load_dense(model, ckpt, [s for s in specs if kinds[s.name] == "dense"], backends, device, bar)
+        read = _reader(ckpt, cut)
+        _load_fp8(model, read, [s for s in specs if kinds[s.name] == "fp8_packed"], device, bar)
+        _load_fp4(model, read, [s for s in specs if kinds[s.name] == "fp4_stacked"], device, bar)
+        dense = [s for s in specs if kinds[s.name] == "dense"]
+        _load_dense(model, ckpt, dense, backends, device, bar, cut)
     compute_buffers(model, device)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
         raise RuntimeError(f"the packed load left {len(left)} tensors unloaded: {left[:5]}")
-    return model.eval(), cache
+
+
+def _reader(ckpt: Checkpoint, cut: Cut | None) -> Callable[[str], torch.Tensor]:
+    """name -> the tensor as stored, or a rank's part of it (its slice of the stored shape)."""
+    if cut is None:
+        return ckpt.source.read
+    stored = {s.name: s.shape for s in ckpt.specs}
+    return lambda name: ckpt.source.read(name, cut(name, stored[name]))
 
 
 def compute_buffers(model: Transformer, device: torch.device) -> None:
@@ -106,11 +133,13 @@ def _placed(t: torch.Tensor, device: torch.device, dtype: torch.dtype | None = N
     return torch.empty(t.shape, dtype=dtype or t.dtype, device=device).copy_(t)
 
 
-def _load_fp8(model: Transformer, ckpt: Checkpoint, specs: list[TensorSpec], device: torch.device, bar: tqdm) -> None:
+def _load_fp8(
+    model: Transformer, read: Callable[[str], torch.Tensor], specs: list[TensorSpec], device: torch.device, bar: tqdm
+) -> None:
     """Each FP8-stored projection's e4m3 weight and e8m0 scale, as read, on `device`."""
     weights: dict[str, torch.Tensor] = {}
     for spec in specs:
-        t = _placed(ckpt.source.read(spec.name), device)
+        t = _placed(read(spec.name), device)
         bar.update(spec.nbytes)
         path, leaf = spec.name.rsplit(".", 1)
         if leaf == "weight":
@@ -124,9 +153,11 @@ def _load_fp8(model: Transformer, ckpt: Checkpoint, specs: list[TensorSpec], dev
         linear.load_fp8(weights.pop(path), t)
 
 
-def _load_fp4(model: Transformer, ckpt: Checkpoint, specs: list[TensorSpec], device: torch.device, bar: tqdm) -> None:
+def _load_fp4(
+    model: Transformer, read: Callable[[str], torch.Tensor], specs: list[TensorSpec], device: torch.device, bar: tqdm
+) -> None:
     """Each layer's routed experts, copied one by one into stacked [E, out, in/2] int8 codes and
-    [E, out, in/32] e8m0 scales on `device`."""
+    [E, out, in/32] e8m0 scales on `device` (expert parallel: E = the rank's own, in global order)."""
     stacks: dict[str, dict[str, torch.Tensor]] = {}  # MoE path -> {"w1_fp4": ..., "w1_fp4_scale": ...}
     for spec in specs:
         moe_path, rest = spec.name.split(".experts.")  # "layers.3.ffn", "5.w1.weight"
@@ -134,10 +165,11 @@ def _load_fp4(model: Transformer, ckpt: Checkpoint, specs: list[TensorSpec], dev
         key = f"{part}_fp4" + ("_scale" if leaf == "scale" else "")
         moe = model.get_submodule(moe_path)
         assert isinstance(moe, MoE) and spec.expert is not None
+        owned = [e for e in range(moe.n_routed_experts) if e not in moe.not_owned]
         layer = stacks.setdefault(moe_path, {})
         if key not in layer:
-            layer[key] = torch.empty((moe.n_routed_experts, *spec.shape), dtype=TORCH_DTYPES[spec.dtype], device=device)
-        layer[key][spec.expert].copy_(ckpt.source.read(spec.name))
+            layer[key] = torch.empty((len(owned), *spec.shape), dtype=TORCH_DTYPES[spec.dtype], device=device)
+        layer[key][owned.index(spec.expert)].copy_(read(spec.name))
         bar.update(spec.nbytes)
     for moe_path, layer in stacks.items():
         moe = model.get_submodule(moe_path)
@@ -152,11 +184,14 @@ def _load_dense(
     backends: KernelBackends,
     device: torch.device,
     bar: tqdm,
+    cut: Cut | None = None,
 ) -> None:
     """The dense loader's tensors (FP8 / FP4 dequantized exactly), each cast to the dtype of the meta
     tensor it replaces (bf16 if `held_bf16`, checked exact) and placed on `device`."""
     read_bytes = {s.name: s.nbytes for s in specs}
-    for name, t in iter_dense(dataclasses.replace(ckpt, specs=tuple(specs)), DENSE_DTYPE, progress=False):
+    stored = {s.name: s for s in ckpt.specs if s.name in read_bytes}  # iter_dense cuts the stored shapes
+    whole = dataclasses.replace(ckpt, specs=tuple(stored.values()))
+    for name, t in iter_dense(whole, DENSE_DTYPE, progress=False, cut=cut):
         bar.update(read_bytes[name] + read_bytes.get(name.removesuffix(".weight") + ".scale", 0))
         path, _, leaf = name.rpartition(".")  # top-level tensors (hc_head_fn) have no module path
         module = model.get_submodule(path)

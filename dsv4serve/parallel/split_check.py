@@ -7,7 +7,10 @@ the gloo tests (tests/unit/test_tp_forward.py) and of a multi-GPU check.
 
 Each rank builds the same seeded random model whole (model/random_init.random_model), keeps its part
 (shard_model.py), prefills the prompts as one batch and decodes greedily, every row at once, recording the
-logits of every step, the tokens it chose and the collectives of its last decode step.
+logits of every step, the tokens it chose and the collectives of its last decode step. With `served`, each
+rank then serves the prompts again as the worker does (scheduler, KV pool, runner) with every decode step on the
+static buffers of worker/graphs.py: CUDA graphs captured per bucket on GPUs (NCCL collectives inside them), the
+same buffers run eagerly on the CPU, with padding rows in the buckets that the requests do not fill.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ class SplitJob:
     wrong_heads_on_rank: int | None = None  # a broken split, for the test that must catch it
     backends: KernelBackends = TORCH  # Triton ones: on the CPU under TRITON_INTERPRET=1 (set before the spawn)
     device: str = "cpu"  # "cuda": rank r on cuda:r over NCCL (bench/gpu_cases/multi_gpu.py), else gloo on the CPU
+    served: bool = False  # also serve the prompts through the runner's decode buckets (module doc)
 
 
 @dataclass
@@ -58,6 +62,8 @@ class RankResult:
     logits: torch.Tensor  # [1 + decode_steps, rows, vocab] fp32: the prefill's last positions, then each step
     tokens: torch.Tensor  # [1 + decode_steps, rows] int64: the greedy choice of each
     decode_calls: list[CollectiveCall]  # the collectives of the last decode step
+    served: list[list[int]] = dataclasses.field(default_factory=list)  # with job.served: each prompt's tokens
+    buckets: list[int] = dataclasses.field(default_factory=list)  # with job.served: each decode step's bucket
 
 
 def greedy(model: Transformer, job: SplitJob, tp: Collectives | None) -> RankResult:
@@ -73,6 +79,45 @@ def greedy(model: Transformer, job: SplitJob, tp: Collectives | None) -> RankRes
         logits.append(torch.stack(out.logits))
     every = torch.stack(logits).cpu()
     return RankResult(every, every.argmax(-1), list(tp.calls) if tp is not None else [])
+
+
+SERVED_MAX_LEN = 256  # the served run's max_model_len: the decode buckets' block-table width
+SERVED_MAX_ROWS = 4  # its decode buckets: 1, 2, 4 (3 prompts: the 4-row bucket has a padding row)
+
+
+def served(model: Transformer, job: SplitJob, device: torch.device) -> tuple[list[list[int]], list[int]]:
+    """The prompts served greedily as the worker serves them (module doc): (tokens of each prompt, the bucket of
+    each decode step). Every rank runs its own scheduler on the same requests, so every rank runs the same steps
+    (the worker's rank 0 hands them its plan instead) and samples the same tokens from the gathered logits."""
+    from dsv4serve.ipc.messages import AddRequest  # lazy: the engine's modules, for this mode alone
+    from dsv4serve.ipc.sampling import SamplingParams
+    from dsv4serve.model.kv_pool import KvPool
+    from dsv4serve.worker.graphs import DecodeGraphs
+    from dsv4serve.worker.runner import Runner
+    from dsv4serve.worker.scheduler import Scheduler, SchedulerLimits
+
+    args = model.args
+    num = dataclasses.replace(NUMERICS_ON, batch_invariant=job.batch_invariant, backends=job.backends)
+    page, eos = args.page_tokens, args.eos_token_id
+    pages = 2 * SERVED_MAX_ROWS * (SERVED_MAX_LEN // page)
+    limits = SchedulerLimits(SERVED_MAX_ROWS, SERVED_MAX_ROWS, pages * page, page, SERVED_MAX_LEN, eos)
+    pool = KvPool(args, num.compute_dtype, num_pages=pages + 1, num_slots=limits.num_slots + 1, device=device)
+    pad = (pool.num_slots - 1, pool.num_pages - 1)  # the pool's last slot and page: the padding rows' own
+    graphs = DecodeGraphs(model, pool, num, SERVED_MAX_ROWS, SERVED_MAX_LEN, *pad, capture=device.type == "cuda")
+    runner = Runner(model, pool, num, eos, device, graphs=graphs)
+    scheduler = Scheduler(limits)
+    greedy_params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=job.decode_steps + 1)
+    for i, prompt in enumerate(job.prompts):
+        scheduler.add(AddRequest(f"r{i}", list(prompt), greedy_params))
+    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(job.prompts))}
+    buckets = []
+    while scheduler.has_work:
+        plan = scheduler.schedule(4096)
+        if plan.rows and all(len(r.token_ids) == 1 for r in plan.rows):
+            buckets.append(graphs.bucket_for(len(plan.rows)) or 0)
+        for msg in scheduler.complete(plan, runner.execute(plan)):
+            tokens[msg.request_id].extend(t.token_id for t in msg.tokens)
+    return [tokens[f"r{i}"] for i in range(len(job.prompts))], buckets
 
 
 def _rank_main(rank: int, job: SplitJob, port: int, out_dir: str) -> None:
@@ -95,7 +140,10 @@ def _rank_main(rank: int, job: SplitJob, port: int, out_dir: str) -> None:
                     rows = layer.attn.wq_b.weight.shape[0]
                     layer.attn.wq_b.weight = torch.nn.Parameter(whole[:rows].clone(), requires_grad=False)
         model.use_kernels(job.backends)  # after the cut: the packed copies are made of this rank's part
-        torch.save(dataclasses.asdict(greedy(model, job, tp)), Path(out_dir) / f"rank{rank}.pt")
+        result = greedy(model, job, tp)
+        if job.served:
+            result.served, result.buckets = served(model, job, device)
+        torch.save(dataclasses.asdict(result), Path(out_dir) / f"rank{rank}.pt")
     finally:
         stop_group(group)
 

@@ -88,9 +88,11 @@ def build_engine(launch: WorkerLaunch) -> EngineParts:
         numerics = checked_numerics(numerics, launch.kernels.value, device)
     model, expert_cache, launch = load_model(ckpt, launch, numerics, device, group)
     hybrid = cpu_experts_of(model)
-    # decode steps captured as CUDA graphs: not with --enforce-eager, nor in hybrid mode (it syncs per layer), nor
-    # in a tensor-parallel group yet (its NCCL collectives inside the graphs have not run on GPUs here)
-    capture = device.type == "cuda" and not launch.enforce_eager.value and hybrid is None and ranks == 1
+    # decode steps captured as CUDA graphs: not with --enforce-eager, nor in hybrid mode (it syncs per layer). In a
+    # tensor-parallel group every rank captures the same buckets in the same order, the NCCL collectives inside
+    # (NCCL >= 2.9.6 records them in a graph); the static buffers with collectives are checked over gloo on the CPU
+    # (tests/unit/test_tp_forward.py), the capture over NCCL only by bench/gpu_cases/multi_gpu.py on a multi-GPU run
+    capture = device.type == "cuda" and not launch.enforce_eager.value and hybrid is None
     n_spec = launch.speculative_tokens.value
     graph_reserve = (
         decode_graph_bytes(args, launch.max_num_seqs.value, launch.max_model_len.value, n_spec) if capture else 0
@@ -136,33 +138,40 @@ def build_engine(launch: WorkerLaunch) -> EngineParts:
         # the decode step captured per batch bucket; padding rows use the pool's last slot and page. Before the
         # chunk planner measures free memory, so that the chunk never counts on what the graphs' pool holds.
         # With --speculative-tokens, the verify and draft-chain buckets first (the largest), in the same pool
-        mempool = torch.cuda.graph_pool_handle()
-        if n_spec > 0:
-            spec_graphs = SpecGraphs(
+        try:
+            mempool = torch.cuda.graph_pool_handle()
+            if n_spec > 0:
+                spec_graphs = SpecGraphs(
+                    model,
+                    pool,
+                    numerics,
+                    limits.max_running,
+                    max_len,
+                    n_spec,
+                    pool.num_slots - 1,
+                    pool.num_pages - 1,
+                    capture=True,
+                    expert_cache=expert_cache,
+                    mempool=mempool,
+                )
+            graphs = DecodeGraphs(
                 model,
                 pool,
                 numerics,
                 limits.max_running,
                 max_len,
-                n_spec,
                 pool.num_slots - 1,
                 pool.num_pages - 1,
                 capture=True,
                 expert_cache=expert_cache,
                 mempool=mempool,
             )
-        graphs = DecodeGraphs(
-            model,
-            pool,
-            numerics,
-            limits.max_running,
-            max_len,
-            pool.num_slots - 1,
-            pool.num_pages - 1,
-            capture=True,
-            expert_cache=expert_cache,
-            mempool=mempool,
-        )
+        except torch.OutOfMemoryError:
+            raise  # the start-up's own report of memory
+        except RuntimeError as e:  # e.g. a collective that this NCCL cannot record in a graph
+            raise RuntimeError(
+                f"capturing the decode steps as CUDA graphs failed ({e}); --enforce-eager runs them eagerly"
+            ) from e
     planner_limits = PlannerLimits(Setting.from_wire(launch.max_prefill_length), usable, max_len)
     ratio = launch.memory_ratio.value
     probe_tokens = min(

@@ -219,30 +219,30 @@ def _load_rank(
     packed: bool,
     mtp: bool,
 ) -> Transformer:
-    """This rank's part of the model, read as that part (parallel/rank_load.py); every expert resident."""
-    if packed:
-        raise StartupError(
-            f"--tensor-parallel-size {group.size}: the split model loads dense, and fp8_gemm / fp4_moe on Triton "
-            "read weights packed as stored, which the per-rank loader does not write yet: give --kernels "
-            "fp8_gemm=torch,fp4_moe=torch (the other kernels may stay on Triton)"
-        )
+    """This rank's part of the model, read as that part (parallel/rank_load.py), packed as stored for the FP8 /
+    MXFP4 kernels or dense in fp32; every expert resident."""
     partition = rank_partition(ckpt.args, launch)
     specs = rank_specs(model_specs(ckpt.specs, ckpt.args, mtp), partition, group.rank)
-    need = device_bytes(specs, ckpt.args, TORCH, mtp).total_bytes
+    need = device_bytes(specs, ckpt.args, numerics.backends if packed else TORCH, mtp).total_bytes
     where, have = (
         ("GPU", take_snapshot(str(device)).total_bytes)
         if device.type == "cuda"
         else ("host", host_snapshot().free_bytes)
     )
     if need > have:
+        held = "packed as stored" if packed else "dense in fp32"
         raise StartupError(
-            f"rank {group.rank}: its part of the weights needs {need / 2**30:.1f} GiB dense in fp32, more than the "
+            f"rank {group.rank}: its part of the weights needs {need / 2**30:.1f} GiB {held}, more than the "
             f"{have / 2**30:.1f} GiB of {where} memory (`dsv4serve plan --gpus {group.size}` sizes each rank)"
         )
     from dsv4serve.parallel.collectives import Collectives  # lazy: a one-rank worker never cuts a model
-    from dsv4serve.parallel.rank_load import load_rank_dense
+    from dsv4serve.parallel.rank_load import load_rank_dense, load_rank_packed
 
-    model = load_rank_dense(ckpt, partition, Collectives(group), device, mtp, progress=group.rank == 0)
+    tp, progress = Collectives(group), group.rank == 0
+    if packed:
+        model = load_rank_packed(ckpt, partition, tp, numerics.backends, device, mtp, progress)
+    else:
+        model = load_rank_dense(ckpt, partition, tp, device, mtp, progress)
     model.use_kernels(numerics.backends)
     log.info("kernels: %s", numerics.backends)
     return model

@@ -230,9 +230,13 @@ def _launch(
     blocks: tuple[int, int, bool] | None,
     out: torch.Tensor | None,
     split_k: int | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
     """The one kernel launch of both forms; a_scale None: `a` is bf16 / fp32 and quantized in the kernel.
-    `split_k` None: `pick_split_k`'s (decode tiles only)."""
+    `split_k` None: `pick_split_k`'s (decode tiles only). `out_dtype` fp32: the fp32 accumulator stored as it is
+    (a row-parallel rank's partial, cast after the sum over ranks), else bf16."""
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"out_dtype must be bf16 or fp32, got {out_dtype}")
     m, k = a.shape
     n = b.shape[0]
     quant_a = a_scale is None
@@ -242,7 +246,8 @@ def _launch(
     if a_scale is None:
         a_scale = a  # never read (QUANT_A); a pointer of the right kind for the signature
     bm, bn, swap_ab = blocks or pick_blocks(m)
-    out = output_buffer(out, (m, n), store_dtype(), a.device)
+    fp32_out = out_dtype == torch.float32
+    out = output_buffer(out, (m, n), torch.float32 if fp32_out else store_dtype(), a.device)
     k_blocks = -(-k // FP8_BLOCK)
     tiles = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     if split_k is None:
@@ -280,7 +285,7 @@ def _launch(
         SPLIT_K=split_k,
         num_warps=num_warps(a.device, swap_ab),
     )
-    return out.to(torch.bfloat16)
+    return out if fp32_out else out.to(torch.bfloat16)
 
 
 def fp8_linear(
@@ -290,15 +295,17 @@ def fp8_linear(
     blocks: tuple[int, int, bool] | None = None,
     out: torch.Tensor | None = None,
     split_k: int | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
     """x [M, K] bf16 / fp32 -> bf16 [M, N]: the whole FP8 projection (`numerics.linear` with fp8_act) in
     one launch; the kernel quantizes x (idempotent: an input quantized before gives the same bytes).
-    `out` ([M, N], row stride free, dtype `store_dtype()`) receives the kernel's stores; `split_k` the
-    decode tile's K split instead of `pick_split_k`'s (bench/gpu_fp8_sweep.py times them)."""
+    `out` ([M, N], row stride free, dtype `store_dtype()`, fp32 with out_dtype fp32) receives the kernel's
+    stores; `split_k` the decode tile's K split instead of `pick_split_k`'s (bench/gpu_fp8_sweep.py times
+    them); `out_dtype` fp32: the accumulator unrounded (`_launch`)."""
     if x.dtype not in (torch.bfloat16, torch.float32) or x.dim() != 2:
         raise TypeError(f"fp8_linear takes bf16 or fp32 activations [M, K], got {x.dtype} {tuple(x.shape)}")
     _check_weight(b, b_scale, x.shape[1])
-    return _launch(x, None, b, b_scale, blocks, out, split_k)
+    return _launch(x, None, b, b_scale, blocks, out, split_k, out_dtype)
 
 
 def fp8_gemm(
@@ -309,16 +316,17 @@ def fp8_gemm(
     blocks: tuple[int, int, bool] | None = None,
     out: torch.Tensor | None = None,
     split_k: int | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
     """The pre-quantized form: a e4m3 [M, K] with fp32 scales [M, ceil(K/128)] (as `act_quant_fp8_ref`
-    makes them) -> bf16 [M, N]. `blocks`, `out` and `split_k` as in `fp8_linear`."""
+    makes them) -> bf16 [M, N]. `blocks`, `out`, `split_k` and `out_dtype` as in `fp8_linear`."""
     m, k = a.shape
     if a.dtype != torch.float8_e4m3fn:
         raise ValueError(f"need e4m3 activations [M, K], got {a.dtype}")
     _check_weight(b, b_scale, k)
     if tuple(a_scale.shape) != (m, -(-k // FP8_BLOCK)):
         raise ValueError(f"activation scale shape {tuple(a_scale.shape)} does not fit M={m} K={k}")
-    return _launch(a, a_scale.float().contiguous(), b, b_scale, blocks, out, split_k)
+    return _launch(a, a_scale.float().contiguous(), b, b_scale, blocks, out, split_k, out_dtype)
 
 
 _SIGNATURE = {

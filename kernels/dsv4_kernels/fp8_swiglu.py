@@ -190,10 +190,12 @@ def shared_expert(
     w2: torch.Tensor,
     w2_scale: torch.Tensor,
     limit: float,
+    out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
-    """x [M, D] bf16 -> bf16 [M, D]: the whole shared expert in two launches (module doc)."""
+    """x [M, D] bf16 -> bf16 [M, D]: the whole shared expert in two launches (module doc). `out_dtype` fp32:
+    w2's accumulator unrounded (a row-parallel rank's partial: fp8_gemm)."""
     q, q_scale = fp8_swiglu(x, w1, w1_scale, w3, w3_scale, limit)
-    return fp8_gemm(q, q_scale, w2, w2_scale)
+    return fp8_gemm(q, q_scale, w2, w2_scale, out_dtype=out_dtype)
 
 
 _SIGNATURE = {

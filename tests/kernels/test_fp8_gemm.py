@@ -237,6 +237,30 @@ def test_tile_forms_agree(blocks) -> None:
     assert torch.equal(_poisoned(5, 150, lambda o: fp8_linear(x, b, b_scale, blocks=blocks, out=o)), out)
 
 
+@pytest.mark.parametrize(("m", "n", "k", "split_k"), [(1, 300, 256, 1), (3, 130, 512, 2), (70, 200, 264, 1)])
+def test_fp32_out_is_the_unrounded_accumulator(m: int, n: int, k: int, split_k: int) -> None:
+    """out_dtype fp32 (a tensor-parallel rank's row-parallel partial, cast after the sum over ranks): the fp32
+    accumulator, within the fp32 summation bound of the exact sum (no bf16 term), rounding to the bf16 form bit for
+    bit (split-K too); and two ranks' halves of K, summed in fp32, stay within that bound of the whole (where two
+    bf16-rounded halves would add up to an ulp each)."""
+    x = _activations(m, k, seed=m + n)
+    b, b_scale = _weight(n, k, seed=n + 2)
+    out = into_poisoned((m, n), torch.float32, lambda o: fp8_linear(x, b, b_scale, out=o, out_dtype=torch.float32))
+    a, a_scale = act_quant_fp8_ref(x)
+    ref = fp8_gemm_ref(a, a_scale, b, b_scale)
+    mag = dequant_act_fp8_ref(a, a_scale).abs() @ dequant_fp8_block(b, b_scale).abs().t()
+    fp32_bound = 2 * k * 2.0**-24 * mag + 1e-30
+    assert out.dtype == torch.float32 and bool(((out - ref).abs() <= fp32_bound).all())
+    split = fp8_linear(x, b, b_scale, split_k=split_k, out_dtype=torch.float32)
+    assert torch.equal(split.to(torch.bfloat16), fp8_linear(x, b, b_scale, split_k=split_k))
+    half = 128 * (-(-k // 128) // 2)  # a 128-block boundary: where a row-parallel split cuts K
+    halves = [fp8_linear(x[:, s], b[:, s], b_scale[:, c], out_dtype=torch.float32)
+              for s, c in ((slice(0, half), slice(0, half // 128)), (slice(half, k), slice(half // 128, None)))]  # fmt: skip
+    assert bool(((halves[0] + halves[1] - ref).abs() <= fp32_bound).all())
+    with pytest.raises(ValueError, match="out_dtype"):
+        fp8_linear(x, b, b_scale, out_dtype=torch.float16)
+
+
 def test_rejects_mismatched_operands() -> None:
     a, a_scale = act_quant_fp8_ref(_activations(2, 200, seed=1))
     b, b_scale = _weight(130, 200, seed=1)

@@ -139,11 +139,13 @@ def test_projection_covers_deepseek_v4_flash_layer_schedule(real_model_dir) -> N
             ("csa", "gate", 40, 0),
         ]
     ]
-    p = project({"layers": layers, "per_step": {"launches": 7, "syncs": 3}}, real)
+    collectives = {"per_step_calls": 2, "per_layer_calls": 2.0}  # a tensor-parallel rank's (census/rank.py)
+    p = project({"layers": layers, "per_step": {"launches": 7, "syncs": 3}, "collectives": collectives}, real)
     # the model card: 43 layers, the first two sliding-window only, then CSA / HCA alternating; 3 hash layers
     assert p["layers"] == {"swa": 2, "csa": 21, "hca": 20}
     assert p["launches"] == 7 + 2 * 10 + 30 + 20 * 40 + 20 * 20
     assert p["syncs"] == 3 + 2 * 1 + 20 * 2
+    assert p["collectives"] == 2 + 2 * 43
 
 
 def _check_attribution(step, args, batch: int) -> None:
@@ -163,6 +165,7 @@ def _check_attribution(step, args, batch: int) -> None:
         "layers": {kind: k["layers"] for kind, k in s["per_kind"].items()},
         "launches": s["total"]["launches"],
         "syncs": s["total"]["syncs"],
+        "collectives": 0,  # one rank: nothing to all-reduce
     }
 
 

@@ -137,3 +137,46 @@ def test_per_head_attention_does_not_depend_on_the_heads_beside_it():
         mine = sparse_attention(q[:, lo:hi], keys, allowed, sink[lo:hi], 0.125, per_head=True)
         assert torch.equal(mine, every[:, lo:hi])
     torch.testing.assert_close(sparse_attention(q, keys, allowed, sink, 0.125), every, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("ranks,expert_parallel", [(2, True), (4, False)])
+def test_a_rank_packed_for_the_kernels_equals_its_dense_part_packed(tiny_split_dir, ranks, expert_parallel):
+    """The packed per-rank load (FP8 projections, MXFP4 expert stacks: the rank's slices or, expert parallel, its
+    own experts in a local stack) equals the rank's dense part packed by use_kernels, tensor for tensor."""
+    from dsv4_kernels.formats import dequant_fp4, dequant_fp8_block
+    from dsv4serve.model.backends import KernelBackends
+    from dsv4serve.model.layers import Linear
+    from dsv4serve.model.moe import FP4_PARTS, MoE
+    from dsv4serve.parallel.rank_load import load_rank_packed
+
+    backends = KernelBackends.every("triton")
+    ckpt = open_checkpoint(tiny_split_dir)
+    partition = make_partition(ckpt.args, ranks, expert_parallel)
+    cpu = torch.device("cpu")
+    for rank in range(ranks):
+        packed = load_rank_packed(ckpt, partition, _Rank(rank, ranks), backends, cpu, False, progress=False)
+        dense = load_rank_dense(ckpt, partition, _Rank(rank, ranks), cpu, False, progress=False)
+        dense.use_kernels(backends)
+        modules = dict(dense.named_modules())
+        compared = 0
+        for name, module in packed.named_modules():
+            twin = modules[name]
+            if isinstance(module, Linear) and module.weight_fp8 is not None:
+                got = dequant_fp8_block(module.weight_fp8, module.weight_fp8_scale)
+                assert torch.equal(got, dequant_fp8_block(twin.weight_fp8, twin.weight_fp8_scale))
+                compared += 1
+            if isinstance(module, MoE):  # values, not codes: re-packing may write a zero as -0
+                for part in FP4_PARTS:
+                    codes, scale = getattr(module, f"{part}_fp4"), getattr(module, f"{part}_fp4_scale")
+                    twin_codes, twin_scale = getattr(twin, f"{part}_fp4"), getattr(twin, f"{part}_fp4_scale")
+                    assert codes.shape == twin_codes.shape, name
+                    for e in range(codes.shape[0]):
+                        assert torch.equal(dequant_fp4(codes[e], scale[e]), dequant_fp4(twin_codes[e], twin_scale[e]))
+                want = twin.local_expert
+                assert (module.local_expert is None) == (want is None)
+                assert want is None or torch.equal(module.local_expert, want)
+                compared += 1
+        assert compared > 2 * ckpt.args.n_layers
+        got, want = packed.state_dict(), dense.state_dict()
+        for key, value in got.items():
+            assert torch.equal(value.float(), want[key].float()), key
