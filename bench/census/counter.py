@@ -30,6 +30,8 @@ wait for the device:
   that may follow is invisible on the CPU.
 A locator may place an op on host-side tensors (component HOST, e.g. the expert-slot cache's
 bookkeeping): it is then neither a launch nor a sync, only counted (`host_ops`).
+Not counted either: the cast of `dsv4_kernels.outputs.as_gpu_stored`, by which a kernel wrapper turns the fp32
+the interpreter stores into the bf16 a GPU kernel stores (a no-op on a GPU); `interpreter_casts` lists them.
 Not visible on the CPU: `.to(device)` / `.cpu()` of a tensor (both devices are the CPU, so nothing is
 copied or dispatched) and waits on CUDA events or streams (the CPU paths skip them).
 """
@@ -99,6 +101,7 @@ class Seen:
     syncs: list[Sync] = field(default_factory=list)
     host_tensors: list[str] = field(default_factory=list)  # sites of torch.tensor(...) without a device
     host_ops: list[str] = field(default_factory=list)  # sites of aten ops the locator placed on the host (HOST)
+    interpreter_casts: list[str] = field(default_factory=list)  # as_gpu_stored's casts: the callers' sites
 
     def count(self, kind: str | None = None) -> int:
         return sum(1 for launch in self.launches if kind is None or launch.kind == kind)
@@ -153,6 +156,17 @@ def _launches_kernel(name: str, args: tuple, kwargs: dict, out) -> bool:
     return not outputs or any(t.untyped_storage().data_ptr() not in inputs for t in outputs)
 
 
+def _interpreter_cast(frame: FrameType | None) -> FrameType | None:
+    """The frame of `as_gpu_stored` (module doc) when it issued the op: among the few innermost frames."""
+    from dsv4_kernels.outputs import as_gpu_stored
+
+    for _ in range(4):  # torch's frames between Tensor.to and the dispatch mode, then the caller of Tensor.to
+        if frame is None or frame.f_code is as_gpu_stored.__code__:
+            return frame
+        frame = frame.f_back
+    return None
+
+
 class _Mode(TorchDispatchMode):
     def __init__(self, counter: StepCounter):
         super().__init__()
@@ -170,6 +184,10 @@ class _Mode(TorchDispatchMode):
         if reason is not None:
             c.sync(reason, frame)
         if _launches_kernel(name, args, kwargs, out):
+            cast = _interpreter_cast(frame)
+            if cast is not None:
+                c.seen.interpreter_casts.append(site_of(project_frame(cast.f_back, c.roots)))
+                return out
             site, layer, component = c.locate(frame)
             if component == HOST:
                 c.seen.host_ops.append(site)

@@ -52,7 +52,7 @@ import triton.language as tl
 from dsv4_kernels import tuning
 from dsv4_kernels.fp4_moe_tiles import _pow2_scale, _round_to_e4m3  # the one FP8 activation quantizer's parts
 from dsv4_kernels.fp8_gemm_ref import FP8_AMAX_FLOOR, FP8_BLOCK
-from dsv4_kernels.outputs import output_buffer
+from dsv4_kernels.outputs import as_gpu_stored, output_buffer
 from dsv4_kernels.split_k import _split_arrive, _split_sum, split_counters, unsplit_args
 
 AMAX_FLOOR = tl.constexpr(FP8_AMAX_FLOOR)
@@ -285,7 +285,7 @@ def _launch(
         SPLIT_K=split_k,
         num_warps=num_warps(a.device, swap_ab),
     )
-    return out if fp32_out else out.to(torch.bfloat16)
+    return out if fp32_out else as_gpu_stored(out)
 
 
 def fp8_linear(

@@ -1,4 +1,5 @@
-"""The output buffer every kernel wrapper takes or makes (one rule for all of them)."""
+"""The output buffer every kernel wrapper takes or makes (one rule for all of them), and the cast back from
+what the interpreter stores to what a GPU stores."""
 
 from __future__ import annotations
 
@@ -18,3 +19,10 @@ def output_buffer(
             f"{out.dtype} strides {out.stride()}"
         )
     return out
+
+
+def as_gpu_stored(out: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """A kernel's output in the dtype a GPU run stores it in. Under the interpreter some kernels store fp32
+    where a GPU stores bf16 (their `store_dtype()`: toolchain.md's bf16 rules); this is the cast back, a no-op
+    on a GPU, so the step census (bench/census/counter.py) does not count it as a launch."""
+    return out if out.dtype == dtype else out.to(dtype)
