@@ -5,34 +5,34 @@
 
 The census counts what a rank's device would launch; the values of a rank alone (partials never summed) are
 not a model's, and nothing the census counts depends on them: the step is static in its shapes (the census's
-own check), routing included. all_gather returns `size` copies of this rank's part: the shape the real one
-returns, made by the same concatenation (dsv4serve/parallel/collectives.py).
+own check), routing included. The counting is dsv4serve/parallel/collectives.Collectives' own; only its
+transport is replaced: the all-reduce leaves this rank's partial as it is, and the all-gather returns `size`
+copies of this rank's part, the shape the real one returns, made by the same concatenation.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
-from dsv4serve.parallel.collectives import CollectiveCall
+from dsv4serve.parallel.collectives import Collectives
+from dsv4serve.parallel.group import RankGroup
 
 
-@dataclass
-class CountedRank:
-    rank: int
-    size: int
-    calls: list[CollectiveCall] = field(default_factory=list)
+class CountedRank(Collectives):
+    def __init__(self, rank: int, size: int):
+        super().__init__(RankGroup.single())  # no process group: nothing is sent
+        self._rank, self._size = rank, size
 
-    def reset(self) -> None:
-        self.calls.clear()
+    @property
+    def rank(self) -> int:
+        return self._rank
 
-    def all_reduce_sum(self, x: torch.Tensor, what: str) -> torch.Tensor:
-        out = x.contiguous()
-        self.calls.append(CollectiveCall("all_reduce", what, out.numel() * out.element_size()))
-        return out
+    @property
+    def size(self) -> int:
+        return self._size
 
-    def all_gather(self, x: torch.Tensor, dim: int, what: str) -> torch.Tensor:
-        x = x.contiguous()
-        self.calls.append(CollectiveCall("all_gather", what, x.numel() * x.element_size()))
-        return torch.cat([x] * self.size, dim=dim)
+    def _sum_in_place(self, out: torch.Tensor) -> None:
+        pass  # the census counts the call; no other rank's partial is added
+
+    def _gather_parts(self, x: torch.Tensor) -> list[torch.Tensor]:
+        return [x] * self._size

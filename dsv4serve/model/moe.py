@@ -185,12 +185,17 @@ class MoE(nn.Module):
             self.register_buffer(f"{part}_fp4", None, persistent=False)
             self.register_buffer(f"{part}_fp4_scale", None, persistent=False)
 
+    @property
+    def owned_experts(self) -> list[int]:
+        """The routed experts this rank computes, in global order (every one unless expert parallel)."""
+        return [e for e in range(self.n_routed_experts) if e not in self.not_owned]
+
     def pack_fp4(self) -> None:
         """Stack the resident routed experts as packed MXFP4 for the kernel. The dense weights must be
         exact MXFP4 dequantizations (they are, loaded from the checkpoint): re-packing must give them back."""
         if not len(self.experts):
             raise RuntimeError("the routed experts come from an expert-slot cache; nothing resident to pack")
-        owned = [e for e in range(len(self.experts)) if e not in self.not_owned]  # expert parallel: this rank's
+        owned = self.owned_experts
         for part in FP4_PARTS:
             packed = [quant_fp4(getattr(self.experts[e], part).weight.detach()) for e in owned]
             for e, (codes, scale) in zip(owned, packed):
@@ -206,7 +211,7 @@ class MoE(nn.Module):
         as `pack_fp4` makes them, read from the checkpoint by the packed loader); no dense experts."""
         if set(stacks) != {f"{part}_fp4{kind}" for part in FP4_PARTS for kind in ("", "_scale")}:
             raise ValueError(f"layer {self.layer_id}: packed experts need every MXFP4 part, got {sorted(stacks)}")
-        owned = [e for e in range(self.n_routed_experts) if e not in self.not_owned]  # expert parallel: this rank's
+        owned = self.owned_experts
         if any(t.shape[0] != len(owned) for t in stacks.values()):
             raise ValueError(f"layer {self.layer_id}: packed experts must stack the {len(owned)} experts it holds")
         self.experts = nn.ModuleList()

@@ -159,17 +159,20 @@ def _load_fp4(
     """Each layer's routed experts, copied one by one into stacked [E, out, in/2] int8 codes and
     [E, out, in/32] e8m0 scales on `device` (expert parallel: E = the rank's own, in global order)."""
     stacks: dict[str, dict[str, torch.Tensor]] = {}  # MoE path -> {"w1_fp4": ..., "w1_fp4_scale": ...}
+    rows: dict[str, dict[int, int]] = {}  # MoE path -> {global expert: its row in the stacks}
     for spec in specs:
         moe_path, rest = spec.name.split(".experts.")  # "layers.3.ffn", "5.w1.weight"
         _, part, leaf = rest.split(".")
         key = f"{part}_fp4" + ("_scale" if leaf == "scale" else "")
         moe = model.get_submodule(moe_path)
         assert isinstance(moe, MoE) and spec.expert is not None
-        owned = [e for e in range(moe.n_routed_experts) if e not in moe.not_owned]
+        if moe_path not in rows:
+            rows[moe_path] = {e: i for i, e in enumerate(moe.owned_experts)}
+        row = rows[moe_path]
         layer = stacks.setdefault(moe_path, {})
         if key not in layer:
-            layer[key] = torch.empty((len(owned), *spec.shape), dtype=TORCH_DTYPES[spec.dtype], device=device)
-        layer[key][owned.index(spec.expert)].copy_(read(spec.name))
+            layer[key] = torch.empty((len(row), *spec.shape), dtype=TORCH_DTYPES[spec.dtype], device=device)
+        layer[key][row[spec.expert]].copy_(read(spec.name))
         bar.update(spec.nbytes)
     for moe_path, layer in stacks.items():
         moe = model.get_submodule(moe_path)

@@ -135,43 +135,8 @@ def build_engine(launch: WorkerLaunch) -> EngineParts:
     )
     graphs, spec_graphs = None, None
     if capture:
-        # the decode step captured per batch bucket; padding rows use the pool's last slot and page. Before the
-        # chunk planner measures free memory, so that the chunk never counts on what the graphs' pool holds.
-        # With --speculative-tokens, the verify and draft-chain buckets first (the largest), in the same pool
-        try:
-            mempool = torch.cuda.graph_pool_handle()
-            if n_spec > 0:
-                spec_graphs = SpecGraphs(
-                    model,
-                    pool,
-                    numerics,
-                    limits.max_running,
-                    max_len,
-                    n_spec,
-                    pool.num_slots - 1,
-                    pool.num_pages - 1,
-                    capture=True,
-                    expert_cache=expert_cache,
-                    mempool=mempool,
-                )
-            graphs = DecodeGraphs(
-                model,
-                pool,
-                numerics,
-                limits.max_running,
-                max_len,
-                pool.num_slots - 1,
-                pool.num_pages - 1,
-                capture=True,
-                expert_cache=expert_cache,
-                mempool=mempool,
-            )
-        except torch.OutOfMemoryError:
-            raise  # the start-up's own report of memory
-        except RuntimeError as e:  # e.g. a collective that this NCCL cannot record in a graph
-            raise RuntimeError(
-                f"capturing the decode steps as CUDA graphs failed ({e}); --enforce-eager runs them eagerly"
-            ) from e
+        # before the chunk planner measures free memory, so that the chunk never counts on what the graphs hold
+        graphs, spec_graphs = _capture_graphs(model, pool, numerics, limits.max_running, max_len, n_spec, expert_cache)
     planner_limits = PlannerLimits(Setting.from_wire(launch.max_prefill_length), usable, max_len)
     ratio = launch.memory_ratio.value
     probe_tokens = min(
@@ -219,6 +184,39 @@ def build_engine(launch: WorkerLaunch) -> EngineParts:
         ranks=rank_lines,
     )
     return EngineParts(Scheduler(limits), runner, ChunkState(plan), ready, expert_cache, group)
+
+
+def _capture_graphs(
+    model: Transformer,
+    pool: KvPool,
+    numerics: Numerics,
+    max_rows: int,
+    max_len: int,
+    n_spec: int,
+    expert_cache: ExpertSlotCache | None,
+) -> tuple[DecodeGraphs, SpecGraphs | None]:
+    """The decode step captured per batch bucket (padding rows use the pool's last slot and page). With
+    --speculative-tokens, the verify and draft-chain buckets first (the largest), in the same memory pool. A
+    failed capture (e.g. a collective this NCCL cannot record in a graph) stops the start with the way out."""
+    pad = (pool.num_slots - 1, pool.num_pages - 1)
+    try:
+        mempool = torch.cuda.graph_pool_handle()
+        spec = None
+        if n_spec > 0:
+            spec = SpecGraphs(
+                model, pool, numerics, max_rows, max_len, n_spec, *pad,
+                capture=True, expert_cache=expert_cache, mempool=mempool,
+            )  # fmt: skip
+        decode = DecodeGraphs(
+            model, pool, numerics, max_rows, max_len, *pad, capture=True, expert_cache=expert_cache, mempool=mempool
+        )
+        return decode, spec
+    except torch.OutOfMemoryError:
+        raise  # the start-up's own report of memory
+    except RuntimeError as e:
+        raise RuntimeError(
+            f"capturing the decode steps as CUDA graphs failed ({e}); --enforce-eager runs them eagerly"
+        ) from e
 
 
 def _kv_tokens(
