@@ -1,11 +1,12 @@
 """--moe-backend hybrid: per MoE layer and step, the routed experts in device slots run on the device path,
 the misses the split sends to the CPU (miss_split.py) are computed by kt-kernel from host memory, and
-the two partial sums are added (dsv4serve/model/moe.py, `MoE._routed_hybrid`).
+the two partial sums are added (dsv4serve/model/moe.py, `MoE.forward`).
 
     hybrid = HybridExperts(kt, cache, costs)
     job = hybrid.submit(layer, xq, ids, weights)    # None: nothing for the CPU this time
     ...the device path on job.device_routes(ids, weights) or without job.cpu_experts...
-    y += job.wait(device)                            # [T, D] bf16 -> fp32 on the device
+    part = job.wait(device)                          # [T, D] bf16 values, fp32 on the device: added to the
+                                                     # device's sum before the shared expert (moe_combine)
 
 The slot cache still decides residency: the experts computed on the CPU are counted as uses (not
 hits), so the hot ones get promoted into slots. A step with a CPU part syncs the host once per layer

@@ -222,6 +222,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """Every row at once: q [N, H, d], kv [N, d], topk [N, index_topk] int32 (CSA) -> [N, H, d] compute
         dtype; then writes the rows' keys into their window rings."""
+        from dsv4_kernels.outputs import as_gpu_stored
         from dsv4_kernels.sparse_attention import paged_sparse_attention  # lazy: kernels build on import
 
         comp = cache.comp.entries if cache.comp is not None else None
@@ -238,6 +239,7 @@ class Attention(nn.Module):
             block_table=layout.block_table if comp is not None else None,
             topk_idx=topk,
             ratio=self.compress_ratio,
+            token_rows=layout.token_rows,
         )
         # after the kernel: it reads the ring as it was before this step
         if vector or layout.is_decode:
@@ -245,7 +247,7 @@ class Attention(nn.Module):
         else:
             for span in layout.spans:
                 self._store_window(cache.swa[span.slot], kv[span.begin : span.end], span.start_pos)
-        return o.to(num.compute_dtype)
+        return as_gpu_stored(o, num.compute_dtype)  # the interpreter stores fp32 (a GPU stores bf16)
 
     def _select(
         self, layout: BatchLayout, cache: LayerCache, extras: dict[str, torch.Tensor], num: Numerics, vector: bool

@@ -26,8 +26,8 @@ def store_window(swa: torch.Tensor, kv: torch.Tensor, layout: BatchLayout) -> No
     """swa [slots, W, d] ring, kv [B * T, d] the new keys of B rows of T tokens each (a decode step: T = 1;
     equal rows, `BatchLayout.tokens_per_row`, T <= W so that no two of a row's keys share a ring entry) ->
     written at (slot, position % W), in one scatter."""
-    window, n_rows = swa.shape[1], layout.num_rows
-    ring_pos = (layout.positions64 % window).view(n_rows, -1)  # [B, T]
+    n_rows = layout.num_rows
+    ring_pos = layout.ring_index(swa.shape[1]).view(n_rows, -1)  # [B, T]
     swa[layout.slots64[:, None], ring_pos] = kv.view(n_rows, ring_pos.shape[1], -1).to(swa.dtype)
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -46,6 +46,9 @@ class BatchLayout:
     block_table: torch.Tensor  # [B, W] int32, each row's page table, -1 padded
     max_rows: int  # the most tokens a row runs in this step
     max_end: int  # the most tokens a row holds after this step (a static bound when shapes are fixed)
+    # per-step device values the layers share (`ring_index`), made by the first layer that asks; not an init
+    # field, so that dataclasses.replace (a static layout copied for a step) starts empty
+    _memo: dict[int, torch.Tensor] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def num_rows(self) -> int:
@@ -112,6 +115,23 @@ class BatchLayout:
     @functools.cached_property
     def table64(self) -> torch.Tensor:
         return self.block_table.long()
+
+    @functools.cached_property
+    def token_rows(self) -> torch.Tensor:
+        """[N] int32, the row of every packed token, for the attention kernel. A decode step's row b holds
+        token b, which is what `last_token` already says: no launch; else built once per step (not per layer)."""
+        if self.is_decode:
+            return self.last_token
+        counts = (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).long()
+        rows = torch.arange(self.num_rows, device=counts.device, dtype=torch.int32)
+        return torch.repeat_interleave(rows, counts, output_size=self.spans[-1].end)
+
+    def ring_index(self, window: int) -> torch.Tensor:
+        """[N] int64, every packed token's entry in a window ring of `window` keys (position % window):
+        one launch a step, shared by the layers (one window size in a model)."""
+        if window not in self._memo:
+            self._memo[window] = self.positions64 % window
+        return self._memo[window]
 
 
 class HostStaging:

@@ -246,7 +246,8 @@ class MoE(nn.Module):
             dev_ids, dev_weights = (ids, weights) if job is None else job.device_routes(ids, weights)
             if self.not_owned:
                 dev_ids, dev_weights = self._owned_routes(dev_ids, dev_weights, job is not None)
-            y = self._routed_kernel(x, dev_weights, dev_ids)  # quantizes x in its K loop
+            # quantizes x in its K loop; one rank: the per-route outputs, summed below with what the layer adds
+            y = self._routed_kernel(x, dev_weights, dev_ids, reduce=self.tp is not None)
         elif self.expert_source is None and not len(self.experts):
             raise RuntimeError(
                 f"layer {self.layer_id}: the routed experts were loaded packed for fp4_moe=triton; "
@@ -258,13 +259,18 @@ class MoE(nn.Module):
             if self.experts_split and job is None:
                 return self._split_experts(xq, weights, ids, num, skip)
             y = self._routed_torch(xq, weights, ids, num, skip)
-        if job is not None:
-            y += job.wait(y.device)  # the CPU experts' bf16 sum, after the device ones
         if xq is None and not self.shared_experts.w1.quantizes_in_kernel(num):
             xq = act_quant(x, num)
-        if self.tp is not None:
+        if self.tp is not None:  # no CPU experts over ranks (worker/model_load.check_parallel)
             return self._reduce(y, self.shared_experts(x if xq is None else xq, num, partial=True), num)
-        y += self.shared_experts(x if xq is None else xq, num)  # fp32 += compute dtype: one launch, exact upcast
+        shared = self.shared_experts(x if xq is None else xq, num)  # launched before the wait: overlaps the CPU's
+        parts = (shared,) if job is None else (job.wait(y.device), shared)  # the CPU experts' bf16 sum first
+        if y.dim() == 3:  # the MXFP4 kernel's per-route outputs: their sum, the parts and the cast in one launch
+            from dsv4_kernels.moe_combine import moe_combine
+
+            return moe_combine(y, parts, num.compute_dtype)
+        for part in parts:
+            y += part  # fp32 += compute dtype: one launch, exact upcast
         return y.to(num.compute_dtype)
 
     def _reduce(self, routed: torch.Tensor, shared: torch.Tensor, num: Numerics) -> torch.Tensor:
@@ -306,8 +312,11 @@ class MoE(nn.Module):
         owned = local >= 0
         return torch.where(owned, local, 0), torch.where(owned, weights, 0.0)
 
-    def _routed_kernel(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """The routed experts' sum [N, D] fp32 by the grouped MXFP4 kernel (resident or cached experts)."""
+    def _routed_kernel(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, reduce: bool = True
+    ) -> torch.Tensor:
+        """The routed experts' sum [N, D] fp32 by the grouped MXFP4 kernel (resident or cached experts); with
+        `reduce` False each route's output [N, k, D] (the kernel's store dtype), for `moe_combine`."""
         from dsv4_kernels.fp4_moe import ExpertSlots, fp4_moe  # lazy: kernel modules build kernels on import
 
         if self.expert_source is not None:
@@ -315,14 +324,26 @@ class MoE(nn.Module):
             slots = ExpertSlots(src.slot_of_expert, src.slots)
             w1, w1_s, w3, w3_s, w2, w2_s = src.bank
             return fp4_moe(
-                x, w1, w1_s, w3, w3_s, w2, w2_s, weights, ids, self.swiglu_limit, slots=slots, usage=src.usage
+                x,
+                w1,
+                w1_s,
+                w3,
+                w3_s,
+                w2,
+                w2_s,
+                weights,
+                ids,
+                self.swiglu_limit,
+                slots=slots,
+                usage=src.usage,
+                reduce=reduce,
             )
         if self.w1_fp4 is None:
             raise RuntimeError("fp4_moe=triton needs packed MXFP4 experts: call Transformer.use_kernels first")
         w1, w1_s, w3, w3_s, w2, w2_s = (
             getattr(self, f"{p}_fp4{kind}") for p in ("w1", "w3", "w2") for kind in ("", "_scale")
         )
-        return fp4_moe(x, w1, w1_s, w3, w3_s, w2, w2_s, weights, ids, self.swiglu_limit)
+        return fp4_moe(x, w1, w1_s, w3, w3_s, w2, w2_s, weights, ids, self.swiglu_limit, reduce=reduce)
 
     def _routed_torch(
         self,

@@ -57,6 +57,7 @@ from dsv4_kernels.fp4_moe_choices import (
 )
 from dsv4_kernels.fp4_moe_tiles import _act_operands, _epilogue, _fp4_dot, _load_fp4_raw
 from dsv4_kernels.moe_align import align_blocks, moe_align
+from dsv4_kernels.moe_combine import moe_combine
 from dsv4_kernels.outputs import output_buffer
 from dsv4_kernels.split_k import _split_arrive, _split_sum, split_counters, unsplit_args
 
@@ -390,9 +391,12 @@ def fp4_moe(
     outs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     slots: ExpertSlots | None = None,
     usage: torch.Tensor | None = None,
+    reduce: bool = True,
 ) -> torch.Tensor:
     """x [T, D] bf16 (or fp32), W1/W3 [E, I, D/2] + [E, I, D/32], W2 [E, D, I/2] + [E, D, I/32], topk [T, k]
-    (weights fp32, already route-scaled) -> routed-expert sum fp32 [T, D] (module contract above).
+    (weights fp32, already route-scaled) -> routed-expert sum fp32 [T, D] (module contract above); with
+    `reduce` False the per-route outputs [T, k, D] in `store_dtype()` instead, for `moe_combine` to sum with
+    what the layer adds (one launch for the sum, the adds and the cast).
     `outs`: optional (act e4m3 [T*k, I], act scales fp32 [T*k, ceil(I/128)], y [T*k, D]) buffers;
     `block_n`: the down GEMM's N tile. Decode blocks (16 routes) take the card's tuned choices
     (tuning.py: K-loop form, tiles, warps, stages) where a tile size is not given and a tuned split fits K.
@@ -454,4 +458,5 @@ def fp4_moe(
         loop=loop_form_for(down, w2.shape[2] * 2, bk_down),
     )
     assert isinstance(y, torch.Tensor)  # without quant_out the GEMM returns one tensor, not a pair
-    return torch.sum(y.view(t, k, -1), dim=1, dtype=torch.float32)
+    pairs = y.view(t, k, -1)
+    return moe_combine(pairs) if reduce else pairs

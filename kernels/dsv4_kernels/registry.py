@@ -103,6 +103,13 @@ KERNELS: tuple[KernelSpec, ...] = (
         test_module="tests/kernels/test_fp4_moe.py",
         compile_configs="dsv4_kernels.moe_align:COMPILE_CONFIGS",
     ),
+    KernelSpec(  # the MoE output: the routes' fp32 sum, the shared expert's (and CPU experts') add, the cast
+        name="moe_combine",
+        kernel="dsv4_kernels.moe_combine:moe_combine_kernel",
+        references=("dsv4_kernels.moe_combine_ref:moe_combine_ref",),
+        test_module="tests/kernels/test_moe_combine.py",
+        compile_configs="dsv4_kernels.moe_combine:COMPILE_CONFIGS",
+    ),
     KernelSpec(  # one kernel, two forms: decode (one token per request) and chunked prefill
         name="paged_sparse_attention",
         kernel="dsv4_kernels.sparse_attention:paged_sparse_attention_kernel",

@@ -268,18 +268,26 @@ def paged_sparse_attention(
     block_h: int | None = None,
     block_n: int | None = None,
     out: torch.Tensor | None = None,
+    token_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The layout and semantics of `paged_sparse_attention_ref` (same arguments). Returns o [N, H, D] in
     `store_dtype()`. `out` ([N, H, D], unit last stride, `store_dtype()`) receives the stores (tests pass a
     NaN-poisoned view). num_splits None picks a split-K for the GPU's SM count (1 on CPU); pass it
-    explicitly to keep a step's launch shape fixed (e.g. under CUDA graphs)."""
+    explicitly to keep a step's launch shape fixed (e.g. under CUDA graphs). `token_rows` ([N] int32, each
+    token's row in cu_seqlens) is what the wrapper would derive, given by a caller that keeps it for the step
+    (the model's layers share one: `BatchLayout.token_rows`)."""
     _check_inputs(q, new_kv, swa_kv, cu_seqlens, start_pos, seq_slot, comp_kv, block_table, topk_idx, ratio)
     num_rows, num_heads, head_dim = q.shape
     q, new_kv, swa_kv, sink = q.contiguous(), new_kv.contiguous(), swa_kv.contiguous(), sink.float().contiguous()
-    counts = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    row_req = torch.repeat_interleave(
-        torch.arange(counts.numel(), device=q.device, dtype=torch.int32), counts, output_size=num_rows
-    )
+    if token_rows is None:
+        counts = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+        row_req = torch.repeat_interleave(
+            torch.arange(counts.numel(), device=q.device, dtype=torch.int32), counts, output_size=num_rows
+        )
+    elif token_rows.shape != (num_rows,) or token_rows.dtype != torch.int32:
+        raise ValueError(f"token_rows must be [{num_rows}] int32, got {tuple(token_rows.shape)} {token_rows.dtype}")
+    else:
+        row_req = token_rows.contiguous()
     comp_mode = 0 if comp_kv is None else (1 if topk_idx is not None else 2)
     comp = new_kv.unsqueeze(1) if comp_kv is None else comp_kv.contiguous()  # a dummy when SWA-only
     table = cu_seqlens if block_table is None else block_table.contiguous()

@@ -18,7 +18,7 @@ What triton 3.7.1 emits (asserted below):
   computed transposed (out^T = W @ A^T), so the weight rows fill the MMA's M side: sm_90 uses
   `wgmma ... bf16` for every block (m64n16k16 for 16-slot decode blocks, m64n64k16 for prefill);
   sm_120 uses `mma.sync ... bf16`; the same with the expert-slot cache's second source (`*_slots`).
-- moe_align (the routes' layout, one program): no matrix instruction.
+- moe_align (the routes' layout, one program) and moe_combine (the MoE output's sums): no matrix instruction.
 - hc_mix: one token a program (decode: the split-K partial sums, then the rest) and hc_post use no
   matrix instruction; 16-token blocks take `mma.sync ... bf16` on both arches, 64-token blocks `wgmma ... m64n32k16 ... bf16` on sm_90.
 """
@@ -79,6 +79,8 @@ EXPECTED = {
     ("moe_align", "decode", 120): "",
     ("moe_align", "prefill", 90): "",
     ("moe_align", "prefill", 120): "",
+    # the MoE output: the routes' sum, the shared expert (and CPU experts') add and the cast, elementwise
+    **{("moe_combine", c, sm): "" for c in ("shared", "hybrid", "rank_sum") for sm in (90, 120)},
     # mHC: one token a program sums on the FMA units ("" = no matrix instruction), as does hc_post; 16- and
     # 64-token blocks put [tokens, K] x [K, 32 mixes] on the tensor cores as three bf16 products
     **{("hc_mix", f"{form}_bn1", sm): "" for form in ("pre", "head") for sm in (90, 120)},

@@ -32,7 +32,7 @@ from dsv4serve.parallel.comm_volume import decode_collectives
 # Above one rank's (36 / 48 / 38): the MoE's routed and shared partials stacked in fp32 for one all-reduce, then
 # summed and cast (3 launches where one rank adds once) and, with EP, the routes mapped to this rank's experts (4
 # launches). The collectives themselves are not launches here (one NCCL kernel each on GPUs).
-LAUNCHES_PER_LAYER = {False: {"swa": 43, "csa": 56, "hca": 45}, True: {"swa": 47, "csa": 60, "hca": 49}}
+LAUNCHES_PER_LAYER = {False: {"swa": 38, "csa": 50, "hca": 39}, True: {"swa": 42, "csa": 54, "hca": 43}}
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["EP", "split-experts"])
