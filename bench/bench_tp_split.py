@@ -7,7 +7,8 @@ of one decode step counted next to comm_volume.py's projection for the same conf
 Per run: T, experts owned (EP) or split, batch invariance, the max |logit difference| to T = 1 over the
 prefill and every decode step (and the logit scale), whether every rank chose T = 1's tokens, the calls of a
 decode step counted and projected, and the operand bytes of a step counted and projected (comm_volume.py
-projects bf16 operands; the split forward reduces fp32 partials, see the module docs), and the wall time.
+projects bf16 operands; the split forward reduces fp32 shares, fp64 under batch invariance:
+numerics.exact_sums), and the wall time.
 """
 
 from __future__ import annotations

@@ -1,14 +1,17 @@
 """kt-kernel's MXFP4 experts checked against a torch reference before --moe-backend hybrid trusts them.
 
-kt-kernel picks its build for the CPU it runs on (AVX2, AVX-512, AMX). The project's tests run on an AVX-512
-machine and find its output equal to `kt_reference` bit for bit at batch 1; the AMX build is another code path
-that no test here runs, and on the H200 host lent on 2026-12-04 (a Xeon with AMX) the hybrid decode step of a
-random 2-layer model differed from the offload step by 2 logits (bench/gpu_runs/2026-12-04b/2_gpu_check.log;
-wrong, or right with other rounding amplified by that chaotic model: bench/RESULTS.md). So at start-up
-`verify_kt` runs a few tokens through a layer's experts on kt-kernel and through `kt_reference`, and refuses a
-build whose output is off by more than rounding (experts/attach.py then falls back to the offload path, or
-stops an explicit --moe-backend hybrid) instead of serving wrong tokens. kt-kernel's notes put its AMX MXFP4
-path at ~0.24% relative L2 from an fp32 reference: MAX_RELATIVE_ERROR leaves room for that.
+kt-kernel picks its build for the CPU it runs on (AVX2, AVX-512, AMX). At dsv4-tiny's expert shape (D = I = 128)
+its output equals `kt_reference` bit for bit at batch 1 (tests/unit/test_kt_experts.py, on AVX2, AVX-512 and AMX
+machines). At DeepSeek-V4-Flash's (D 4096, I 2048) every build is within 8e-4 relative L2 of it (bf16 roundings
+of gate / up / SwiGLU that a longer fp32 sum moves by an ulp), and the AMX build equals the avx512_bf16 one bit
+for bit and the AVX2 one at one token (bench/kt_builds.py, bench/RESULTS.md 2026-12-06). On the H200 host lent
+on 2026-12-04 (a Xeon with AMX) the hybrid decode step of a random 2-layer model differed from the offload step
+by 2 logits (bench/gpu_runs/2026-12-04b/2_gpu_check.log): that chaotic model amplifying rounding, not a wrong
+build. Still, at start-up `verify_kt` runs a few tokens through a layer's experts on kt-kernel and through
+`kt_reference`, and refuses a build whose output is off by more than rounding (experts/attach.py then falls
+back to the offload path, or stops an explicit --moe-backend hybrid) instead of serving wrong tokens: a future
+build or CPU is checked, not trusted. kt-kernel's notes put its AMX MXFP4 path at ~0.24% relative L2 from an
+fp32 reference: MAX_RELATIVE_ERROR leaves room for that.
 
 The reference (also the tests' oracle, tests/unit/kt_oracle.py): per routed expert, gate and up rounded to
 bf16, the clamped SwiGLU rounded to bf16, the down projection rounded to bf16; the experts' outputs summed

@@ -24,7 +24,7 @@ from dsv4serve.model.compressor import Compressor
 from dsv4serve.model.indexer import Indexer
 from dsv4serve.model.kv_pool import LayerCache
 from dsv4serve.model.layers import Linear, RMSNorm, TensorParallel
-from dsv4serve.model.numerics import KV_BLOCK, Numerics, act_quant, fp8_quant_dequant
+from dsv4serve.model.numerics import KV_BLOCK, Numerics, act_quant, as_share, fp8_quant_dequant, reduced
 from dsv4serve.model.rope import Rotation, inv_freq
 
 
@@ -75,7 +75,7 @@ class Attention(nn.Module):
         self.kv_norm = RMSNorm(self.head_dim, args.norm_eps)
         # the reference dequantizes wo_a to bf16 and runs it as a plain grouped einsum
         self.wo_a = Linear(self.n_heads * self.head_dim // self.n_groups, self.n_groups * self.o_lora_rank, False)
-        self.wo_b = Linear(self.n_groups * self.o_lora_rank, args.dim, fp8_act=True)
+        self.wo_b = Linear(self.n_groups * self.o_lora_rank, args.dim, fp8_act=True, row_parallel=True)
         self.compressor = Compressor(args, self.compress_ratio, self.head_dim, False) if self.compress_ratio else None
         self.indexer = Indexer(args, self.compress_ratio) if args.kind(layer_id) == "csa" else None
         self.register_buffer("freqs", inv_freq(args, bool(self.compress_ratio)), persistent=False)
@@ -321,9 +321,10 @@ class Attention(nn.Module):
         if self.tp is None:
             return self.wo_b(z.flatten(1), num)
         # row parallel: this rank's groups' share of wo_b, summed over the ranks in fp32 and cast once after,
-        # as the unsplit GEMM accumulates in fp32 and casts once: equal to it up to the summation order
-        part = self.wo_b(z.flatten(1), num, partial=True).float()  # [N, D] fp32
-        return self.tp.all_reduce_sum(part, "attention output (after wo_b)").to(num.compute_dtype)
+        # as the unsplit GEMM accumulates in fp32 and casts once: equal to it up to the summation order (bit for
+        # bit under numerics.exact_sums, where the shares are exact fp64 sums)
+        part = as_share(self.wo_b(z.flatten(1), num, partial=True))  # [N, D] fp32 or fp64
+        return reduced(self.tp.all_reduce_sum(part, "attention output (after wo_b)"), num)
 
 
 def _steps(layout: BatchLayout) -> tuple[BatchLayout, ...]:

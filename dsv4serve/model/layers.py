@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from dsv4_kernels.formats import dequant_fp8_block, quant_fp8_block
-from dsv4serve.model.numerics import ACT_BLOCK, Numerics, fp8_quant_dequant, linear, matmul
+from dsv4serve.model.numerics import ACT_BLOCK, Numerics, fp8_quant_dequant, linear, row_product
 
 
 class TensorParallel(Protocol):
@@ -42,9 +42,12 @@ class Linear(nn.Module):
     the FP8 block-scaled GEMM kernel on the packed copy that `pack_fp8` made, or that `load_fp8` took
     from the checkpoint; in the latter case there is no dense `weight` (None) and only the kernel runs."""
 
-    def __init__(self, in_dim: int, out_dim: int, fp8_act: bool, fp4_weight: bool = False):
+    def __init__(self, in_dim: int, out_dim: int, fp8_act: bool, fp4_weight: bool = False, row_parallel: bool = False):
         super().__init__()
         self.fp8_act, self.fp4_weight = fp8_act, fp4_weight
+        # split over ranks along its input (parallel/partition.py): the torch path sums it as numerics.row_product
+        # does, split or not, so that a split's shares add up to the unsplit product bit for bit
+        self.row_parallel = row_parallel
         self.weight = nn.Parameter(torch.empty(out_dim, in_dim))
         # e4m3 [out, in] and e8m0 [ceil(out/128), ceil(in/128)]; not part of the state dict
         self.register_buffer("weight_fp8", None, persistent=False)
@@ -96,9 +99,10 @@ class Linear(nn.Module):
         return self.fp8_stored and num.backends.fp8_gemm == "triton"
 
     def forward(self, x: torch.Tensor, num: Numerics, x_quantized: bool = False, partial: bool = False) -> torch.Tensor:
-        """`partial`: a row-parallel shard's share of a sum over ranks, returned uncast (the weight's dtype:
-        fp32 for the dense torch path, the kernel's fp32 accumulator on the FP8 kernel) so that the all-reduce
-        adds fp32 partials and the one cast to the compute dtype comes after it, as an unsplit GEMM's does."""
+        """`partial`: a row-parallel shard's share of a sum over ranks, returned uncast (the dense torch path:
+        fp64 under numerics.exact_sums, else the weight's dtype; the FP8 kernel: its fp32 accumulator) so that
+        the all-reduce adds unrounded shares and the one cast to the compute dtype comes after it, as an
+        unsplit GEMM's does (`row_parallel`: the unsplit projection takes the same path, numerics.row_product)."""
         if self.quantizes_in_kernel(num):
             return self._fp8_kernel(x, torch.float32 if partial else torch.bfloat16)
         if self.weight is None:
@@ -106,10 +110,10 @@ class Linear(nn.Module):
                 "this projection was loaded packed for fp8_gemm=triton and holds no dense weight: "
                 "fp8_gemm=torch needs the model loaded dense (iter_dense)"
             )
-        if partial:
+        if partial or self.row_parallel:
             if self.fp8_act and num.fp8_act and not x_quantized:
                 x = fp8_quant_dequant(x, ACT_BLOCK)
-            return matmul(x.to(self.weight.dtype), self.weight, num)
+            return row_product(x, self.weight, num, partial)
         return linear(x, self.weight, num, self.fp8_act, x_quantized)
 
     def _fp8_kernel(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:

@@ -34,7 +34,7 @@ from torch import nn
 from dsv4_kernels.formats import dequant_fp4, quant_fp4
 from dsv4serve.model.args import ModelArgs
 from dsv4serve.model.layers import Linear, TensorParallel
-from dsv4serve.model.numerics import Numerics, act_quant, in_fp64, linear, matmul
+from dsv4serve.model.numerics import Numerics, act_quant, as_share, in_fp64, linear, matmul, reduced, row_product
 
 FP4_PARTS = ("w1", "w3", "w2")
 
@@ -116,7 +116,7 @@ class Expert(nn.Module):
     def __init__(self, dim: int, inter_dim: int, swiglu_limit: float, routed: bool = False):
         super().__init__()
         self.w1 = Linear(dim, inter_dim, fp8_act=True, fp4_weight=routed)
-        self.w2 = Linear(inter_dim, dim, fp8_act=True, fp4_weight=routed)
+        self.w2 = Linear(inter_dim, dim, fp8_act=True, fp4_weight=routed, row_parallel=True)
         self.w3 = Linear(dim, inter_dim, fp8_act=True, fp4_weight=routed)
         self.swiglu_limit = swiglu_limit
 
@@ -282,8 +282,9 @@ class MoE(nn.Module):
         the MXFP4 kernel (the torch path takes `_split_experts`), the kernel rounds each rank's partial of an
         expert's output to bf16, where one rank rounds the whole output: there the difference is that rounding."""
         assert self.tp is not None
-        both = self.tp.all_reduce_sum(torch.stack((routed, shared.float())), "MoE output (routed + shared)")
-        return (both[0] + both[1].to(num.compute_dtype)).to(num.compute_dtype)  # [N, D]
+        shared = as_share(shared)
+        both = self.tp.all_reduce_sum(torch.stack((routed.to(shared.dtype), shared)), "MoE output (routed + shared)")
+        return (both[0].float() + reduced(both[1], num)).to(num.compute_dtype)  # [N, D]
 
     def _split_experts(
         self, xq: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, num: Numerics, skip: frozenset[int]
@@ -294,10 +295,10 @@ class MoE(nn.Module):
         as one rank does: equal to it up to the order of each w2 product's sum. k + 1 rows a token where the
         routed sum alone would be one: the price of rounding each expert's output whole, as one rank does."""
         assert self.tp is not None
-        pairs = self._routed_torch(xq, weights, ids, num, skip, partial=True)  # [N, k, D] fp32
-        shared = self.shared_experts(xq, num, partial=True).float()  # [N, D] fp32
-        both = torch.cat((pairs, shared[:, None]), dim=1)
-        total = self.tp.all_reduce_sum(both, "MoE output (routed + shared)").to(num.compute_dtype)
+        pairs = self._routed_torch(xq, weights, ids, num, skip, partial=True)  # [N, k, D] fp32 or fp64
+        shared = as_share(self.shared_experts(xq, num, partial=True))  # [N, D], as pairs
+        both = torch.cat((pairs.to(shared.dtype), shared[:, None]), dim=1)
+        total = reduced(self.tp.all_reduce_sum(both, "MoE output (routed + shared)"), num)
         y = self._sum_pairs(total[:, :-1], ids)
         return (y + total[:, -1]).to(num.compute_dtype)
 
@@ -382,10 +383,9 @@ class MoE(nn.Module):
         up = torch.cat([linear(xs[s], w3, num, True, x_quantized=True) for s, (_, w3, _) in zip(segments, dense)])
         act = swiglu(gate, up, self.swiglu_limit, weights.flatten().index_select(0, pairs)[:, None])
         act = act_quant(act.to(num.compute_dtype), num)  # w2's FP8 input (per token: the same for all at once)
-        if partial:  # a row-parallel shard of w2: the product in w2's dtype, cast after the sum over the ranks
-            out = torch.cat([matmul(act[s].to(w2.dtype), w2, num) for s, (_, _, w2) in zip(segments, dense)])
-        else:
-            out = torch.cat([linear(act[s], w2, num, True, x_quantized=True) for s, (_, _, w2) in zip(segments, dense)])
+        # w2 row parallel: with `partial` a rank's share, uncast until the sum over the ranks; unsplit, the same
+        # roundings (numerics.row_product)
+        out = torch.cat([row_product(act[s], w2, num, partial) for s, (_, _, w2) in zip(segments, dense)])
         # back to pair order (pairs not computed here stay 0: adding +0.0 to a sum that starts at +0.0 is exact),
         # then each token's pairs by ascending expert, added one by one: no atomics, the loop's order
         by_pair = out.new_zeros(n_tokens * k, out.shape[1]).index_copy_(0, pairs, out).view(n_tokens, k, -1)

@@ -162,6 +162,45 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, num: Numerics) -> torch.Tensor
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
+def exact_sums(num: Numerics) -> bool:
+    """Whether a row-parallel projection (`row_product`) sums its products in fp64. With FP8 activations and
+    FP8 / MXFP4 weights every product has at most 8 significant bits, and their sum over K in fp64 is exact
+    (the products' binades, plus 8 bits, plus log2 K of carries, stay within fp64's 53; an fp32 sum of the
+    FP8-weight shared expert's w2 rounded ~5% of dsv4-tiny-split's outputs), so the order of the sum no
+    longer matters: a projection split over ranks (each rank's share over its K columns, the shares added
+    by the all-reduce in any order) equals the unsplit one bit for bit, which --batch-invariant promises
+    (tests/e2e/test_tensor_parallel.py; an fp32 sum in MKL's order matched on an AVX2 CPU and missed one
+    element of a prefill on an AVX-512 one, which turned one greedy token). Only under batch invariance."""
+    return num.batch_invariant and num.fp8_act
+
+
+def row_product(x: torch.Tensor, weight: torch.Tensor, num: Numerics, partial: bool) -> torch.Tensor:
+    """x [..., K] (already through `act_quant`) @ weight [N, K]^T for a projection that a split model runs row
+    parallel (attention's wo_b, the experts' w2). `partial`: a rank's share, uncast for the all-reduce (fp64
+    under `exact_sums`, else the weight's dtype), finished by `reduced`; else the product in the compute
+    dtype, through the same roundings as a reduced share (fp64 -> fp32 -> compute dtype)."""
+    if exact_sums(num):
+        w = weight.double()
+        rows = x.reshape(-1, x.shape[-1]).double()
+        # one token at a time, as `matmul`: batch invariance does not rest on the sums being exact
+        out = F.linear(rows, w) if len(rows) == 1 else torch.cat([F.linear(r[None], w) for r in rows])
+        out = out.view(*x.shape[:-1], weight.shape[0])
+    else:
+        out = matmul(x.to(weight.dtype), weight, num)
+    return out if partial else reduced(out, num)
+
+
+def as_share(part: torch.Tensor) -> torch.Tensor:
+    """A row-parallel share as the all-reduce adds it: fp64 kept (`exact_sums`), anything else in fp32."""
+    return part if part.dtype == torch.float64 else part.float()
+
+
+def reduced(total: torch.Tensor, num: Numerics) -> torch.Tensor:
+    """A row-parallel product's shares summed over the ranks (or the whole product) -> the compute dtype,
+    through fp32: one rank and a split round alike."""
+    return total.float().to(num.compute_dtype)
+
+
 def act_quant(x: torch.Tensor, num: Numerics) -> torch.Tensor:
     """The FP8 activation simulation of an FP8/FP4 projection's input (identity when off)."""
     return fp8_quant_dequant(x, ACT_BLOCK) if num.fp8_act else x

@@ -97,10 +97,11 @@ def _max_diff(results: list[RankResult], ref: RankResult) -> float:
 def _expected_calls(args, job: SplitJob) -> dict[tuple[str, str], tuple[int, int]]:
     """{(op, what): (calls, bytes a call)} of one decode step of len(prompts) rows, from the architecture."""
     rows, dim, k = len(job.prompts), args.dim, args.n_activated_experts
-    moe_rows = 2 if job.expert_parallel else k + 1  # (routed sum, shared) or (each pair, shared), fp32
+    moe_rows = 2 if job.expert_parallel else k + 1  # (routed sum, shared) or (each pair, shared)
+    share = 8 if job.batch_invariant else 4  # the row-parallel shares: exact fp64 sums (numerics.exact_sums), or fp32
     return {
-        ("all_reduce", "attention output (after wo_b)"): (args.n_layers, rows * dim * 4),
-        ("all_reduce", "MoE output (routed + shared)"): (args.n_layers, rows * moe_rows * dim * 4),
+        ("all_reduce", "attention output (after wo_b)"): (args.n_layers, rows * dim * share),
+        ("all_reduce", "MoE output (routed + shared)"): (args.n_layers, rows * moe_rows * dim * share),
         ("all_reduce", "embedding (vocab-parallel)"): (1, rows * dim * 4),
         ("all_gather", "logits (vocab-parallel)"): (1, rows * args.vocab_size // job.tp_size * 4),
     }
@@ -122,6 +123,8 @@ def test_split_forward_gives_one_ranks_tokens_and_logits(
         assert torch.equal(r.logits, results[0].logits)  # all-gathered: every rank holds the same logits
     diff, scale = _max_diff(results, ref), ref.logits.abs().max().item()
     assert diff <= REL_TOL * scale, f"max |dlogit| {diff:.3g} at logit scale {scale:.3g}"
+    if batch_invariant:  # the row-parallel shares are exact sums: any split adds up to one rank's bits
+        assert diff == 0, f"max |dlogit| {diff:.3g} with --batch-invariant"
     # the collectives of a decode step: counted against the architecture, and as many as comm_volume projects
     args = split_tiny_args()
     want = _expected_calls(args, job)
