@@ -12,8 +12,11 @@ score ties toward the earlier entry as ours does (tests/model/hf_oracle.py: Deep
 leaves the order of tied scores to topk's backend, transformers' CPU topk keeps another entry than
 ours, and that alone changes the tokens past a few dozen prompt tokens); ours with numerics OFF
 (fp32, the same arithmetic and tie rule, so the same tokens); ours with numerics ON (bf16 with the
-FP8/FP4 simulation, what the server runs for an FP8 checkpoint such as dsv4-tiny). Ratios are taken
-per repeat (ours / HF of the same repeat) and reported as min / median / max.
+FP8/FP4 simulation, what the server runs for an FP8 checkpoint such as dsv4-tiny); both as the server runs
+them by default (--batch-invariant off: each projection one GEMM over the batch's tokens) and in the opt-in
+batch-invariant mode (every projection one token at a time, the row-parallel ones summed in fp64: what
+the engine tests compare bit for bit). Ratios are taken per repeat (ours / HF of the same repeat) and reported
+as min / median / max.
 
     python bench/bench_engine_vs_hf.py [--prompt-tokens 128] [--new-tokens 32] [--repeats 5] [--clock wall|cpu]
         [--json PATH]
@@ -22,6 +25,7 @@ per repeat (ours / HF of the same repeat) and reported as min / median / max.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -150,10 +154,15 @@ def main() -> None:
     args, model, hf, tie_stats = load_models()
     prompt = torch.randint(0, args.vocab_size, (opts.prompt_tokens,), generator=torch.Generator().manual_seed(1))
     ties = prompt_ties(hf, tie_stats, prompt)
+    # the server's default (--batch-invariant off: batched projections) and the opt-in per-token mode
+    serving_off = dataclasses.replace(NUMERICS_OFF, batch_invariant=False)
+    serving_on = dataclasses.replace(NUMERICS_ON, batch_invariant=False)
     paths: dict[str, Generate] = {
         "transformers": lambda k: hf_generate(hf, prompt, k),
-        "ours numerics OFF": lambda k: ours_generate(model, prompt, k, NUMERICS_OFF),
-        "ours numerics ON": lambda k: ours_generate(model, prompt, k, NUMERICS_ON),
+        "ours numerics OFF": lambda k: ours_generate(model, prompt, k, serving_off),
+        "ours numerics ON": lambda k: ours_generate(model, prompt, k, serving_on),
+        "ours OFF, batch-invariant": lambda k: ours_generate(model, prompt, k, NUMERICS_OFF),
+        "ours ON, batch-invariant": lambda k: ours_generate(model, prompt, k, NUMERICS_ON),
     }
     names = list(paths)
     rates = {name: {"prefill": [], "decode": []} for name in names}
