@@ -11,7 +11,8 @@ bank is the model's packed experts copied to host memory (pinned on CUDA) and wh
 of them (its initial fill: an equal share per layer; promotions follow the routing); and, when kt-kernel is
 installed, --moe-backend hybrid over that cache (experts/attach.attach_cpu_experts: kt-kernel's copy of the
 bank, the split's costs measured, the misses it gives the CPU computed there), eager steps at batch <= 8
-checked against the same step with every miss on the device path (the slot cache's eager step).
+checked against the device path layer by layer: each MoE layer rerun on the slot cache's path on the input it
+had in the hybrid step (HYBRID_LAYER_BOUND), the step's logits not compared (HYBRID_ATOL says why).
 
 The rows (_decode_engine.DecodeBench, built by the first case that runs): an engine KvPool as
 worker/engine_setup.py builds it (every row its own sequence slot and pages, then one padding slot and one
@@ -43,6 +44,7 @@ size (`step_bytes` over the measured copy bandwidth). Sampling is in no time (th
 
 from __future__ import annotations
 
+import math
 import re
 import traceback
 from collections.abc import Callable
@@ -66,11 +68,14 @@ MAX_WARMUP, MAX_REPEATS = 2, 5
 # bf16 noise through 2 layers of FP8 activation quantization (a flipped rounding moves a logit by ~1e-2):
 # end_to_end's tolerance for logits of the same model
 ATOL, RTOL = 0.05, 0.02
-# hybrid vs the offload step: kt-kernel rounds gate, up, the SwiGLU output and each expert's output to bf16
-# (tests/kernels/test_kt_hybrid_kernel.py: bit for bit with that torch reference), the device path keeps more
-# of it in fp32, and the next layer's FP8 re-quantization turns a flipped bf16 rounding into a whole FP8 step
-# (bench/gpu_diverge.py's finding): dsv4-tiny's smoke step differs by 0.15 where 6 experts ran on the CPU
-HYBRID_ATOL = 0.25
+# hybrid vs the offload step, checked layer by layer (StepProbe.moe_line), not by logits: kt-kernel feeds w2 the
+# bf16 SwiGLU output where the model (and the device path) quantizes it to FP8 first, 2.5-2.7% relative L2 on an
+# expert's output at dsv4-tiny's and V4-Flash's dims (~1% on a layer's output in the smoke run), and a random
+# 2-layer model turns that into logits apart by ~2 (the H200 host, bench/RESULTS.md 2026-12-04b and 2026-12-06):
+# the logits are not checked (NaN still fails), each MoE layer on its own input must be within
+# tests/model/test_hybrid_moe.py's bound for the FP8 rounding the CPU experts skip
+HYBRID_ATOL = math.inf
+HYBRID_LAYER_BOUND = 2.0**-4
 NAME = re.compile(r"decode_step bs=(\d+) (eager|graphs) \[(.+)\]")
 
 
@@ -93,6 +98,7 @@ class StepProbe:
         self.first = True
         self.out: torch.Tensor | None = None  # the first run's logits
         self.lines: list[str] = []
+        self.moe_io: list[tuple[torch.nn.Module, tuple, torch.Tensor]] = []  # hybrid: each MoE's (input, output)
 
     def _step(self) -> torch.Tensor:
         self.bench.use(self.mode)
@@ -108,18 +114,47 @@ class StepProbe:
             self.lines.append(f"built {b.decode_graphs(self.mode).report.describe()}")
         b.snapshot(self.n)
         if not (self.replay and b.device.type == "cuda"):
-            self.out = self._step().clone()
+            self.out = (self._step_keeping_moe_io() if self.mode == "hybrid" else self._step()).clone()
             return self.out
         with sync_debug("warn") as sites:  # the replay path's host side: bucket fill, upload, cache boundary
             self.out = self._step().clone()
         self.lines.append(f"replay: {describe_syncs(sites)}")
         return self.out
 
+    def _step_keeping_moe_io(self) -> torch.Tensor:
+        """The hybrid step with each MoE layer's input and output kept, for `moe_line`."""
+
+        def keep(module: torch.nn.Module, args: tuple, out: torch.Tensor) -> None:
+            self.moe_io.append((module, tuple(a.clone() if torch.is_tensor(a) else a for a in args), out.clone()))
+
+        handles = [moe.register_forward_hook(keep) for moe in self.bench.moes]
+        try:
+            return self._step()
+        finally:
+            for h in handles:
+                h.remove()
+
+    def moe_line(self) -> str:
+        """Each MoE layer of the hybrid step against the offload path on that layer's own input (teacher-forced:
+        whole steps of a random 2-layer model are chaotic, see HYBRID_ATOL): relative L2 per layer; past
+        HYBRID_LAYER_BOUND the case fails (raises). Run with the slots home in use."""
+        errs = []
+        with torch.no_grad():
+            for moe, args, got in self.moe_io:
+                want = moe(*args).float()
+                errs.append(float((got.float() - want).norm() / want.norm().clamp_min(1e-30)))
+        per_layer = ", ".join(f"{e:.2e}" for e in errs)
+        line = f"each MoE layer on the hybrid step's own input, hybrid vs offload: relative L2 {per_layer}"
+        if not errs or not max(errs) <= HYBRID_LAYER_BOUND:  # NaN fails too
+            raise RuntimeError(f"{line}: past the bound {HYBRID_LAYER_BOUND:.3g} (or no MoE layer ran)")
+        return f"{line} (bound {HYBRID_LAYER_BOUND:.3g})"
+
     def reference(self) -> torch.Tensor:
         b = self.bench
         b.restore()
         if self.mode == "hybrid":  # the same step with every miss on the device path (the offload step)
             b.use("slots")
+            self.lines.append(self.moe_line())
             out = b.eager_step(self.n)
             stats, costs = b.hybrid.stats, b.hybrid.describe()
             self.lines.append(f"hybrid: {costs}; so far {stats.layer_steps} layer steps routed to "
