@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `
 from bench.bench_cpu_experts import LIMIT, TOPK, D, I, random_experts, routing
 from bench.report import format_table
 from dsv4serve.experts.kt_backend import KtGeometry, KtThreads, kt_kernel_available
-from dsv4serve.experts.kt_check import MAX_RELATIVE_ERROR, kt_reference
+from dsv4serve.experts.kt_check import MAX_RELATIVE_ERROR, kt_reference, relative_error
 
 SEED = 5
 
@@ -70,7 +70,7 @@ def compare(got: torch.Tensor, want: torch.Tensor) -> dict:
     d = got.float() - want.float()
     return {
         "equal": bool(torch.equal(got, want)),
-        "relative_l2": float(d.norm() / want.float().norm().clamp_min(1e-30)),
+        "relative_l2": relative_error(got, want),
         "differing": int((d != 0).sum()),
         "elements": d.numel(),
         "max_abs": float(d.abs().max()),

@@ -138,11 +138,10 @@ class StepProbe:
         """Each MoE layer of the hybrid step against the offload path on that layer's own input (teacher-forced:
         whole steps of a random 2-layer model are chaotic, see HYBRID_ATOL): relative L2 per layer; past
         HYBRID_LAYER_BOUND the case fails (raises). Run with the slots home in use."""
-        errs = []
+        from dsv4serve.experts.kt_check import relative_error
+
         with torch.no_grad():
-            for moe, args, got in self.moe_io:
-                want = moe(*args).float()
-                errs.append(float((got.float() - want).norm() / want.norm().clamp_min(1e-30)))
+            errs = [relative_error(got, moe(*args)) for moe, args, got in self.moe_io]
         per_layer = ", ".join(f"{e:.2e}" for e in errs)
         line = f"each MoE layer on the hybrid step's own input, hybrid vs offload: relative L2 {per_layer}"
         if not errs or not max(errs) <= HYBRID_LAYER_BOUND:  # NaN fails too

@@ -62,6 +62,12 @@ def kt_reference(
     return out.bfloat16()
 
 
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """||got - want|| / ||want|| (L2, in fp32; NaN when either holds one)."""
+    want = want.float()
+    return float((got.float() - want).norm() / want.norm().clamp_min(1e-30))
+
+
 def verify_kt(kt, layer: int, parts: Mapping[str, torch.Tensor], limit: float) -> float:
     """kt-kernel (a KtExperts holding `layer`, whose packed experts are `parts`) against `kt_reference` on
     CHECK_TOKENS random tokens routed to CHECK_EXPERTS experts: the relative error (L2). ValueError past
@@ -72,9 +78,7 @@ def verify_kt(kt, layer: int, parts: Mapping[str, torch.Tensor], limit: float) -
     ids = torch.full((CHECK_TOKENS, g.topk), -1, dtype=torch.int64)
     ids[:, :CHECK_EXPERTS] = torch.randperm(g.n_experts, generator=gen)[:CHECK_EXPERTS]
     weights = torch.rand(CHECK_TOKENS, g.topk, generator=gen)
-    got = kt.forward(layer, x, ids, weights).float()
-    want = kt_reference(x, ids, weights, parts, limit).float()
-    err = float((got - want).norm() / want.norm().clamp_min(1e-30))
+    err = relative_error(kt.forward(layer, x, ids, weights), kt_reference(x, ids, weights, parts, limit))
     if not err <= MAX_RELATIVE_ERROR:  # NaN fails too
         raise ValueError(
             f"kt-kernel's {kt.variant} build disagrees with the torch MXFP4 reference on layer {layer} "

@@ -179,14 +179,8 @@ def row_product(x: torch.Tensor, weight: torch.Tensor, num: Numerics, partial: b
     parallel (attention's wo_b, the experts' w2). `partial`: a rank's share, uncast for the all-reduce (fp64
     under `exact_sums`, else the weight's dtype), finished by `reduced`; else the product in the compute
     dtype, through the same roundings as a reduced share (fp64 -> fp32 -> compute dtype)."""
-    if exact_sums(num):
-        w = weight.double()
-        rows = x.reshape(-1, x.shape[-1]).double()
-        # one token at a time, as `matmul`: batch invariance does not rest on the sums being exact
-        out = F.linear(rows, w) if len(rows) == 1 else torch.cat([F.linear(r[None], w) for r in rows])
-        out = out.view(*x.shape[:-1], weight.shape[0])
-    else:
-        out = matmul(x.to(weight.dtype), weight, num)
+    dtype = torch.float64 if exact_sums(num) else weight.dtype
+    out = matmul(x.to(dtype), weight.to(dtype), num)  # one token at a time under batch invariance, as any projection
     return out if partial else reduced(out, num)
 
 
