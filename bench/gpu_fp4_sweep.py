@@ -4,7 +4,8 @@ bench/gpu_profile.py put the two fp4_moe GEMMs of a batch-1 decode step at ~280 
 53.5 MB of gate/up weights, 26.7 MB of down weights; the copy bandwidth is 4.3 TB/s). This times each GEMM
 alone (moe_align done outside) at DeepSeek-V4-Flash's sizes for T tokens (random experts and routing,
 as bench/gpu_cases/fp4_moe.py draws them) over the kernel's K-loop forms (fp4_moe.LoopForm: the joined tile
-or the even / odd K halves as two dots; the next tile's bytes prefetched or not; K split over 1-8 programs
+or the even / odd K halves as two dots; the next tile's bytes prefetched or not; the late-scale loop, whose
+scales multiply each 32-channel dot's sums instead of each weight; K split over 1-8 programs
 with a second launch adding the splits) and BLOCK_K, num_warps, num_stages (and BLOCK_N for the down GEMM;
 the gate/up tile is 128 channels wide, one activation block for its FP8 epilogue). Each output is checked
 against the default choice's: "same" (bit for bit), "close" (the gate/up's FP8 act within one e4m3 step,
@@ -37,22 +38,25 @@ sys.path.insert(0, str(REPO))  # bench.*, when run as a script
 from bench.kernel_timing import time_us  # noqa: E402
 
 ROUTINGS = 8  # x 6 experts x 8.9 MB (gate/up) a call: 430 MB, far past the H200's 60 MB L2
-LOOPS = ((False, False), (True, False), (False, True), (True, True))  # (even_odd, prefetch)
+# (even_odd, prefetch, late_scale): the joined tile; the scales applied to each 32-channel dot's sums instead of
+# each weight (bench/sass_loops.py: ~0.63x the loop's instructions; second, so a spent budget still times it);
+# the even / odd halves, prefetch, both (slower than the joined tile at every size on the H200, 2026-12-04b)
+LOOPS = ((False, False, False), (False, False, True), (True, False, False), (False, True, False), (True, True, False))
 
 
 def grids(tokens: int):
     """(gemm, choice) pairs to time: everything at batch 1, the loop forms at the default tiles beyond."""
     splits = (1, 2, 4)
     if tokens == 1:  # 3 stages: the best of 2-4 at every tile in the first sweep (bench/gpu_runs/2026-12-04)
-        for (eo, pf), sk, (bk, warps) in itertools.product(LOOPS, splits, ((64, 8), (128, 8), (64, 4))):
-            yield "gate_up", dict(even_odd=eo, prefetch=pf, split_k=sk, bk=bk, warps=warps, stages=3)
-        for (eo, pf), sk, (bn, bk) in itertools.product(LOOPS, splits, ((64, 128), (64, 64), (128, 128))):
-            yield "down", dict(even_odd=eo, prefetch=pf, split_k=sk, bn=bn, bk=bk, warps=4, stages=3)
+        for (eo, pf, ls), sk, (bk, warps) in itertools.product(LOOPS, splits, ((64, 8), (128, 8), (64, 4))):
+            yield "gate_up", dict(even_odd=eo, prefetch=pf, late_scale=ls, split_k=sk, bk=bk, warps=warps, stages=3)
+        for (eo, pf, ls), sk, (bn, bk) in itertools.product(LOOPS, splits, ((64, 128), (64, 64), (128, 128))):
+            yield "down", dict(even_odd=eo, prefetch=pf, late_scale=ls, split_k=sk, bn=bn, bk=bk, warps=4, stages=3)
         return
-    for (eo, pf), sk in itertools.product(LOOPS, splits):
-        yield "gate_up", dict(even_odd=eo, prefetch=pf, split_k=sk, bk=64, warps=8, stages=3)
-    for (eo, pf), sk in itertools.product(LOOPS, splits):
-        yield "down", dict(even_odd=eo, prefetch=pf, split_k=sk, bn=64, bk=128, warps=4, stages=3)
+    for (eo, pf, ls), sk in itertools.product(LOOPS, splits):
+        yield "gate_up", dict(even_odd=eo, prefetch=pf, late_scale=ls, split_k=sk, bk=64, warps=8, stages=3)
+    for (eo, pf, ls), sk in itertools.product(LOOPS, splits):
+        yield "down", dict(even_odd=eo, prefetch=pf, late_scale=ls, split_k=sk, bn=64, bk=128, warps=4, stages=3)
 
 
 def label(choice: dict) -> str:
@@ -101,8 +105,9 @@ def sweep(t: int, opts, deadline: float) -> list[dict]:
     def calls(fn, **kw) -> list:
         return [partial(fn, r=r, **kw) for r in range(len(layouts))]
 
-    def timed(gemm: str, even_odd: bool, prefetch: bool, split_k: int, **tile) -> list:
-        return calls(gate_up if gemm == "gate_up" else down, loop=LoopForm(even_odd, prefetch, split_k), **tile)
+    def timed(gemm: str, even_odd: bool, prefetch: bool, late_scale: bool, split_k: int, **tile) -> list:
+        loop = LoopForm(even_odd, prefetch, split_k, late_scale)
+        return calls(gate_up if gemm == "gate_up" else down, loop=loop, **tile)
 
     ref_act = (act_q.float().view(routes, -1, 128) * act_s[:, :, None]).view(routes, -1)
     ref_down = down().float()
@@ -153,8 +158,8 @@ def sweep(t: int, opts, deadline: float) -> list[dict]:
     return rows
 
 
-TUNED_KEYS = {"even_odd": "even_odd", "prefetch": "prefetch", "split_k": "split_k", "bk": "block_k",
-              "warps": "num_warps", "stages": "num_stages", "bn": "block_n"}  # fmt: skip
+TUNED_KEYS = {"even_odd": "even_odd", "prefetch": "prefetch", "late_scale": "late_scale", "split_k": "split_k",
+              "bk": "block_k", "warps": "num_warps", "stages": "num_stages", "bn": "block_n"}  # fmt: skip
 
 
 def write_choice(path: Path, gemm: str, routes: int, row: dict, dev: torch.device) -> None:

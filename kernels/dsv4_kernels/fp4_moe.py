@@ -30,6 +30,14 @@ bf16 roundings use an explicit round-to-nearest-even bit trick so the interprete
 fp32->bf16 casts) and the GPU round alike. Under the interpreter tiles are fp32 (DOT_FP32) and the
 down GEMM stores fp32 holding bf16 values; a GPU build uses bf16 operands and bf16 outputs.
 
+The late-scale form (LoopForm.late_scale) takes the per-weight arithmetic out of the K loop: dequantizing
+costs ~16 instructions a weight in the joined form's sm_90 loop (the decode GEMMs are bound by them, not
+by HBM: bench/RESULTS.md), while an e2m1 code's bits moved into fp16's fields are the code's value times
+2^-14, exactly (e2m1's subnormal 0.5 lands on fp16's subnormal 2^-15). So per 32 channels (one weight
+scale) it takes one fp16 dot of those unscaled weights with the activations' e4m3 grid values (exact in
+fp16) and multiplies the fp32 sums by weight scale x activation scale x 2^14, a power of two: exact. The
+products are the same exact products; only the order of the fp32 sums changes again.
+
 A tile is computed transposed, out^T = W @ A^T: the dequantized weight tile is the dot's left
 operand, so the warps split its rows instead of each holding all of it, and on Hopper a 16-route
 decode block is the N side of a 64-row wgmma. On mma.sync GPUs (sm_120) the right operand
@@ -55,7 +63,16 @@ from dsv4_kernels.fp4_moe_choices import (
     pick_block_m,
     tuned_choice,
 )
-from dsv4_kernels.fp4_moe_tiles import _act_operands, _epilogue, _fp4_dot, _load_fp4_raw
+from dsv4_kernels.fp4_moe_tiles import (
+    E2M1_IN_FP16,
+    _act_block_scale,
+    _act_group,
+    _act_operands,
+    _epilogue,
+    _fp4_dot,
+    _late_scale_group,
+    _load_fp4_raw,
+)
 from dsv4_kernels.moe_align import align_blocks, moe_align
 from dsv4_kernels.moe_combine import moe_combine
 from dsv4_kernels.outputs import output_buffer
@@ -123,6 +140,7 @@ def fp4_moe_gemm_kernel(
     EVEN_ODD: tl.constexpr = False,
     PREFETCH: tl.constexpr = False,
     SPLIT_K: tl.constexpr = 1,
+    LATE_SCALE: tl.constexpr = False,
 ):
     """One (expert block of BLOCK_M routes, BLOCK_N output columns[, K split]) tile, computed transposed
     ([BLOCK_N, BLOCK_M], see the module doc). A row = route // A_ROW_DIV (the token for GATE_UP, the
@@ -131,7 +149,10 @@ def fp4_moe_gemm_kernel(
     (fp4_moe.LoopForm): EVEN_ODD, the even and odd K of each tile as two dots (no join); PREFETCH, the next
     tile's bytes loaded before this tile is decoded; SPLIT_K > 1, program axis 2 takes K / SPLIT_K, stores
     its fp32 sums into part_ptr ([SPLIT_K, routes, N (, N more for up)]) and the tile's last split to arrive
-    (count_ptr: one counter a tile) adds them and finishes the tile (split_k.py)."""
+    (count_ptr: one counter a tile) adds them and finishes the tile (split_k.py); LATE_SCALE, per 32 channels
+    one dot of the weights decoded without their scale (e2m1 bits moved into fp16: no arithmetic per weight)
+    and the activations' e4m3 grid values, whose sums then take both scales (fp4_moe_tiles._late_scale_group).
+    Every form's products are exact and only the fp32 order of the sums differs."""
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(expert_ids_ptr + pid_b)
@@ -162,32 +183,54 @@ def fp4_moe_gemm_kernel(
         k_hi = k_lo + K // SPLIT_K
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    nw, nws = _load_fp4_raw(w_base, ws_base, w_off, ws_off, n_ok, offs_kp, k_lo, K, PREFETCH, EVEN_K, EVEN_ODD)
-    nu, nus = nw, nws
-    if GATE_UP:
-        nu, nus = _load_fp4_raw(w3_base, w3s_base, w_off, ws_off, n_ok, offs_kp, k_lo, K, PREFETCH, EVEN_K, EVEN_ODD)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        if PREFETCH:  # this tile's bytes came with the previous step; the next tile's go out now
-            cw, cws, cu, cus = nw, nws, nu, nus
-            more = k0 + BLOCK_K < k_hi
-            nw, nws = _load_fp4_raw(
-                w_base, ws_base, w_off, ws_off, n_ok, offs_kp, k0 + BLOCK_K, K, more, EVEN_K, EVEN_ODD
-            )
-            if GATE_UP:
-                nu, nus = _load_fp4_raw(
-                    w3_base, w3s_base, w_off, ws_off, n_ok, offs_kp, k0 + BLOCK_K, K, more, EVEN_K, EVEN_ODD
+    if LATE_SCALE:  # per 32 channels: the unscaled weights' dot, then both scales on its sums
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            a_sc, a_inv = _act_block_scale(a_ptr, a_scale_ptr, a_rows, row_ok, k0, K, stride_am, stride_asm, QUANT_A)
+            factor = a_sc * E2M1_IN_FP16
+            for g in tl.static_range(BLOCK_K // 32):
+                a_g = _act_group(
+                    a_ptr, a_rows, row_ok, k0 + 32 * g, K, stride_am, a_inv, QUANT_A, EVEN_K, ROUND_BITS, DOT_FP32
                 )
-        else:  # up's bytes are loaded after gate's dot (below): fewer registers live at once
-            cw, cws = _load_fp4_raw(w_base, ws_base, w_off, ws_off, n_ok, offs_kp, k0, K, True, EVEN_K, EVEN_ODD)
-        a0, a1 = _act_operands(
-            a_ptr, a_scale_ptr, a_rows, row_ok, k0, K, stride_am, stride_asm,
-            QUANT_A, BLOCK_K, EVEN_K, ROUND_BITS, EVEN_ODD, DOT_FP32,
-        )  # fmt: skip
-        acc = _fp4_dot(cw, cws, a0, a1, acc, EVEN_ODD, DOT_FP32)
+                acc = _late_scale_group(
+                    w_base, ws_base, src, stride_we, stride_wse, offs_n, n_ok, stride_wn, stride_wsn, k0 + 32 * g, K,
+                    a_g, factor, acc, EVEN_K, DOT_FP32,
+                )  # fmt: skip
+                if GATE_UP:
+                    acc3 = _late_scale_group(
+                        w3_base, w3s_base, src, stride_we, stride_wse, offs_n, n_ok, stride_wn, stride_wsn,
+                        k0 + 32 * g, K, a_g, factor, acc3, EVEN_K, DOT_FP32,
+                    )  # fmt: skip
+    else:
+        nw, nws = _load_fp4_raw(w_base, ws_base, w_off, ws_off, n_ok, offs_kp, k_lo, K, PREFETCH, EVEN_K, EVEN_ODD)
+        nu, nus = nw, nws
         if GATE_UP:
-            if not PREFETCH:
-                cu, cus = _load_fp4_raw(w3_base, w3s_base, w_off, ws_off, n_ok, offs_kp, k0, K, True, EVEN_K, EVEN_ODD)
-            acc3 = _fp4_dot(cu, cus, a0, a1, acc3, EVEN_ODD, DOT_FP32)
+            nu, nus = _load_fp4_raw(
+                w3_base, w3s_base, w_off, ws_off, n_ok, offs_kp, k_lo, K, PREFETCH, EVEN_K, EVEN_ODD
+            )
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            if PREFETCH:  # this tile's bytes came with the previous step; the next tile's go out now
+                cw, cws, cu, cus = nw, nws, nu, nus
+                more = k0 + BLOCK_K < k_hi
+                nw, nws = _load_fp4_raw(
+                    w_base, ws_base, w_off, ws_off, n_ok, offs_kp, k0 + BLOCK_K, K, more, EVEN_K, EVEN_ODD
+                )
+                if GATE_UP:
+                    nu, nus = _load_fp4_raw(
+                        w3_base, w3s_base, w_off, ws_off, n_ok, offs_kp, k0 + BLOCK_K, K, more, EVEN_K, EVEN_ODD
+                    )
+            else:  # up's bytes are loaded after gate's dot (below): fewer registers live at once
+                cw, cws = _load_fp4_raw(w_base, ws_base, w_off, ws_off, n_ok, offs_kp, k0, K, True, EVEN_K, EVEN_ODD)
+            a0, a1 = _act_operands(
+                a_ptr, a_scale_ptr, a_rows, row_ok, k0, K, stride_am, stride_asm,
+                QUANT_A, BLOCK_K, EVEN_K, ROUND_BITS, EVEN_ODD, DOT_FP32,
+            )  # fmt: skip
+            acc = _fp4_dot(cw, cws, a0, a1, acc, EVEN_ODD, DOT_FP32)
+            if GATE_UP:
+                if not PREFETCH:
+                    cu, cus = _load_fp4_raw(
+                        w3_base, w3s_base, w_off, ws_off, n_ok, offs_kp, k0, K, True, EVEN_K, EVEN_ODD
+                    )
+                acc3 = _fp4_dot(cu, cus, a0, a1, acc3, EVEN_ODD, DOT_FP32)
     if SPLIT_K > 1:  # store this split's sums; the tile's last split to arrive adds them all and finishes
         p_ptrs = part_ptr + routes.to(tl.int64)[None, :] * (2 * N if GATE_UP else N) + offs_n[:, None]
         p_mask = n_ok[:, None] & row_ok[None, :]
@@ -353,6 +396,7 @@ def fp4_moe_gemm(
         EVEN_ODD=loop.even_odd,
         PREFETCH=loop.prefetch,
         SPLIT_K=loop.split_k,
+        LATE_SCALE=loop.late_scale,
         num_warps=num_warps or _num_warps(gate_up, block_m),
         **({"num_stages": num_stages} if num_stages else {}),
     )

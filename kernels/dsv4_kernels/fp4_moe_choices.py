@@ -13,19 +13,23 @@ from dsv4_kernels import tuning
 
 @dataclass(frozen=True)
 class LoopForm:
-    """How the GEMM kernel walks K (its EVEN_ODD / PREFETCH / SPLIT_K constexprs; the kernel's doc)."""
+    """How the GEMM kernel walks K (its EVEN_ODD / PREFETCH / SPLIT_K / LATE_SCALE constexprs; the kernel's doc)."""
 
     even_odd: bool = False
     prefetch: bool = False
     split_k: int = 1
+    late_scale: bool = False
 
     def __post_init__(self) -> None:
         if self.split_k < 1:
             raise ValueError(f"split_k must be >= 1, got {self.split_k}")
+        if self.late_scale and (self.even_odd or self.prefetch):
+            raise ValueError("late_scale is its own K loop: it takes neither even_odd nor prefetch")
 
     @property
     def name(self) -> str:
-        parts = [p for p, on in (("even_odd", self.even_odd), ("prefetch", self.prefetch)) if on]
+        forms = (("even_odd", self.even_odd), ("prefetch", self.prefetch), ("late_scale", self.late_scale))
+        parts = [p for p, on in forms if on]
         return "+".join(parts + ([f"split{self.split_k}"] if self.split_k > 1 else [])) or "joined"
 
 
@@ -72,4 +76,9 @@ def tuned_choice(gemm: str, num_routes: int, block_m: int, device: torch.device)
 def loop_form_for(choice: dict, k: int, block_k: int) -> LoopForm:
     """The choice's K loop; its split dropped where split x BLOCK_K does not divide this shape's K."""
     split = int(choice.get("split_k", 1))
-    return LoopForm(bool(choice.get("even_odd")), bool(choice.get("prefetch")), 1 if k % (split * block_k) else split)
+    return LoopForm(
+        bool(choice.get("even_odd")),
+        bool(choice.get("prefetch")),
+        1 if k % (split * block_k) else split,
+        bool(choice.get("late_scale")),
+    )

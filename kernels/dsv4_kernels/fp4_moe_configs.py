@@ -53,6 +53,7 @@ _SIG = {
     "EVEN_ODD": "constexpr",
     "PREFETCH": "constexpr",
     "SPLIT_K": "constexpr",
+    "LATE_SCALE": "constexpr",
 }
 # what the model launches: gate/up reads bf16 x (a_scale_ptr: x's own pointer, unread) and stores e4m3 act
 # with fp32 scales; the down GEMM reads those and stores bf16 (out_scale_ptr: its own output, unread)
@@ -62,7 +63,15 @@ _GATE_UP_SIG = {**_SIG, "a_ptr": "*bf16", "a_scale_ptr": "*bf16", "out_ptr": "*f
 # count, nor the activation-scale strides K/128 (16 for D, but 16 also divides I/128 = 16: kept out, as
 # the scale row strides of a tiny model are not)
 ALIGNED_INTS = ("N", "K", "stride_am", "stride_we", "stride_wn", "stride_wse", "stride_wsn", "stride_om")
-_GPU = {"EVEN_K": True, "DOT_FP32": False, "ROUND_BITS": False, "EVEN_ODD": False, "PREFETCH": False, "SPLIT_K": 1}
+_GPU = {
+    "EVEN_K": True,
+    "DOT_FP32": False,
+    "ROUND_BITS": False,
+    "EVEN_ODD": False,
+    "PREFETCH": False,
+    "SPLIT_K": 1,
+    "LATE_SCALE": False,
+}
 _GATE_UP = {**_GPU, "A_ROW_DIV": 6, "GATE_UP": True, "QUANT_A": True, "QUANT_OUT": True, "BLOCK_N": 128}
 _DOWN = {**_GPU, "A_ROW_DIV": 1, "GATE_UP": False, "QUANT_A": False, "QUANT_OUT": False, "BLOCK_N": 64}
 
@@ -81,6 +90,11 @@ COMPILE_CONFIGS = tuple(
 ) + tuple(  # the decode forms tuned/NVIDIA_H200.json picks: K split in two (split_k.py), one launch
     (f"{form}_decode_split2{'_slots' if slots else ''}", sig, {**base, "SLOTS": slots, "BLOCK_M": 16, "BLOCK_K": bk,
                                                              "SPLIT_K": 2})
+    for form, sig, base, bk in (("gate_up", _GATE_UP_SIG, _GATE_UP, 64), ("down", _SIG, _DOWN, 128))
+    for slots in (False, True)
+) + tuple(  # the late-scale K loop (fp4_moe.py), split in two as the decode tuning takes it, for the sweep to time
+    (f"{form}_decode_late_split2{'_slots' if slots else ''}", sig,
+     {**base, "SLOTS": slots, "BLOCK_M": 16, "BLOCK_K": bk, "SPLIT_K": 2, "LATE_SCALE": True})
     for form, sig, base, bk in (("gate_up", _GATE_UP_SIG, _GATE_UP, 64), ("down", _SIG, _DOWN, 128))
     for slots in (False, True)
 )  # fmt: skip

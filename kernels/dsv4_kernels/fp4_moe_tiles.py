@@ -5,6 +5,9 @@
 - `_dequant_e2m1`, `_load_fp4_raw`, `_decode_fp4_joined` / `_decode_fp4_halves`: packed e2m1 codes and their
   e8m0 scale bytes, loaded, then decoded as one tile or its even / odd K halves -> exact fp32
   values (bf16 on a GPU: at most 2 significant bits, exact too).
+- `_e2m1_fp16`, `_decode_fp4_unscaled`, `_act_block_scale`, `_act_group`, `_late_scale_group`: the late-scale
+  K loop (fp4_moe.py's doc): unscaled fp16 weights and e4m3 grid values per 32 channels, the two scales
+  applied to the dot's sums.
 - `_pow2_scale` / `_round_to_e4m3` / `_quantize_rows`: the FP8 activation quantization of
   `fp8_gemm_ref.act_quant_fp8_ref` (per row per 128 channels, scale 2^ceil(log2(max(amax, 1e-4) / 448)),
   q = e4m3(v / scale), ties to even), reproduced exactly: the scale from amax's bits (amax = m 2^E,
@@ -23,6 +26,8 @@ import triton.language as tl
 from dsv4_kernels.fp8_gemm_ref import FP8_AMAX_FLOOR
 
 AMAX_FLOOR = tl.constexpr(FP8_AMAX_FLOOR)
+# an e2m1 code's exponent and mantissa bits placed at fp16's read 2^-14 of its value (0.5: the subnormal 2^-15)
+E2M1_IN_FP16 = tl.constexpr(16384.0)
 
 
 @triton.jit
@@ -92,6 +97,26 @@ def _decode_fp4_halves(packed, s_raw, DOT_FP32: tl.constexpr):
 
 
 @triton.jit
+def _e2m1_fp16(codes):
+    """e2m1 codes (int32, 0..15) -> fp16 holding value x 2^-14, exact: the code's sign, exponent and mantissa
+    bits moved to fp16's (e2m1's subnormal 0.5 lands on fp16's subnormal 2^-15: every code scales alike)."""
+    bits = ((codes & 7) << 9) | ((codes & 8) << 12)
+    return bits.to(tl.uint16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _decode_fp4_unscaled(packed, DOT_FP32: tl.constexpr):
+    """Packed [BN, BK/2] bytes -> [BN, BK] fp16 (fp32 with DOT_FP32), each weight's e2m1 value x 2^-14 without
+    its scale (LATE_SCALE: the scale multiplies the dot's sums instead); low nibble = even K."""
+    packed = packed.to(tl.int32) & 0xFF
+    w = tl.join(_e2m1_fp16(packed & 0xF), _e2m1_fp16(packed >> 4))
+    w = tl.reshape(w, (packed.shape[0], 2 * packed.shape[1]))
+    if DOT_FP32:
+        w = w.to(tl.float32)
+    return w
+
+
+@triton.jit
 def _pow2_scale(amax):
     """amax fp32 (floored, so normal) -> (s, 1 / s), s = 2^ceil(log2(amax / 448)), from amax's bits."""
     bits = amax.to(tl.int32, bitcast=True)
@@ -125,6 +150,20 @@ def _quantize_rows(x, AXIS: tl.constexpr, ROUND_BITS: tl.constexpr):
 
 
 @triton.jit
+def _block_pow2_scale(a_ptr, a_rows, row_ok, k0, K, stride_am):
+    """act_quant's scale (and its inverse) for the rows' 128-channel block holding k0, from the block's amax:
+    all 128 channels loaded (x is small and L2-resident), fp32 [BM] each."""
+    offs_b = (k0 // 128) * 128 + tl.arange(0, 128)
+    blk = tl.load(
+        a_ptr + a_rows[:, None] * stride_am + offs_b[None, :],
+        mask=row_ok[:, None] & (offs_b < K)[None, :],
+        other=0.0,
+    )
+    amax = tl.maximum(tl.max(tl.abs(blk.to(tl.float32)), axis=1), AMAX_FLOOR)
+    return _pow2_scale(amax)
+
+
+@triton.jit
 def _act_tile(
     a_ptr,
     a_scale_ptr,
@@ -152,15 +191,8 @@ def _act_tile(
     if QUANT_A:
         if STEP == 1 and BLOCK_K == 128:  # the tile is the whole block
             q, scale = _quantize_rows(a, 1, ROUND_BITS)
-        else:  # the block's amax needs all of its 128 channels: load them (x is small and L2-resident)
-            offs_b = (k0 // 128) * 128 + tl.arange(0, 128)
-            blk = tl.load(
-                a_ptr + a_rows[:, None] * stride_am + offs_b[None, :],
-                mask=row_ok[:, None] & (offs_b < K)[None, :],
-                other=0.0,
-            )
-            amax = tl.maximum(tl.max(tl.abs(blk.to(tl.float32)), axis=1), AMAX_FLOOR)
-            scale, inv_scale = _pow2_scale(amax)
+        else:  # the block's amax needs all of its 128 channels
+            scale, inv_scale = _block_pow2_scale(a_ptr, a_rows, row_ok, k0, K, stride_am)
             q = a * inv_scale[:, None]
             if ROUND_BITS:
                 q = _round_to_e4m3(q)
@@ -257,3 +289,61 @@ def _fp4_dot(packed, s_raw, a0, a1, acc, EVEN_ODD: tl.constexpr, DOT_FP32: tl.co
     else:
         acc = tl.dot(_decode_fp4_joined(packed, s_raw, DOT_FP32), a0, acc)
     return acc
+
+
+@triton.jit
+def _act_block_scale(a_ptr, a_scale_ptr, a_rows, row_ok, k0, K, stride_am, stride_asm, QUANT_A: tl.constexpr):
+    """The activation rows' scale for the 128-channel block holding k0 and its inverse, fp32 [BM] each: loaded,
+    or (QUANT_A) from the block's amax as act_quant chooses it."""
+    if QUANT_A:
+        scale, inv_scale = _block_pow2_scale(a_ptr, a_rows, row_ok, k0, K, stride_am)
+    else:
+        scale = tl.load(a_scale_ptr + a_rows * stride_asm + k0 // 128, mask=row_ok, other=0.0)
+        inv_scale = scale  # unused: the stored activations are e4m3 grid values already
+    return scale, inv_scale
+
+
+@triton.jit
+def _act_group(
+    a_ptr, a_rows, row_ok, kg, K, stride_am, inv_scale,
+    QUANT_A: tl.constexpr, EVEN_K: tl.constexpr, ROUND_BITS: tl.constexpr, DOT_FP32: tl.constexpr,
+):  # fmt: skip
+    """The activations' 32 channels at kg as e4m3 grid values (their block scale not applied: LATE_SCALE),
+    transposed for the dot: [32, BM] fp16 (exact: e4m3 values fit fp16), fp32 with DOT_FP32."""
+    offs_k = kg + tl.arange(0, 32)
+    mask = row_ok[:, None]
+    if not EVEN_K:
+        mask = mask & (offs_k < K)[None, :]
+    a = tl.load(a_ptr + a_rows[:, None] * stride_am + offs_k[None, :], mask=mask, other=0.0)
+    if QUANT_A:
+        q = a.to(tl.float32) * inv_scale[:, None]  # |q| <= 448 by the choice of scale
+        if ROUND_BITS:
+            q = _round_to_e4m3(q)
+        else:
+            q = q.to(tl.float8e4nv)
+    else:
+        q = a
+    q = q.to(tl.float32) if DOT_FP32 else q.to(tl.float16)
+    return tl.trans(q)
+
+
+@triton.jit
+def _late_scale_group(
+    w_base, ws_base, src, stride_we, stride_wse, offs_n, n_ok, stride_wn, stride_wsn, kg, K, a_g, factor, acc,
+    EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr,
+):  # fmt: skip
+    """acc + (the 32-channel weight group at kg, decoded without its scale) @ a_g, times the weight scale of each
+    row and `factor` ([BM]: the activations' block scale x 2^14): exact products, an exact power-of-two scaling,
+    then one fp32 add per output."""
+    live = n_ok
+    if not EVEN_K:
+        live = live & (kg < K)
+    packed = tl.load(
+        w_base + src * stride_we + offs_n[:, None] * stride_wn + kg // 2 + tl.arange(0, 16)[None, :],
+        mask=live[:, None],
+        other=0,
+    )
+    s_raw = tl.load(ws_base + src * stride_wse + offs_n * stride_wsn + kg // 32, mask=live, other=0)
+    w_scale = ((s_raw.to(tl.int32) & 0xFF) << 23).to(tl.float32, bitcast=True)  # 2^(byte-127)
+    part = tl.dot(_decode_fp4_unscaled(packed, DOT_FP32), a_g)
+    return acc + part * (w_scale[:, None] * factor[None, :])

@@ -146,9 +146,10 @@ def test_compiles_with_tensor_core_mma(compiled: dict, name: str, config: str, a
         assert not result["mma"], result["mma"]
         return
     assert result["mma"], f"no tensor-core instruction in the PTX of {name}/{config} for sm_{arch}"
-    if expected is None:  # the MoE GEMM: bf16 operands on every arch
+    if expected is None:  # the MoE GEMM: bf16 operands on every arch; fp16 in the late-scale form (fp4_moe.py)
         wanted = "wgmma" if arch == 90 else "mma.sync"
-        assert any(wanted in m and "bf16" in m for m in result["mma"]), result["mma"]
+        operands = ".f16.f16" if "_late" in config else ".bf16.bf16"
+        assert any(wanted in m and operands in m for m in result["mma"]), result["mma"]
     else:
         assert any(expected in m for m in result["mma"]), result["mma"]
 

@@ -1,6 +1,7 @@
 """The decode GEMMs' K-loop forms and the card's tuning file, in the interpreter.
 
-- fp4_moe_gemm's forms (even / odd K halves, prefetch, split K in one launch) each give the reference's
+- fp4_moe_gemm's forms (even / odd K halves, prefetch, split K in one launch, the scales applied to each
+  32-channel dot's sums) each give the reference's
   stage outputs within the stage tolerance of test_fp4_moe.py (the split changes only the fp32 order), and
   a split launch leaves its arrival counters at 0 (the next launch and graph replays start from there).
 - fp8_linear split over K gives the unsplit bits (fp32 parts added in split order, one bf16 rounding).
@@ -26,7 +27,15 @@ from dsv4_kernels.testing import assert_fp4_stage as _assert_stage
 from dsv4_kernels.testing import fp4_moe_problem as _problem
 
 LIMIT = 0.75  # as test_fp4_moe.py: the clamps bite
-FORMS = [LoopForm(True), LoopForm(False, True), LoopForm(True, True), LoopForm(split_k=2), LoopForm(True, True, 4)]
+FORMS = [
+    LoopForm(True),
+    LoopForm(False, True),
+    LoopForm(True, True),
+    LoopForm(split_k=2),
+    LoopForm(True, True, 4),
+    LoopForm(late_scale=True),
+    LoopForm(split_k=2, late_scale=True),
+]
 
 
 def _poison(rows: int, cols: int) -> torch.Tensor:
@@ -57,6 +66,12 @@ def test_loop_forms_match_the_reference(loop, t, d, i, bk) -> None:
     y = fp4_moe_gemm(a_q, a_s, w2, s2, sorted_ids, expert_ids, routes, 1, out=_poison(routes, d), **common)
     _assert_stage(y, down_ref(a_q, a_s, w2, s2, ids))
     assert int(split_counters(1, x.device).abs().sum()) == 0
+
+
+def test_late_scale_is_its_own_loop() -> None:
+    with pytest.raises(ValueError, match="late_scale"):
+        LoopForm(even_odd=True, late_scale=True)
+    assert LoopForm(split_k=2, late_scale=True).name == "late_scale+split2"
 
 
 def test_a_split_that_does_not_divide_k_is_refused() -> None:
@@ -110,7 +125,7 @@ def test_the_wrappers_take_the_cards_choices(fake_card, monkeypatch) -> None:
     assert pick_split_k(1, 256, 1024, cpu) == 4 and pick_split_k(16, 256, 1024, cpu) == 4
     assert pick_split_k(1, 256, 768, cpu) == 1 and pick_split_k(1, 512, 1024, cpu) == 1
     up = {"even_odd": True, "prefetch": True, "split_k": 2, "block_k": 64, "num_warps": 8, "num_stages": 3}
-    down = {"even_odd": True, "split_k": 4, "block_k": 32, "block_n": 32}
+    down = {"late_scale": True, "split_k": 4, "block_k": 32, "block_n": 32}
     tuning.record(fake_card, ("fp4_moe", "gate_up"), 2, up, "Fake GPU", "test")
     tuning.record(fake_card, ("fp4_moe", "down"), 2, down, "Fake GPU", "test")
     import dsv4_kernels.fp4_moe as fp4
@@ -121,7 +136,7 @@ def test_the_wrappers_take_the_cards_choices(fake_card, monkeypatch) -> None:
     x, w, weights, ids = _problem(1, 2, 4, 256, 128, seed=5)
     tuned = fp4_moe(x, *w, weights, ids, LIMIT)
     assert (seen[0]["loop"], seen[0]["block_k"], seen[0]["num_warps"]) == (LoopForm(True, True, 2), 64, 8)
-    assert (seen[1]["loop"], seen[1]["block_k"], seen[1]["block_n"]) == (LoopForm(True, False, 4), 32, 32)
+    assert (seen[1]["loop"], seen[1]["block_k"], seen[1]["block_n"]) == (LoopForm(split_k=4, late_scale=True), 32, 32)
     x2, w2, weights2, ids2 = _problem(1, 2, 4, 160, 96, seed=5)  # K = 160 / 96: neither split fits
     fp4_moe(x2, *w2, weights2, ids2, LIMIT)
     assert seen[2]["loop"].split_k == 1 and seen[3]["loop"].split_k == 1
