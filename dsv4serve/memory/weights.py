@@ -65,9 +65,12 @@ FP8_RUN_DENSE = (".attn.wo_a.weight", ".attn.wo_a.scale")
 # e4m3 times a power of two has at most 4 significant bits, exact in bf16; attention._project_out runs
 # the grouped einsum in the weight's dtype, bf16, as the reference runs its dequantized wo_a). Together
 # 3.7 GiB less than fp32 on DeepSeek-V4-Flash; `_load_dense` checks the exactness of every value. The head
-# (stored bf16) joins them when its kernel is on Triton, which reads it as stored (HEAD_BF16; 0.99 GiB).
+# (stored bf16) joins them when its kernel is on Triton, which reads it as stored (HEAD_BF16; 0.99 GiB), and
+# the compressors' wkv / wgate (stored bf16) when the compressor is on Triton, whose projection then runs on
+# the head's kernel (model/compressor.py; COMPRESSOR_BF16: 0.49 GiB less on DeepSeek-V4-Flash).
 HELD_BF16 = ("embed.weight", ".attn.wo_a.weight")
 HEAD_BF16 = "head.weight"
+COMPRESSOR_BF16 = (".compressor.wkv.weight", ".compressor.wgate.weight")
 
 Kind = Literal["fp8_packed", "fp4_stacked", "dense", "bank"]
 
@@ -101,8 +104,14 @@ def spec_kind(spec: TensorSpec, backends: KernelBackends, experts_resident: bool
 
 
 def held_bf16(name: str, backends: KernelBackends) -> bool:
-    """True for a dense tensor the packed path holds in bf16 (HELD_BF16; HEAD_BF16 with head=triton)."""
-    return name == HELD_BF16[0] or name.endswith(HELD_BF16[1:]) or (name == HEAD_BF16 and backends.head == "triton")
+    """True for a dense tensor the packed path holds in bf16 (HELD_BF16; HEAD_BF16 with head=triton;
+    COMPRESSOR_BF16 with compressor=triton)."""
+    return (
+        name == HELD_BF16[0]
+        or name.endswith(HELD_BF16[1:])
+        or (name == HEAD_BF16 and backends.head == "triton")
+        or (name.endswith(COMPRESSOR_BF16) and backends.compressor == "triton")
+    )
 
 
 def model_specs(ckpt_specs: Iterable[TensorSpec], args: ModelArgs, include_mtp: bool) -> list[TensorSpec]:

@@ -6,15 +6,19 @@ overlap. Entries are RMS-normed, rotated at the window's first position, then QA
 the nope dims for attention keys, Hadamard + FP4 for indexer keys (`rotate`). With
 `num.backends.compressor == "triton"` the pooling runs in the compressor_pool kernel, and a decode step
 (`update_decode`) is one compressor_decode launch: carry, pooling, entry and previous half together.
-The two fp32 projections wkv and wgate run as one matmul over their concatenated weights (`project`).
+The two fp32 projections wkv and wgate run as one product over their concatenated weights (`project`): a
+torch matmul, or with the compressor on Triton the head's kernel on the weights held in bf16.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 from torch import nn
 
 from dsv4serve.model.args import ModelArgs
+from dsv4serve.model.backends import KernelBackends
 from dsv4serve.model.batch import BatchLayout
 from dsv4serve.model.kv_pool import CompressedCache
 from dsv4serve.model.layers import Linear, RMSNorm
@@ -30,6 +34,8 @@ from dsv4serve.model.numerics import (
 )
 from dsv4serve.model.rope import apply_rope, rope_cos_sin
 
+log = logging.getLogger(__name__)
+
 
 class Compressor(nn.Module):
     def __init__(self, args: ModelArgs, ratio: int, head_dim: int, rotate: bool):
@@ -42,41 +48,62 @@ class Compressor(nn.Module):
         self.wgate = Linear(args.dim, coff * head_dim, fp8_act=False)
         self.ape = nn.Parameter(torch.empty(ratio, coff * head_dim))
         self.norm = RMSNorm(head_dim, args.norm_eps)
-        self._fused: tuple[tuple, torch.Tensor] | None = None  # (the weights' identity, [wkv; wgate] fp32)
+        self._fused: tuple[tuple, torch.Tensor] | None = None  # (the weights' identity, [wkv; wgate])
+        self._fused_dtype = torch.float32  # bf16 once `prepare` puts the projection on the Triton kernel
 
     def project(self, x: torch.Tensor, num: Numerics) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [N, D] (fp32, or cast to it) -> (kv, gate) [N, coff * d] fp32 views of one fp32 matmul; the
-        reference compresses in fp32."""
-        both = matmul(x.float(), self._fused_weight(), num)  # [N, 2 * coff * d]
+        """x [N, D] (fp32, or cast to it) -> (kv, gate) [N, coff * d] fp32 views of one fp32 product; the
+        reference compresses in fp32. With the compressor on Triton and the fused weight held in bf16 (as the
+        checkpoint stores it: `prepare`), the head's kernel computes it, every product exact, from half the
+        bytes (dsv4_kernels.head_logits, its K split over programs: a decode step has few rows to tile);
+        otherwise torch multiplies in fp32."""
+        fused = self._fused_weight()
+        if num.backends.compressor == "triton" and fused.dtype == torch.bfloat16:
+            from dsv4_kernels.head_logits import head_logits, pick_block_m  # lazy, as for the other kernels
+
+            both = head_logits(x.float(), fused, block_m=pick_block_m(x.shape[0], num.batch_invariant))
+        else:
+            both = matmul(x.float(), fused.float(), num)  # [N, 2 * coff * d]
         width = self.wkv.weight.shape[0]
         return both[:, :width], both[:, width:]
 
-    def prepare(self) -> None:
+    def prepare(self, backends: KernelBackends | None = None) -> None:
         """Build the fused projection weight now (after loading), not on the first forward: a first step
         must launch what every later step does (the step census counts it; a CUDA graph's warm-up would
-        otherwise be the first user)."""
+        otherwise be the first user). With the compressor on Triton it is held in bf16 when that is exact (a
+        checkpoint stores wkv and wgate so; memory/weights.py plans them so): half the memory and reads."""
+        if backends is not None and backends.compressor == "triton" and self._fused_dtype != torch.bfloat16:
+            weights = (self.wkv.weight, self.wgate.weight)
+            if all(torch.equal(w.to(torch.bfloat16).to(w.dtype), w) for w in weights):
+                self._fused_dtype, self._fused = torch.bfloat16, None
+            else:
+                log.warning("compressor=triton: wkv / wgate are not exact in bf16; their projection stays on torch")
         self._fused_weight()
 
     def _fused_weight(self) -> torch.Tensor:
-        """[wkv; wgate] as one fp32 [2 * coff * d, D] tensor, built on first use. fp32 weights (both loaders
-        hold them so) then become views into it: no second copy, and a later in-place load into them lands
-        in it; a weight replaced or moved (a new tensor) makes it rebuild. Weights of another dtype keep an
-        fp32 copy beside them, rebuilt when either changes (their version counters)."""
+        """[wkv; wgate] as one [2 * coff * d, D] tensor in `_fused_dtype` (fp32, or bf16 after `prepare` for
+        the Triton path), built on first use. Weights of that dtype then become views into it: no second
+        copy, and a later in-place load into them lands in it; a weight replaced or moved (a new tensor)
+        makes it rebuild. Weights of another dtype keep a copy beside them, rebuilt when either changes
+        (their version counters)."""
         wkv, wgate = self.wkv.weight, self.wgate.weight
-        width = wkv.shape[0]
-        key = (wkv.data_ptr(), wgate.data_ptr(), wkv.device, wkv.dtype, wgate.dtype, wkv._version, wgate._version)
+        width, dtype = wkv.shape[0], self._fused_dtype
         if self._fused is not None:
             known, fused = self._fused
-            views = wkv.dtype == wgate.dtype == torch.float32 and wkv.device == fused.device
+            views = wkv.dtype == wgate.dtype == fused.dtype == dtype and wkv.device == fused.device
             views = views and wkv.data_ptr() == fused.data_ptr() and wgate.data_ptr() == fused[width:].data_ptr()
-            if views or known == key:
+            if views or (known == self._key() and fused.dtype == dtype):
                 return fused
         with torch.inference_mode(False), torch.no_grad():  # a normal tensor: params may be loaded into later
-            fused = torch.cat((wkv.detach().float(), wgate.detach().float()))
-            if wkv.dtype == wgate.dtype == torch.float32:
+            fused = torch.cat((wkv.detach().to(dtype), wgate.detach().to(dtype)))
+            if wkv.dtype == wgate.dtype == dtype or dtype == torch.bfloat16:  # bf16: the fp32 copies are freed
                 wkv.data, wgate.data = fused[:width], fused[width:]
-        self._fused = (key, fused)
+        self._fused = (self._key(), fused)
         return fused
+
+    def _key(self) -> tuple:
+        wkv, wgate = self.wkv.weight, self.wgate.weight
+        return (wkv.data_ptr(), wgate.data_ptr(), wkv.device, wkv.dtype, wgate.dtype, wkv._version, wgate._version)
 
     def update(
         self,

@@ -11,8 +11,8 @@ shards one at a time and placed on `device`:
   to the host bank behind an expert-slot cache instead (`attach_expert_cache`, as the engine does);
 - everything else as the dense loader (`iter_dense`) gives it, in DENSE_DTYPE: norms, head, HC,
   router, compressor / indexer weights, and any FP8 projection or routed expert whose kernel is on
-  torch; except the tensors of HELD_BF16 (and the head, with its kernel on Triton), held in bf16
-  (exact: see there).
+  torch; except the tensors of HELD_BF16 (the head with its kernel on Triton, the compressors' wkv / wgate
+  with theirs), held in bf16 (exact: see there).
 Buffers computed in `__init__` (the RoPE frequencies) are recomputed, and the result is checked to
 hold no meta tensor. Host memory stays near one tensor: each is moved to `device` as soon as read.
 

@@ -190,8 +190,9 @@ class Transformer(nn.Module):
         kernel on Triton the head weight is held in bf16 when that is exact (a checkpoint stores it so),
         else it stays fp32 on torch, with a warning. The other kernels need no preparation;
         `Numerics.backends` picks the path at each forward. The compressors' fused [wkv; wgate] weights are
-        built here too. The head on torch on the CPU is held K-major (layers.Linear.hold_k_major: MKL's fast
-        layout for it)."""
+        built here too (in bf16 with the compressor on Triton: its projection then runs on the head's
+        kernel). The head on torch on the CPU is held K-major (layers.Linear.hold_k_major: MKL's fast layout
+        for it)."""
         head = self.head.weight
         if backends.head == "torch" and head.device.type == "cpu":
             self.head.hold_k_major()
@@ -206,7 +207,7 @@ class Transformer(nn.Module):
                 )
         for module in self.modules():
             if isinstance(module, Compressor):
-                module.prepare()
+                module.prepare(backends)
             if (
                 backends.fp8_gemm == "triton"
                 and isinstance(module, Linear)

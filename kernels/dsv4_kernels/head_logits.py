@@ -16,7 +16,10 @@ fp32 GEMM's result up to summation order, while w is read once.
 
 Tiles are computed transposed, out^T [BLOCK_V, BLOCK_M] = w_tile [BLOCK_V, BLOCK_K] @ y_tile^T: the
 vocabulary fills the MMA's 64-row side and a decode batch its N side (16). The wrapper sets EVEN_K when
-K is a multiple of BLOCK_K (K = 4096 for the real model), dropping the K masks. Under the Triton
+K is a multiple of BLOCK_K (K = 4096 for the real model), dropping the K masks. A narrow product (the
+compressors' [wkv; wgate], 512-2,048 rows: model/compressor.py) has too few vocabulary tiles to keep the
+GPU's SMs reading: `split_k` > 1 gives each tile's K to that many programs in the one launch, their fp32
+sums added in split order by the last to arrive (split_k.py; `pick_split_k`). Under the Triton
 interpreter the tiles are fp32 holding the bf16 values (DOT_FP32; toolchain.md: bf16 dots are wrong
 there); the interpreter's fp32 -> bf16 casts truncate instead of rounding, which keeps the split exact
 (each part then takes exactly the next 8 bits).
@@ -29,6 +32,7 @@ import triton
 import triton.language as tl
 
 from dsv4_kernels.outputs import output_buffer
+from dsv4_kernels.split_k import _split_arrive, _split_sum, split_counters, unsplit_args
 
 BLOCK_V = 128
 # under the Triton interpreter each program costs milliseconds of Python whatever its size: 2048 vocabulary
@@ -36,6 +40,10 @@ BLOCK_V = 128
 # not depend on the tile's vocabulary width) and take whole-model CPU tests minutes less
 INTERPRETER_BLOCK_V = 2048
 BLOCK_K = 64  # 3 pipeline stages of a [128, 64] bf16 weight tile and a [64, BLOCK_M] fp32 y tile fit sm_120
+# split K until a launch has about this many programs (an H200 has 132 SMs, an RTX 5090 170): unmeasured, an
+# assumption from the FP8 projections' measured splits (tuned/NVIDIA_H200.json: 8-16 tiles took 8-16 splits)
+SPLIT_TARGET_PROGRAMS = 128
+MAX_SPLIT_K = 8
 
 
 def interpreting() -> bool:
@@ -48,19 +56,25 @@ def head_logits_kernel(
     y_ptr,
     w_ptr,
     out_ptr,
+    part_ptr,
+    count_ptr,
     M,
     V,
     K,
     stride_ym,
     stride_wv,
     stride_om,
+    stride_ps,
     BLOCK_M: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    SPLIT_K: tl.constexpr = 1,
 ):
-    """One [BLOCK_M rows, BLOCK_V vocabulary] tile of the logits, computed transposed."""
+    """One [BLOCK_M rows, BLOCK_V vocabulary] tile of the logits, computed transposed; with SPLIT_K > 1 program
+    axis 2 takes K / SPLIT_K and the tile's last split to arrive adds the parts (part_ptr [SPLIT_K, M, V]
+    fp32, count_ptr one counter a tile) and stores the tile."""
     pid_v = tl.program_id(0)
     pid_m = tl.program_id(1)
     offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -71,7 +85,12 @@ def head_logits_kernel(
     w_ptrs = w_ptr + offs_v.to(tl.int64)[:, None] * stride_wv + offs_k[None, :]  # [BV, BK]
     y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_k[:, None]  # [BK, BM]: y^T
     acc = tl.zeros((BLOCK_V, BLOCK_M), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_lo = 0
+    k_hi = K
+    if SPLIT_K > 1:
+        k_lo = tl.program_id(2) * (K // SPLIT_K)
+        k_hi = k_lo + K // SPLIT_K
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         w_mask = v_ok[:, None]
         y_mask = m_ok[None, :]
         if not EVEN_K:
@@ -93,8 +112,15 @@ def head_logits_kernel(
             acc = tl.dot(w, lo, acc)  # the smallest part first
             acc = tl.dot(w, mid, acc)
             acc = tl.dot(w, hi, acc)
+    o_mask = v_ok[:, None] & m_ok[None, :]
     o_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_om + offs_v[:, None]  # M x V passes 2^31 at 16,612 rows
-    tl.store(o_ptrs, acc, mask=v_ok[:, None] & m_ok[None, :])
+    if SPLIT_K > 1:
+        p_ptrs = part_ptr + offs_m.to(tl.int64)[None, :] * V + offs_v[:, None]
+        tl.store(p_ptrs + tl.program_id(2) * stride_ps, acc, mask=o_mask)
+        if _split_arrive(count_ptr, pid_m * tl.num_programs(0) + pid_v, SPLIT_K):
+            tl.store(o_ptrs, _split_sum(p_ptrs, o_mask, stride_ps, SPLIT_K), mask=o_mask)
+    else:
+        tl.store(o_ptrs, acc, mask=o_mask)
 
 
 def pick_block_m(m: int, batch_invariant: bool = False) -> int:
@@ -106,11 +132,25 @@ def pick_block_m(m: int, batch_invariant: bool = False) -> int:
     return 16 if batch_invariant or m <= 16 else 32
 
 
+def pick_split_k(tiles: int, k: int) -> int:
+    """The K split for a launch of `tiles` output tiles: doubled while the programs stay within
+    SPLIT_TARGET_PROGRAMS, up to MAX_SPLIT_K, each split a whole number of BLOCK_K steps of K."""
+    split = 1
+    while split < MAX_SPLIT_K and tiles * split * 2 <= SPLIT_TARGET_PROGRAMS and k % (2 * split * BLOCK_K) == 0:
+        split *= 2
+    return split
+
+
 def head_logits(
-    y: torch.Tensor, w: torch.Tensor, block_m: int | None = None, out: torch.Tensor | None = None
+    y: torch.Tensor,
+    w: torch.Tensor,
+    block_m: int | None = None,
+    out: torch.Tensor | None = None,
+    split_k: int | None = None,
 ) -> torch.Tensor:
     """See the module contract. `out` ([M, V] fp32, unit column stride) receives the stores (tests pass
-    a NaN-poisoned view)."""
+    a NaN-poisoned view). `split_k`: K split over that many programs a tile (default `pick_split_k`; 1 under
+    the interpreter, whose programs cost time whatever their size); it must divide K in BLOCK_K steps."""
     m, k = y.shape
     v, k_w = w.shape
     if y.dtype != torch.float32 or w.dtype != torch.bfloat16 or k_w != k:
@@ -123,22 +163,35 @@ def head_logits(
         return out
     bm = block_m or pick_block_m(m)
     block_v = INTERPRETER_BLOCK_V if interpreting() else BLOCK_V
-    grid = (triton.cdiv(v, block_v), triton.cdiv(m, bm))
+    tiles = triton.cdiv(v, block_v) * triton.cdiv(m, bm)
+    if split_k is None:
+        split_k = 1 if interpreting() else pick_split_k(tiles, k)
+    if split_k < 1 or (split_k > 1 and k % (split_k * BLOCK_K)):
+        raise ValueError(f"split_k {split_k} x BLOCK_K {BLOCK_K} must divide K={k}")
+    part, counters = unsplit_args(y.device)
+    if split_k > 1:
+        part = torch.empty((split_k, m, v), dtype=torch.float32, device=y.device)
+        counters = split_counters(tiles, y.device)
+    grid = (triton.cdiv(v, block_v), triton.cdiv(m, bm), split_k)
     head_logits_kernel[grid](
         y,
         w,
         out,
+        part,
+        counters,
         m,
         v,
         k,
         y.stride(0),
         w.stride(0),
         out.stride(0),
+        part.stride(0),
         BLOCK_M=bm,
         BLOCK_V=block_v,
         BLOCK_K=BLOCK_K,
         EVEN_K=k % BLOCK_K == 0,
         DOT_FP32=interpreting(),
+        SPLIT_K=split_k,
     )
     return out
 
@@ -147,19 +200,23 @@ _SIG = {
     "y_ptr": "*fp32",
     "w_ptr": "*bf16",
     "out_ptr": "*fp32",
+    "part_ptr": "*fp32",
+    "count_ptr": "*i32",
     "M": "i32",
     "V": "i32",
     "K": "i32",
     "stride_ym": "i32",
     "stride_wv": "i32",
     "stride_om": "i32",
+    "stride_ps": "i32",
     "BLOCK_M": "constexpr",
     "BLOCK_V": "constexpr",
     "BLOCK_K": "constexpr",
     "EVEN_K": "constexpr",
     "DOT_FP32": "constexpr",
+    "SPLIT_K": "constexpr",
 }
-_GPU = {"BLOCK_V": BLOCK_V, "BLOCK_K": BLOCK_K, "EVEN_K": True, "DOT_FP32": False}
+_GPU = {"BLOCK_V": BLOCK_V, "BLOCK_K": BLOCK_K, "EVEN_K": True, "DOT_FP32": False, "SPLIT_K": 1}
 # multiples of 16 at DeepSeek-V4-Flash's dims: V = 129280, K = 4096 and the row strides equal to them;
 # not M
 ALIGNED_INTS = ("V", "K", "stride_ym", "stride_wv", "stride_om")
@@ -168,4 +225,6 @@ ALIGNED_INTS = ("V", "K", "stride_ym", "stride_wv", "stride_om")
 COMPILE_CONFIGS = (
     ("decode", _SIG, {**_GPU, "BLOCK_M": 16}),
     ("batch", _SIG, {**_GPU, "BLOCK_M": 32}),
+    # the compressors' projection at decode: 4-16 tiles, K 4096 split 8 (pick_split_k)
+    ("narrow_split8", _SIG, {**_GPU, "BLOCK_M": 16, "SPLIT_K": 8}),
 )

@@ -255,6 +255,33 @@ def test_project_is_the_two_projections_and_follows_reloaded_weights() -> None:
     check()
 
 
+def test_projection_on_the_head_kernel_holds_bf16_and_meets_the_fp32_bound(caplog) -> None:
+    """compressor=triton: `prepare` holds [wkv; wgate] in bf16 (weights rounded as a checkpoint stores them),
+    the weights become bf16 views of it (the fp32 copies freed), and both the kernel (head_logits: exact
+    products) and the torch path on the same module stay within the fp32 summation bound of the exact
+    product. Weights that are not exact in bf16 keep the fp32 projection on torch, with a warning."""
+    comp, _ = _compressor(4, False, seed=3)
+    with torch.no_grad():
+        for w in (comp.wkv.weight, comp.wgate.weight):
+            w.copy_(w.to(torch.bfloat16).float())
+    backends = KernelBackends(compressor="triton")
+    comp.prepare(backends)
+    fused = comp._fused_weight()
+    assert fused.dtype == comp.wkv.weight.dtype == comp.wgate.weight.dtype == torch.bfloat16
+    assert comp.wkv.weight.data_ptr() == fused.data_ptr()
+    x = torch.randn(5, fused.shape[1]) * torch.logspace(-2, 1, fused.shape[1])
+    kernel_num = dataclasses.replace(NUMERICS_OFF, batch_invariant=False, backends=backends)
+    for num in (kernel_num, NUMERICS_OFF):
+        for got, w in zip(comp.project(x, num), (comp.wkv.weight, comp.wgate.weight)):
+            w = w.detach().double()
+            bound = 2 * x.shape[1] * 2.0**-24 * (x.double().abs() @ w.abs().T)
+            assert got.dtype == torch.float32 and bool(((got.double() - x.double() @ w.T).abs() <= bound).all())
+    inexact, _ = _compressor(4, False, seed=4)
+    with caplog.at_level("WARNING", logger="dsv4serve.model.compressor"):
+        inexact.prepare(backends)
+    assert inexact._fused_weight().dtype == torch.float32 and "not exact in bf16" in caplog.text
+
+
 def test_wrapper_refuses_what_it_cannot_run() -> None:
     p = _problem(4, 32, [3], seed=2)
     shape = p.pop("entries_shape")

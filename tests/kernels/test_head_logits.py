@@ -91,3 +91,30 @@ def test_bad_operands_are_refused() -> None:
     with pytest.raises(ValueError, match="out must be"):
         head_logits(y, w, out=torch.empty(2, 15))
     assert head_logits(y[:0], w).shape == (0, 16)
+
+
+@pytest.mark.parametrize("split", [2, 4])
+def test_split_k_meets_the_same_bound_and_leaves_its_counters_at_zero(split: int) -> None:
+    """K split over programs in one launch (the compressors' narrow projection takes it): the same exact
+    products, the parts added in split order, so the same bound; the arrival counters end at 0."""
+    from dsv4_kernels.split_k import split_counters
+
+    y, w = _operands(3, 300, 256, seed=split)
+    out = into_poisoned((3, 300), torch.float32, lambda out: head_logits(y, w, None, out, split_k=split))
+    assert not torch.isnan(out).any()
+    assert ((out.double() - y.double() @ w.double().t()).abs() <= _bound(y, w)).all()
+    assert int(split_counters(1, y.device).abs().sum()) == 0
+
+
+def test_split_k_must_divide_k_in_blocks() -> None:
+    y, w = _operands(1, 64, 200, seed=1)
+    with pytest.raises(ValueError, match="split_k 2"):
+        head_logits(y, w, split_k=2)
+
+
+def test_pick_split_k_fills_the_gpu_for_narrow_products_only() -> None:
+    from dsv4_kernels.head_logits import pick_split_k
+
+    assert pick_split_k(1010, 4096) == 1  # the real head: 1,010 vocabulary tiles
+    assert pick_split_k(16, 4096) == 8 and pick_split_k(4, 4096) == 8  # the compressors: 2,048 / 512 rows
+    assert pick_split_k(16, 192) == 1  # 3 K blocks: no even split

@@ -48,11 +48,14 @@ CHUNKS = ((24, 16), (17, 16))  # each row's prefill chunks, run batched chunk by
 DECODE_STEPS = 3
 CACHE_FIELDS = ("entries", "pending_kv", "pending_score", "prev_kv", "prev_score")
 LAYER_TOL = 2.0**-6  # relative to the largest magnitude of the compared tensor: two to four bf16 ulps
-# whole run, every kernel on Triton (measured: 91% greedy agreement, mean gap 4% of the mean logit, 80% of pool
-# values equal; a wrong key, entry, expert or scale breaks all three)
+# whole run, every kernel on Triton (measured: 91% greedy agreement, mean gap 4% of the mean logit, 81.5% of pool
+# values within POOL_REL of torch's, before and after the compressors' projection moved to the head kernel, which
+# left 62% bit-equal where 77% were: its fp32 sums run in another order, and the compressors' fp32 carry rows
+# keep every last bit; a wrong key, entry, expert or scale breaks all three)
 MIN_GREEDY_AGREEMENT = 0.8
 MAX_MEAN_LOGIT_GAP = 0.1  # relative to the mean |logit|
-MIN_POOL_EQUAL = 0.7  # a broken layer 0 leaves only never-written zeros and layer 0 equal (~30%)
+POOL_REL = 2.0**-7  # a bf16 pool entry's own step
+MIN_POOL_CLOSE = 0.75  # a broken layer 0 leaves only never-written zeros and layer 0 equal (~30%)
 # the kernels' numerics in a worker (worker/model_load.worker_numerics refuses Triton with --batch-invariant)
 ENGINE = dataclasses.replace(NUMERICS_ON, batch_invariant=False)
 HC_OUTPUTS = {"hc_pre": ("x", "post", "comb"), "hc_post": ("new",), "hc_head": ("x",)}
@@ -215,8 +218,8 @@ def test_all_kernels_on_triton(tiny_model):
     mean_gap = ((got - want).abs().mean() / want.abs().mean()).item()
     assert agreement >= MIN_GREEDY_AGREEMENT and mean_gap <= MAX_MEAN_LOGIT_GAP, (agreement, mean_gap)
     pairs = [(g, w) for gl, wl in zip(pool.layers, ref_pool.layers) for g, w in zip(gl.tensors(), wl.tensors())]
-    equal = sum(int((g == w).sum()) for g, w in pairs) / sum(w.numel() for _, w in pairs)
-    assert equal >= MIN_POOL_EQUAL, equal
+    close = sum(int(((g.float() - w.float()).abs() <= POOL_REL * w.float().abs()).sum()) for g, w in pairs)
+    assert close / sum(w.numel() for _, w in pairs) >= MIN_POOL_CLOSE, close / sum(w.numel() for _, w in pairs)
     assert all(torch.equal(g, w) for g, w in zip(pool.layers[0].tensors(), ref_pool.layers[0].tensors())), (
         "layer 0 (window only) reads no other layer's output: its pool must be equal"
     )

@@ -17,7 +17,7 @@ from dsv4_kernels.fp8_gemm_ref import act_quant_fp8_ref
 from dsv4serve.checkpoint.loader import iter_dense, open_checkpoint
 from dsv4serve.experts.attach import attach_expert_cache, iter_resident_dense
 from dsv4serve.experts.slot_cache import PART_ORDER, ExpertSlotCache
-from dsv4serve.memory.weights import device_bytes, held_bf16, weight_bytes
+from dsv4serve.memory.weights import COMPRESSOR_BF16, device_bytes, held_bf16, weight_bytes
 from dsv4serve.model.args import read_model_args
 from dsv4serve.model.backends import TORCH, KernelBackends
 from dsv4serve.model.layers import Linear
@@ -109,16 +109,20 @@ def test_all_torch_estimate_is_the_dense_model(ckpt, dense):
     """With every kernel on torch the packed path loads everything dense: the estimate must then be the
     dense model's own bytes, less the packed copies use_kernels added to it and less half of the fp32
     tensors the packed path holds in bf16 (the embedding and every wo_a), plus what use_kernels saved by
-    holding the head in bf16 (head=triton; with every kernel on torch the packed path keeps it fp32)."""
+    holding the head and the compressors' wkv / wgate in bf16 (head / compressor = triton; with every kernel
+    on torch the packed path keeps them fp32)."""
     packed_copies = sum(t.numel() * t.element_size() for n, t in dense.named_buffers() if "_fp" in n)
     halved = [n for n, _ in dense.named_parameters() if held_bf16(n, TORCH)]
     assert "embed.weight" in halved and sum(n.endswith(".attn.wo_a.weight") for n in halved) == 5  # 4 layers + MTP
     bf16_saved = sum(t.numel() * 2 for n, t in dense.named_parameters() if held_bf16(n, TORCH))
     assert dense.head.weight.dtype == torch.bfloat16 and not held_bf16("head.weight", TORCH)
     head_saved = dense.head.weight.numel() * 2
+    compressors = [t for n, t in dense.named_parameters() if n.endswith(COMPRESSOR_BF16)]
+    assert len(compressors) == 2 * 5 and all(t.dtype == torch.bfloat16 for t in compressors)  # 5 compressors
+    compressor_saved = sum(t.numel() * 2 for t in compressors)
     assert (
         device_bytes(ckpt.specs, ckpt.args, TORCH, include_mtp=True).total_bytes
-        == _nbytes(dense) - packed_copies - bf16_saved + head_saved
+        == _nbytes(dense) - packed_copies - bf16_saved + head_saved + compressor_saved
     )
 
 
@@ -204,11 +208,12 @@ def test_triton_and_torch_slot_cache_paths_agree_per_layer(ckpt):
 def test_real_checkpoint_device_bytes(real_model_dir):
     """DeepSeek-V4-Flash, every kernel on Triton, no MTP, from the schema (the real tensor list matches it:
     tests/unit/test_real_checkpoint_list.py). The routed experts stay as stored: exactly the memory
-    plan's 137.06 GiB. The rest is 10.24 GiB, not the plan's 8.24 GiB of stored bytes, because the model
+    plan's 137.06 GiB. The rest is 9.68 GiB, not the plan's 8.24 GiB of stored bytes, because the model
     runs wo_a dequantized (FP8 stored; held in bf16: 43 x 8192 x 4096 at 2 bytes instead of 1, +1.34
-    GiB) and holds the bf16 compressor, indexer and router weights in fp32 (+0.66 GiB); the embedding and
-    the head are held in bf16 as stored (with head=torch the head would be fp32: +0.99 GiB), the FP8
-    projections on the kernel keep their stored bytes."""
+    GiB) and holds the bf16 indexer and router weights in fp32 (+0.10 GiB); the embedding, the head and the
+    compressors' wkv / wgate are held in bf16 as stored (with head=torch the head would be fp32: +0.99
+    GiB; with compressor=torch the 124 compressor weights: +0.57 GiB), the FP8 projections on the kernel
+    keep their stored bytes."""
     args = read_model_args(real_model_dir)
     specs = checkpoint_schema(args)
     plan = weight_bytes(specs, args)
@@ -216,8 +221,12 @@ def test_real_checkpoint_device_bytes(real_model_dir):
     assert got.routed_expert_bytes == plan.routed_expert_bytes and got.mtp_bytes == 0
     wo_a = 43 * (8192 * 4096 * (2 - 1) - 64 * 32)  # bf16 instead of e4m3 + its e8m0 scales
     rest = got.non_expert_bytes - plan.non_expert_bytes - wo_a
-    assert rest == pytest.approx(0.66 * GIB, rel=0.01)
-    assert got.non_expert_bytes == pytest.approx(10.24 * GIB, rel=1e-3)
+    assert rest == pytest.approx(0.095 * GIB, rel=0.01)
+    assert got.non_expert_bytes == pytest.approx(9.68 * GIB, rel=1e-3)
     head_on_torch = device_bytes(specs, args, dataclasses.replace(ALL_TRITON, head="torch"), include_mtp=False)
     assert head_on_torch.non_expert_bytes - got.non_expert_bytes == 129280 * 4096 * (4 - 2)
+    compressor_on_torch = device_bytes(specs, args, dataclasses.replace(ALL_TRITON, compressor="torch"), False)
+    compressors = [s for s in specs if s.name.endswith(COMPRESSOR_BF16) and s.layer < args.n_layers]
+    assert len(compressors) == 124  # 21 CSA layers x 4 (compressor and indexer) + 20 HCA layers x 2
+    assert compressor_on_torch.non_expert_bytes - got.non_expert_bytes == sum(s.nbytes for s in compressors)
     assert device_bytes(specs, args, ALL_TRITON, include_mtp=True).mtp_bytes == pytest.approx(3.38 * GIB, rel=1e-3)
