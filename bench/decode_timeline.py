@@ -54,15 +54,19 @@ def timeline(p: ds.DecodeProjection) -> str:
     return format_table(["term", "lane", "ms", "detail"], rows)
 
 
-def required_cpu_gbps(b: ds.DecodeBytes, slots: int, bw: ds.Bandwidths, target: float) -> float | None:
-    """The CPU expert GB/s (host x efficiency) at which hybrid reaches `target` tokens/s; None above 1 TB/s."""
-    lo, hi = 0.1, 1000.0
-    if ds.project_decode(b, slots, ds.Bandwidths(bw.gpu_gbps, bw.h2d_gbps, hi, 1.0)).tokens_per_second < target:
+def with_host(bw: ds.Bandwidths, host_gbps: float) -> ds.Bandwidths:
+    return ds.Bandwidths(bw.gpu_gbps, bw.h2d_gbps, host_gbps, bw.cpu_efficiency)
+
+
+def required_host_gbps(b: ds.DecodeBytes, slots: int, bw: ds.Bandwidths, target: float) -> float | None:
+    """The host memory GB/s (CPU experts at bw's efficiency of it) at which hybrid reaches `target` tokens/s
+    with uniform hits; None above 2 TB/s."""
+    lo, hi = 0.1, 2000.0
+    if ds.project_decode(b, slots, with_host(bw, hi)).tokens_per_second < target:
         return None
     for _ in range(60):
         mid = (lo + hi) / 2
-        p = ds.project_decode(b, slots, ds.Bandwidths(bw.gpu_gbps, bw.h2d_gbps, mid, 1.0))
-        lo, hi = (mid, hi) if p.tokens_per_second < target else (lo, mid)
+        lo, hi = (mid, hi) if ds.project_decode(b, slots, with_host(bw, mid)).tokens_per_second < target else (lo, mid)
     return hi
 
 
@@ -97,7 +101,7 @@ def run(ns: argparse.Namespace) -> dict:
         "projections": {k: p.to_json() for k, p in head.items()} | {"hybrid eager": eager.to_json()},
         "grid_tokens_s": {f"{h:g} GB/s x {e:g}": v for (h, e), v in grid.items()},
         "target_tokens_s": TARGET_TOKENS_S,
-        "required_cpu_expert_gbps": required_cpu_gbps(b, slots, bw, TARGET_TOKENS_S),
+        "required_host_gbps": required_host_gbps(b, slots, bw, TARGET_TOKENS_S),
         "required_hit_rate": required_hit_rate(b, slots, bw, TARGET_TOKENS_S),
         "freetoken": {
             "measured_tokens_s": FREETOKEN_TOKENS_S,
@@ -125,12 +129,16 @@ def report(r: dict, ns: argparse.Namespace) -> str:
     ]
     rows = [[f"{host:g} GB/s", *(f"{grid[(host, e)]:.1f}" for e in ns.grid_efficiency)] for host in ns.grid_host]
     lines.append(format_table(["host", *(f"x {e:g}" for e in ns.grid_efficiency)], rows))
-    need_cpu, need_hits = r["required_cpu_expert_gbps"], r["required_hit_rate"]
+    need_host, need_hits = r["required_host_gbps"], r["required_hit_rate"]
     ft = r["freetoken"]
     lines += [
         "",
         f"target {TARGET_TOKENS_S:g} tokens/s (issue 18; FreeToken {FREETOKEN_TOKENS_S[0]}-{FREETOKEN_TOKENS_S[1]}): "
-        + (f"needs CPU experts at {need_cpu:.0f} GB/s" if need_cpu else "out of reach at any CPU rate")
+        + (
+            f"needs host memory at {need_host:.0f} GB/s (CPU experts at {ns.cpu_efficiency:g} of it)"
+            if need_host
+            else "out of reach at any host memory rate"
+        )
         + f" with uniform hits ({h.hits_per_token:.1f} of 258), or "
         + (f"a slot hit rate of {100 * need_hits:.0f}%" if need_hits else "no hit rate")
         + f" at {ns.host_bandwidth:g} x {ns.cpu_efficiency:g} GB/s",

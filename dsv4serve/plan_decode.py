@@ -151,7 +151,7 @@ def format_decode_plan(data: dict[str, Any], projections: dict[str, ds.DecodePro
     if "hybrid" in projections:
         h = projections["hybrid"]
         lines.append(
-            f"- hybrid: {100 * h.cpu_fraction:.0f}% of the misses on the CPU (the split with the shortest step); "
+            f"- hybrid: {100 * h.cpu_fraction:.0f}% of the misses on the CPU (the split that balances its lanes); "
             f"its MoE phase is bound by {h.bound_by}"
         )
     lines.append("- a step is the serial terms plus the slowest MoE lane (each layer waits for its router)")

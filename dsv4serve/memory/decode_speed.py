@@ -15,13 +15,21 @@ Model of one batch-1 decode step (every constant below names its source or says 
 - Each miss is either copied over PCIe into a slot (h2d bandwidth), then read by the GPU, or computed on the
   CPU from host memory (host bandwidth x cpu_efficiency: kt-kernel's streaming rate over the weights). The
   two run in parallel with the GPU's expert work, but only after the layer's router has run: per layer,
-  time = attention part + max(GPU experts, PCIe copies, CPU experts). Summed over identical layers that is
-  the same expression over the whole step. The CPU fraction of the misses is chosen to minimise it.
+  time = attention part + max(GPU experts, PCIe copies, CPU experts, host memory). Summed over identical
+  layers that is the same expression over the whole step. The CPU fraction of the misses is the one that
+  balances the first three lanes (chosen to minimise the step).
+- Host memory is one resource for both ways of serving a miss: a copy's DMA reads the expert from host memory
+  as the CPU's GEMV does, so every miss's bytes cross the host's memory bus once whichever lane takes it, and
+  the `host memory` lane (all misses' bytes at host bandwidth) bounds the two together: PCIe's 50 GB/s beside
+  a CPU's 40 cannot move 90 GB/s out of 80 GB/s of DDR5 (first-order: each lane keeps its own cap, and the
+  sum of their reads is capped by the host's).
 - A hybrid step hands each MoE layer's hidden state to the CPU and its output back: HANDOFF_SECONDS per layer.
 - Launch overhead: CENSUS_LAUNCHES_PER_STEP launches x a per-launch gap (replayed CUDA graph or eager), added:
   at batch 1 most decode kernels run shorter than a launch, so the GPU waits for each.
 Not modelled: speculative decoding (MTP), pageable copies beyond the pin budget (give the lower
---h2d-bandwidth), PCIe and CPU contention with each other, and a KV cache that is not bf16.
+--h2d-bandwidth; their staging memcpy also reads and writes host memory a second time), the CPU's own
+contention with the copies beyond the shared cap (cache, memory controller queues), and a KV cache that is
+not bf16.
 """
 
 from __future__ import annotations
@@ -110,6 +118,10 @@ class Bandwidths:
     def cpu_expert_bps(self) -> float:
         return self.host_gbps * GB * self.cpu_efficiency
 
+    @property
+    def host_bps(self) -> float:
+        return self.host_gbps * GB
+
 
 @dataclass(frozen=True)
 class Term:
@@ -126,7 +138,7 @@ class DecodeProjection:
     misses_per_token: float
     cpu_fraction: float  # of the misses, computed on the CPU
     serial: tuple[Term, ...]  # run one after another on the GPU's stream
-    parallel: tuple[Term, ...]  # the MoE phase's three lanes: the step waits for the slowest
+    parallel: tuple[Term, ...]  # the MoE phase's lanes: the step waits for the slowest
     notes: tuple[str, ...] = field(default=())
 
     @property
@@ -277,11 +289,12 @@ def project_decode(
     miss_bytes = misses * b.expert_bytes
     shared_hit_s = (b.shared_expert_bytes + hits * b.expert_bytes) / gpu
     fetched_gpu_s, pcie_s, cpu_s = miss_bytes / gpu, miss_bytes / (bw.h2d_gbps * GB), miss_bytes / bw.cpu_expert_bps
+    host_s = miss_bytes / bw.host_bps  # every miss read once from host memory, by the copy's DMA or the CPU
     f = best_cpu_fraction(shared_hit_s, fetched_gpu_s, pcie_s, cpu_s) if backend == "hybrid" and misses else 0.0
     handoff_s = b.n_moe_layers * HANDOFF_SECONDS if f > 0 else 0.0
     if f > 0:  # the handoff is paid only by a step that uses the CPU: compare with fetching everything
-        cpu_used = shared_hit_s + fetched_gpu_s * (1 - f), pcie_s * (1 - f), cpu_s * f
-        if max(cpu_used) + handoff_s >= max(shared_hit_s + fetched_gpu_s, pcie_s):
+        cpu_used = shared_hit_s + fetched_gpu_s * (1 - f), pcie_s * (1 - f), cpu_s * f, host_s
+        if max(cpu_used) + handoff_s >= max(shared_hit_s + fetched_gpu_s, pcie_s, host_s):
             f, handoff_s = 0.0, 0.0
     mb, fetched = 1e6, misses * (1 - f)
     parallel = (
@@ -298,6 +311,12 @@ def project_decode(
             f"{misses * f:.1f} misses at {bw.host_gbps:g} GB/s x {bw.cpu_efficiency:g} = "
             f"{bw.cpu_expert_bps / GB:.1f} GB/s",
         ),
+        Term(
+            "host memory",
+            host_s,
+            f"{misses:.1f} misses x {b.expert_bytes / mb:.2f} MB read at {bw.host_gbps:g} GB/s "
+            "(copies and CPU share it)",
+        ),
     )
     if hit_rate is None:
         note = (
@@ -306,5 +325,12 @@ def project_decode(
         )
     else:
         note = f"hits: {b.expert_uses} uses x {hit_rate:g} (hit rate given) = {hits:.2f} per token"
+    notes = [note]
+    if misses and host_s >= max(t.seconds for t in parallel) * 0.999:
+        notes.append(
+            f"host memory binds the MoE phase: each miss is read from host memory once, by a copy's DMA or by the "
+            f"CPU, {miss_bytes / GB:.2f} GB a token at {bw.host_gbps:g} GB/s whichever lane takes it; only more "
+            "slot hits (more slots, skewed routing) or a faster host memory (more channels) raise it"
+        )
     serial = _serial_terms(b, gpu, cuda_graphs, handoff_s)
-    return DecodeProjection(backend, cuda_graphs, hits, misses, f, serial, parallel, (note,))
+    return DecodeProjection(backend, cuda_graphs, hits, misses, f, serial, parallel, tuple(notes))

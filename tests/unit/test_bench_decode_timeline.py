@@ -39,9 +39,9 @@ def test_the_rates_it_says_the_target_needs_do_reach_it(timeline):
     args = read_model_args(REPO / "tests" / "data" / "DeepSeek-V4-Flash")
     b = ds.decode_bytes(checkpoint_schema(args), args, KernelBackends.every("triton"))
     slots, bw = r["slots"], ds.Bandwidths(1790.0, 50.0, 80.0, 0.5)
-    need_cpu, need_hits = r["required_cpu_expert_gbps"], r["required_hit_rate"]
-    at = ds.project_decode(b, slots, ds.Bandwidths(1790.0, 50.0, need_cpu, 1.0)).tokens_per_second
-    below = ds.project_decode(b, slots, ds.Bandwidths(1790.0, 50.0, need_cpu * 0.98, 1.0)).tokens_per_second
+    need_host, need_hits = r["required_host_gbps"], r["required_hit_rate"]
+    at = ds.project_decode(b, slots, ds.Bandwidths(1790.0, 50.0, need_host, 0.5)).tokens_per_second
+    below = ds.project_decode(b, slots, ds.Bandwidths(1790.0, 50.0, need_host * 0.98, 0.5)).tokens_per_second
     assert below < timeline.TARGET_TOKENS_S <= at + 1e-6
     assert ds.project_decode(b, slots, bw, hit_rate=need_hits).tokens_per_second >= timeline.TARGET_TOKENS_S - 1e-6
     assert ds.project_decode(b, slots, bw, hit_rate=need_hits - 0.01).tokens_per_second < timeline.TARGET_TOKENS_S

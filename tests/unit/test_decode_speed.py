@@ -50,14 +50,33 @@ def test_offload_pays_every_miss_over_pcie():
 
 
 def test_hybrid_splits_misses_so_pcie_and_cpu_finish_together():
-    p = project_decode(TOY, slots=100, bw=BW, backend="hybrid")
-    # PCIe 50 GB/s and the CPU 80 x 0.5 = 40 GB/s in parallel move 1.8 GB like one 90 GB/s link: 20 ms,
-    # with 40/90 of the misses on the CPU (each lane 20 ms)
+    # a host memory fast enough not to bind: 1000 GB/s, the CPU's GEMV at 0.04 of it = 40 GB/s
+    fast_host = Bandwidths(**{**vars(BW), "host_gbps": 1000, "cpu_efficiency": 0.04})
+    p = project_decode(TOY, slots=100, bw=fast_host, backend="hybrid")
+    # PCIe 50 GB/s and the CPU 40 GB/s in parallel move 1.8 GB like one 90 GB/s link: 20 ms,
+    # with 40/90 of the misses on the CPU (each lane 20 ms); host memory reads 1.8 GB at 1000 GB/s: 1.8 ms
     assert p.cpu_fraction == pytest.approx(40 / 90)
     lanes = {t.name: t.seconds / MS for t in p.parallel}
     assert lanes["PCIe copies"] == pytest.approx(20) and lanes["CPU experts"] == pytest.approx(20)
+    assert lanes["host memory"] == pytest.approx(1.8)
     assert p.bound_by == "PCIe copies = CPU experts"
     assert p.step_seconds / MS == pytest.approx(11 + LAUNCH_MS + HANDOFF_MS + 20)
+
+
+def test_copies_and_cpu_experts_share_the_host_memory():
+    # PCIe 50 + CPU 80 x 0.5 = 40 would move 1.8 GB in 20 ms, but both read the experts from the same
+    # 80 GB/s host memory: 1.8 GB / 80 GB/s = 22.5 ms binds the MoE phase
+    p = project_decode(TOY, slots=100, bw=BW, backend="hybrid")
+    lanes = {t.name: t.seconds / MS for t in p.parallel}
+    assert lanes["PCIe copies"] == pytest.approx(20) and lanes["CPU experts"] == pytest.approx(20)
+    assert lanes["host memory"] == pytest.approx(22.5)
+    assert p.bound_by == "host memory"
+    assert p.step_seconds / MS == pytest.approx(11 + LAUNCH_MS + HANDOFF_MS + 22.5)
+    # offload alone: PCIe's 36 ms binds, the host's 22.5 does not; a 30 GB/s host binds it at 60 ms
+    assert project_decode(TOY, 100, BW, "offload").bound_by == "PCIe copies"
+    slow_host = project_decode(TOY, 100, Bandwidths(**{**vars(BW), "host_gbps": 30}), "offload")
+    assert slow_host.bound_by == "host memory"
+    assert slow_host.step_seconds / MS == pytest.approx(11 + LAUNCH_MS + 60)
 
 
 def test_a_slow_gpu_lane_gets_the_cpu_share_that_balances_it():
@@ -147,9 +166,12 @@ def test_a_32gb_card_with_ddr5_is_projected_between_offload_and_a_perfect_link(r
     hybrid = project_decode(b, slots, Bandwidths(), "hybrid")
     misses_gb = (258 - 258 * slots / 11008) * b.expert_bytes / 1e9
     assert {t.name: t.seconds for t in offload.parallel}["PCIe copies"] == pytest.approx(misses_gb / 50)
-    # the CPU's 40 GB/s beside PCIe's 50: the MoE lanes move the misses at 90 GB/s
-    assert {t.name: t.seconds for t in hybrid.parallel}["CPU experts"] == pytest.approx(misses_gb / 90)
-    assert offload.tokens_per_second < hybrid.tokens_per_second < 1 / (misses_gb / 90)
+    # the CPU's 40 GB/s beside PCIe's 50 would move the misses at 90 GB/s, but the 80 GB/s DDR5 they both
+    # read from binds: every miss crosses it once
+    lanes = {t.name: t.seconds for t in hybrid.parallel}
+    assert lanes["CPU experts"] == pytest.approx(misses_gb / 90)
+    assert lanes["host memory"] == pytest.approx(misses_gb / 80) and hybrid.bound_by == "host memory"
+    assert offload.tokens_per_second < hybrid.tokens_per_second < 1 / (misses_gb / 80)
 
 
 def test_todays_kernel_efficiency_scales_the_gpu_terms_only():
