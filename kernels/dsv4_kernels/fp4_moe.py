@@ -150,8 +150,9 @@ def fp4_moe_gemm_kernel(
     tile's bytes loaded before this tile is decoded; SPLIT_K > 1, program axis 2 takes K / SPLIT_K, stores
     its fp32 sums into part_ptr ([SPLIT_K, routes, N (, N more for up)]) and the tile's last split to arrive
     (count_ptr: one counter a tile) adds them and finishes the tile (split_k.py); LATE_SCALE, per 32 channels
-    one dot of the weights decoded without their scale (e2m1 bits moved into fp16: no arithmetic per weight)
-    and the activations' e4m3 grid values, whose sums then take both scales (fp4_moe_tiles._late_scale_group).
+    one dot of the weights decoded without their scale (e2m1 bits moved into fp16 by two shifts and two masks
+    per pair of weights, the packed bytes read as 4-byte words) and the activations' e4m3 grid values, both
+    in one permuted K order, whose sums then take both scales (fp4_moe_tiles._late_scale_group).
     Every form's products are exact and only the fp32 order of the sums differs."""
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -346,6 +347,8 @@ def fp4_moe_gemm(
         out = output_buffer(out, (num_routes, n), store_dtype(), a.device)
         out_scale = out  # never written
     loop = loop or LoopForm()
+    if loop.late_scale and any(t.data_ptr() % 4 for t in (w, w3, sources[0], sources[2])):
+        raise ValueError("the late-scale loop reads the packed weights as 4-byte words: they must be 4-byte aligned")
     split = loop.split_k > 1
     if split and k % (loop.split_k * block_k):
         raise ValueError(f"split_k {loop.split_k} x block_k {block_k} must divide K={k}")

@@ -5,9 +5,10 @@
 - `_dequant_e2m1`, `_load_fp4_raw`, `_decode_fp4_joined` / `_decode_fp4_halves`: packed e2m1 codes and their
   e8m0 scale bytes, loaded, then decoded as one tile or its even / odd K halves -> exact fp32
   values (bf16 on a GPU: at most 2 significant bits, exact too).
-- `_e2m1_fp16`, `_decode_fp4_unscaled`, `_act_block_scale`, `_act_group`, `_late_scale_group`: the late-scale
-  K loop (fp4_moe.py's doc): unscaled fp16 weights and e4m3 grid values per 32 channels, the two scales
-  applied to the dot's sums.
+- `_e2m1_pair_bits`, `_halves_fp16`, `_decode_fp4_words`, `_act_block_scale`, `_act_group`, `_late_scale_group`:
+  the late-scale K loop (fp4_moe.py's doc): unscaled fp16 weights decoded from 4-byte words and e4m3 grid values
+  per 32 channels, both in the K order that lets a word's codes land in a thread's operand registers as pairs,
+  the two scales applied to the dot's sums.
 - `_pow2_scale` / `_round_to_e4m3` / `_quantize_rows`: the FP8 activation quantization of
   `fp8_gemm_ref.act_quant_fp8_ref` (per row per 128 channels, scale 2^ceil(log2(max(amax, 1e-4) / 448)),
   q = e4m3(v / scale), ties to even), reproduced exactly: the scale from amax's bits (amax = m 2^E,
@@ -97,20 +98,45 @@ def _decode_fp4_halves(packed, s_raw, DOT_FP32: tl.constexpr):
 
 
 @triton.jit
-def _e2m1_fp16(codes):
-    """e2m1 codes (int32, 0..15) -> fp16 holding value x 2^-14, exact: the code's sign, exponent and mantissa
-    bits moved to fp16's (e2m1's subnormal 0.5 lands on fp16's subnormal 2^-15: every code scales alike)."""
-    bits = ((codes & 7) << 9) | ((codes & 8) << 12)
-    return bits.to(tl.uint16).to(tl.float16, bitcast=True)
+def _e2m1_pair_bits(words, A: tl.constexpr):
+    """uint32 words of 8 e2m1 codes (code j in bits 4j..4j+3) -> uint32 holding the fp16 bits of codes A (low
+    half) and A + 4 (high half), each its value x 2^-14, exact: a code's sign, exponent and mantissa bits moved
+    to fp16's (e2m1's subnormal 0.5 lands on fp16's subnormal 2^-15: every code scales alike). Codes A and
+    A + 4 sit 16 bits apart, as the two halves do, so one shift places both: mantissa and exponent (bits 0-2
+    of a code) at fp16 bits 9-11, sign (bit 3) at bit 15; two shifts and two masks a pair."""
+    if A < 3:
+        mag = words << (9 - 4 * A)
+    else:
+        mag = words >> 3
+    if A < 3:
+        sign = words << (12 - 4 * A)
+    else:
+        sign = words
+    return (mag & 0x0E000E00) | (sign & 0x80008000)
 
 
 @triton.jit
-def _decode_fp4_unscaled(packed, DOT_FP32: tl.constexpr):
-    """Packed [BN, BK/2] bytes -> [BN, BK] fp16 (fp32 with DOT_FP32), each weight's e2m1 value x 2^-14 without
-    its scale (LATE_SCALE: the scale multiplies the dot's sums instead); low nibble = even K."""
-    packed = packed.to(tl.int32) & 0xFF
-    w = tl.join(_e2m1_fp16(packed & 0xF), _e2m1_fp16(packed >> 4))
-    w = tl.reshape(w, (packed.shape[0], 2 * packed.shape[1]))
+def _halves_fp16(pair):
+    """uint32 -> (its low, its high) 16 bits as fp16."""
+    lo = (pair & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
+    hi = (pair >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
+    return tl.join(lo, hi)
+
+
+@triton.jit
+def _decode_fp4_words(words, DOT_FP32: tl.constexpr):
+    """[BN, 4] uint32 words (one 32-channel group a row: code j of word q is channel 8q + j) -> [BN, 32] fp16
+    (fp32 with DOT_FP32), each weight's e2m1 value x 2^-14 without its scale (LATE_SCALE), in a permuted K
+    order: position 8a + 2q + t holds channel 8q + a + 4t, so that the pairs of K positions a thread holds in
+    the dot's operand are the fp16 pairs one word decodes to, with no shuffle (`_act_group` puts the
+    activations in the same order; the dot's sum takes any order of K that both operands share)."""
+    words = words.to(tl.uint32, bitcast=True)  # logical shifts
+    p0 = _halves_fp16(_e2m1_pair_bits(words, 0))  # [BN, 4 (q), 2 (t)]: codes (0, 4) of each word
+    p1 = _halves_fp16(_e2m1_pair_bits(words, 1))
+    p2 = _halves_fp16(_e2m1_pair_bits(words, 2))
+    p3 = _halves_fp16(_e2m1_pair_bits(words, 3))
+    w = tl.join(tl.join(p0, p2), tl.join(p1, p3))  # [BN, q, t, s1, s2]: code a + 4t, a = 2 s1 + s2
+    w = tl.reshape(tl.permute(w, (0, 3, 4, 1, 2)), (words.shape[0], 32))  # position 16 s1 + 8 s2 + 2 q + t
     if DOT_FP32:
         w = w.to(tl.float32)
     return w
@@ -324,6 +350,8 @@ def _act_group(
     else:
         q = a
     q = q.to(tl.float32) if DOT_FP32 else q.to(tl.float16)
+    # channel 8 w + 4 t + a -> K position 8 a + 2 w + t (`_decode_fp4_words`' order)
+    q = tl.reshape(tl.permute(tl.reshape(q, (q.shape[0], 4, 2, 4)), (0, 3, 1, 2)), (q.shape[0], 32))
     return tl.trans(q)
 
 
@@ -338,12 +366,13 @@ def _late_scale_group(
     live = n_ok
     if not EVEN_K:
         live = live & (kg < K)
-    packed = tl.load(
-        w_base + src * stride_we + offs_n[:, None] * stride_wn + kg // 2 + tl.arange(0, 16)[None, :],
+    words_base = (w_base + src * stride_we).to(tl.pointer_type(tl.uint32))  # 4-byte aligned: fp4_moe.py checks
+    words = tl.load(
+        words_base + offs_n[:, None] * (stride_wn // 4) + kg // 8 + tl.arange(0, 4)[None, :],
         mask=live[:, None],
         other=0,
     )
     s_raw = tl.load(ws_base + src * stride_wse + offs_n * stride_wsn + kg // 32, mask=live, other=0)
     w_scale = ((s_raw.to(tl.int32) & 0xFF) << 23).to(tl.float32, bitcast=True)  # 2^(byte-127)
-    part = tl.dot(_decode_fp4_unscaled(packed, DOT_FP32), a_g)
+    part = tl.dot(_decode_fp4_words(words, DOT_FP32), a_g)
     return acc + part * (w_scale[:, None] * factor[None, :])
