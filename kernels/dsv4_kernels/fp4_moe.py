@@ -187,20 +187,25 @@ def fp4_moe_gemm_kernel(
     if LATE_SCALE:  # per 32 channels: the unscaled weights' dot, then both scales on its sums
         for k0 in range(k_lo, k_hi, BLOCK_K):
             a_sc, a_inv = _act_block_scale(a_ptr, a_scale_ptr, a_rows, row_ok, k0, K, stride_am, stride_asm, QUANT_A)
-            factor = a_sc * E2M1_IN_FP16
+            factor = a_sc * E2M1_IN_FP16  # the trip's activation block scale, taken once by its sums
+            trip = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            trip3 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             for g in tl.static_range(BLOCK_K // 32):
                 a_g = _act_group(
                     a_ptr, a_rows, row_ok, k0 + 32 * g, K, stride_am, a_inv, QUANT_A, EVEN_K, ROUND_BITS, DOT_FP32
                 )
-                acc = _late_scale_group(
+                trip = _late_scale_group(
                     w_base, ws_base, src, stride_we, stride_wse, offs_n, n_ok, stride_wn, stride_wsn, k0 + 32 * g, K,
-                    a_g, factor, acc, EVEN_K, DOT_FP32,
+                    a_g, trip, EVEN_K, DOT_FP32,
                 )  # fmt: skip
                 if GATE_UP:
-                    acc3 = _late_scale_group(
+                    trip3 = _late_scale_group(
                         w3_base, w3s_base, src, stride_we, stride_wse, offs_n, n_ok, stride_wn, stride_wsn,
-                        k0 + 32 * g, K, a_g, factor, acc3, EVEN_K, DOT_FP32,
+                        k0 + 32 * g, K, a_g, trip3, EVEN_K, DOT_FP32,
                     )  # fmt: skip
+            acc = acc + trip * factor[None, :]
+            if GATE_UP:
+                acc3 = acc3 + trip3 * factor[None, :]
     else:
         nw, nws = _load_fp4_raw(w_base, ws_base, w_off, ws_off, n_ok, offs_kp, k_lo, K, PREFETCH, EVEN_K, EVEN_ODD)
         nu, nus = nw, nws

@@ -357,12 +357,12 @@ def _act_group(
 
 @triton.jit
 def _late_scale_group(
-    w_base, ws_base, src, stride_we, stride_wse, offs_n, n_ok, stride_wn, stride_wsn, kg, K, a_g, factor, acc,
+    w_base, ws_base, src, stride_we, stride_wse, offs_n, n_ok, stride_wn, stride_wsn, kg, K, a_g, trip,
     EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr,
 ):  # fmt: skip
-    """acc + (the 32-channel weight group at kg, decoded without its scale) @ a_g, times the weight scale of each
-    row and `factor` ([BM]: the activations' block scale x 2^14): exact products, an exact power-of-two scaling,
-    then one fp32 add per output."""
+    """trip + (the 32-channel weight group at kg, decoded without its scale) @ a_g, times the weight scale of each
+    row: exact products, an exact power-of-two scaling, one fp32 add per output. The K loop multiplies a trip's
+    sums by the activations' block scale x 2^14 once (one 128-channel block a trip)."""
     live = n_ok
     if not EVEN_K:
         live = live & (kg < K)
@@ -375,4 +375,4 @@ def _late_scale_group(
     s_raw = tl.load(ws_base + src * stride_wse + offs_n * stride_wsn + kg // 32, mask=live, other=0)
     w_scale = ((s_raw.to(tl.int32) & 0xFF) << 23).to(tl.float32, bitcast=True)  # 2^(byte-127)
     part = tl.dot(_decode_fp4_words(words, DOT_FP32), a_g)
-    return acc + part * (w_scale[:, None] * factor[None, :])
+    return trip + part * w_scale[:, None]
