@@ -12,6 +12,9 @@ Baselines, one row each: the two-step path the fused kernel replaces (torch `act
 17 launches, then the same kernel on pre-quantized input), torch bf16 matmul on the dequantized weight,
 and flashinfer's SM90 block-scaled FP8 GEMM (bf16 input, FP8 weight) when flashinfer is importable.
 
+The shared expert's fused gate / up launch (fp8_swiglu) at decode: its default K split against the unsplit
+launch (`swiglu_cases`).
+
 One more case per K checks the in-kernel quantization exactly: with the identity as weight the output
 is the quantize-dequantize of x, which must equal torch's (atol = rtol = 0); on a GPU the e4m3
 rounding is the hardware cast, not the bit method the CPU tests exercise.
@@ -129,6 +132,37 @@ def quant_exact_cases(device: torch.device, ks: list[int], ms: tuple[int, ...]) 
     return out
 
 
+def swiglu_cases(device: torch.device, inter: int, dim: int, ms: tuple[int, ...]) -> list[GpuCase]:
+    """The shared expert's fused gate / up launch (dsv4_kernels.fp8_swiglu) at decode: its default K split (8 on a
+    GPU for V4-Flash's 2,048 x 4,096: 16 channel tiles become 128 programs) against the unsplit launch, both as
+    the dequantized act against the torch reference (one e4m3 step: a one-ulp change of gate or up can move an
+    act value by one step, the test's bound). The clamp is V4-Flash's swiglu_limit, 10."""
+    from dsv4_kernels.fp8_gemm_ref import dequant_act_fp8_ref
+    from dsv4_kernels.fp8_swiglu import fp8_swiglu, pick_split_k
+    from dsv4_kernels.fp8_swiglu_ref import fp8_swiglu_ref
+
+    gen = torch.Generator(device=device).manual_seed(2)
+    w1, s1 = random_fp8_weight(inter, dim, device, gen)
+    w3, s3 = random_fp8_weight(inter, dim, device, gen)
+    out: list[GpuCase] = []
+    for m in ms:
+        x = torch.randn(m, dim, device=device, generator=gen).to(torch.bfloat16)
+        split = pick_split_k(m, inter, dim, device)
+        out.append(
+            GpuCase(
+                f"fp8_swiglu shared gate/up {inter}x{dim} m={m} split={split} [vs split=1]",
+                lambda x=x: dequant_act_fp8_ref(*fp8_swiglu(x, w1, s1, w3, s3, 10.0)),
+                partial(_on_device, device, lambda x=x: dequant_act_fp8_ref(*fp8_swiglu_ref(x, w1, s1, w3, s3, 10.0))),
+                atol=1e-3,
+                rtol=2.0**-3,
+                bytes_moved=2 * inter * dim + s1.numel() + s3.numel() + 2 * m * dim + m * inter,
+                baseline=lambda x=x: dequant_act_fp8_ref(*fp8_swiglu(x, w1, s1, w3, s3, 10.0, split_k=1)),
+                baseline_name="split=1",
+            )
+        )
+    return out
+
+
 def _on_device(device: torch.device, fn, *args) -> torch.Tensor:
     """Run a torch reference with `device` as the default for tensors it creates itself."""
     with torch.device(device):
@@ -137,9 +171,18 @@ def _on_device(device: torch.device, fn, *args) -> torch.Tensor:
 
 def cases(device: torch.device) -> list[GpuCase]:
     shapes = real_shapes()
-    return build(device, shapes, (1, 8, 64, 4096)) + quant_exact_cases(device, [k for _, _, k in shapes], (1, 64))
+    _, inter, dim = shapes[1]
+    return (
+        build(device, shapes, (1, 8, 64, 4096))
+        + quant_exact_cases(device, [k for _, _, k in shapes], (1, 64))
+        + swiglu_cases(device, inter, dim, (1, 8))
+    )
 
 
 def smoke_cases(device: torch.device) -> list[GpuCase]:
     """Tiny shapes for the CPU interpreter (a ragged N and K included)."""
-    return build(device, [("tiny", 320, 256), ("ragged", 200, 160)], (1, 40)) + quant_exact_cases(device, [160], (1,))
+    return (
+        build(device, [("tiny", 320, 256), ("ragged", 200, 160)], (1, 40))
+        + quant_exact_cases(device, [160], (1,))
+        + swiglu_cases(device, 256, 512, (1,))
+    )

@@ -31,10 +31,18 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv4_kernels import tuning
 from dsv4_kernels.fp4_moe_tiles import _quantize_rows, _round_bf16
 from dsv4_kernels.fp8_gemm import _a_tile, _sm_major, fp8_gemm, interpreting, pick_blocks
 from dsv4_kernels.fp8_gemm_ref import FP8_BLOCK
 from dsv4_kernels.outputs import output_buffer
+from dsv4_kernels.split_k import _split_arrive, _split_sum, split_counters, unsplit_args
+
+# a decode launch's K split when the card's tuning file names none: enough programs to spread the weight read
+# over the SMs (the FP8 projections with 4-32 tiles measured fastest at splits 8-16 on one H200,
+# bench/RESULTS.md "the second GPU session"); at most 8, and a divisor of the K blocks
+SPLIT_TARGET_PROGRAMS = 128
+MAX_SPLIT_K = 8
 
 
 @triton.jit
@@ -59,6 +67,8 @@ def fp8_swiglu_kernel(
     w3_scale_ptr,
     q_ptr,
     q_scale_ptr,
+    part_ptr,
+    count_ptr,
     M,
     N,
     K,
@@ -74,9 +84,13 @@ def fp8_swiglu_kernel(
     SWAP_AB: tl.constexpr,
     EVEN_K: tl.constexpr,
     ROUND_BITS: tl.constexpr,
+    SPLIT_K: tl.constexpr = 1,
 ):
     """One [BLOCK_M rows, 128 channels] tile of act (W1 and W3 share strides). SWAP_AB computes the
-    transposed tile (W @ x^T: the channels fill the wgmma's 64-row side for a decode batch)."""
+    transposed tile (W @ x^T: the channels fill the wgmma's 64-row side for a decode batch). SPLIT_K > 1
+    (SWAP_AB only: decode) splits the K blocks over program axis 2; each split stores its gate and up fp32
+    sums side by side (part_ptr [SPLIT_K, M, 2N]) and the tile's last split to arrive adds them in split
+    order and runs the epilogue (count_ptr: one counter a tile, split_k.py)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -95,7 +109,13 @@ def fp8_swiglu_kernel(
         w_off = offs_n[None, :] * stride_wn + offs_k[:, None]  # [BK, BN], K-major
         acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+    kb_lo = 0
+    kb_hi = tl.cdiv(K, BLOCK_K)
+    if SPLIT_K > 1:  # the wrapper makes SPLIT_K divide the K blocks
+        kb_lo = tl.program_id(2) * (kb_hi // SPLIT_K)
+        kb_hi = kb_lo + kb_hi // SPLIT_K
+        a_ptrs += kb_lo * BLOCK_K
+    for kb in range(kb_lo, kb_hi):
         k_ok = offs_k < K - kb * BLOCK_K
         if SWAP_AB:
             a_mask = mask_m[None, :] if EVEN_K else mask_m[None, :] & k_ok[:, None]
@@ -116,6 +136,32 @@ def fp8_swiglu_kernel(
             acc3 += tl.dot(a, b3) * a_s[:, None] * s3[None, :]
         a_ptrs += BLOCK_K
     rows = offs_m.to(tl.int64)
+    if SWAP_AB:
+        q_mask = mask_n[:, None] & mask_m[None, :]
+        if SPLIT_K > 1:  # this split's sums stored; the tile's last split to arrive adds them all and finishes
+            p_ptrs = part_ptr + (offs_m[None, :] * (2 * N) + offs_n[:, None])  # int32 offsets: M x 2N is small
+            p_split = tl.program_id(2).to(tl.int64) * M * (2 * N)
+            tl.store(p_ptrs + p_split, acc1, mask=q_mask)
+            tl.store(p_ptrs + p_split + N, acc3, mask=q_mask)
+            if _split_arrive(count_ptr, pid_m * tl.num_programs(1) + pid_n, SPLIT_K):
+                acc1 = _split_sum(p_ptrs, q_mask, M * (2 * N), SPLIT_K)
+                acc3 = _split_sum(p_ptrs + N, q_mask, M * (2 * N), SPLIT_K)
+                _store_act(acc1, acc3, limit, rows, offs_n, mask_m, mask_n, pid_n, q_ptr, q_scale_ptr, stride_qm,
+                           stride_qsm, True, ROUND_BITS)  # fmt: skip
+        else:
+            _store_act(acc1, acc3, limit, rows, offs_n, mask_m, mask_n, pid_n, q_ptr, q_scale_ptr, stride_qm,
+                       stride_qsm, True, ROUND_BITS)  # fmt: skip
+    else:
+        _store_act(acc1, acc3, limit, rows, offs_n, mask_m, mask_n, pid_n, q_ptr, q_scale_ptr, stride_qm,
+                   stride_qsm, False, ROUND_BITS)  # fmt: skip
+
+
+@triton.jit
+def _store_act(
+    acc1, acc3, limit, rows, offs_n, mask_m, mask_n, pid_n, q_ptr, q_scale_ptr, stride_qm, stride_qsm,
+    SWAP_AB: tl.constexpr, ROUND_BITS: tl.constexpr,
+):  # fmt: skip
+    """The epilogue: gate / up sums -> act's e4m3 values and per-row scale, stored (SWAP_AB: channels x rows)."""
     if SWAP_AB:
         q, scale = _swiglu_quant(acc1, acc3, limit, mask_n, 0, ROUND_BITS)
         q_ptrs = q_ptr + rows[None, :] * stride_qm + offs_n[:, None]
@@ -148,6 +194,29 @@ def _check_fp8(w: torch.Tensor, w_scale: torch.Tensor, k: int) -> None:
         raise ValueError(f"weight scale shape {tuple(w_scale.shape)} does not fit N={n} K={k}")
 
 
+def pick_split_k(m: int, n: int, k: int, device: torch.device) -> int:
+    """The K split of a decode (swapped-tile) launch: the card's tuned choice for this weight shape (tuning.py,
+    "fp8_swiglu"), else on CUDA the smallest split (<= MAX_SPLIT_K, dividing the K blocks) that brings the
+    launch to SPLIT_TARGET_PROGRAMS programs; 1 off CUDA (the interpreter) and for prefill tiles. It depends on
+    the weight shape only, not on the decode batch, so every decode bucket sums in one order."""
+    k_blocks = -(-k // FP8_BLOCK)
+    if not pick_blocks(m)[2]:
+        return 1
+    tuned = tuning.lookup(device, "fp8_swiglu", f"{n}x{k}", size=m)
+    if tuned:
+        return tuned if k_blocks % tuned == 0 else 1
+    return default_split_k(-(-n // pick_blocks(m)[1]), k_blocks) if device.type == "cuda" else 1
+
+
+def default_split_k(tiles: int, k_blocks: int) -> int:
+    """The built-in split of a decode launch of `tiles` channel tiles over `k_blocks` K blocks: doubled while
+    the launch has fewer than SPLIT_TARGET_PROGRAMS programs, up to MAX_SPLIT_K, while it divides the blocks."""
+    split = 1
+    while split < MAX_SPLIT_K and tiles * split < SPLIT_TARGET_PROGRAMS and k_blocks % (2 * split) == 0:
+        split *= 2
+    return split
+
+
 def fp8_swiglu(
     x: torch.Tensor,
     w1: torch.Tensor,
@@ -156,9 +225,11 @@ def fp8_swiglu(
     w3_scale: torch.Tensor,
     limit: float,
     outs: tuple[torch.Tensor, torch.Tensor] | None = None,
+    split_k: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, D] bf16 / fp32, W1 / W3 e4m3 [I, D] with e8m0 [ceil(I/128), ceil(D/128)] -> (act e4m3 [M, I],
-    fp32 scales [M, ceil(I/128)]) in one launch. `outs`: buffers for the two (row strides free)."""
+    fp32 scales [M, ceil(I/128)]) in one launch. `outs`: buffers for the two (row strides free). `split_k`:
+    the decode tile's K split (default `pick_split_k`)."""
     m, k = x.shape
     n = w1.shape[0]
     if x.dtype not in (torch.bfloat16, torch.float32) or x.stride(-1) != 1:
@@ -171,12 +242,20 @@ def fp8_swiglu(
     q = output_buffer(outs[0] if outs else None, (m, n), torch.float8_e4m3fn, x.device)
     q_scale = output_buffer(outs[1] if outs else None, (m, triton.cdiv(n, FP8_BLOCK)), torch.float32, x.device)
     bm, bn, swap_ab = pick_blocks(m)
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    split_k = pick_split_k(m, n, k, x.device) if split_k is None else split_k
+    k_blocks = triton.cdiv(k, FP8_BLOCK)
+    if split_k > 1 and (not swap_ab or k_blocks % split_k):
+        raise ValueError(f"split_k {split_k} needs the decode tile and must divide the {k_blocks} K blocks")
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), split_k)
+    part, counters = unsplit_args(x.device)
+    if split_k > 1:  # gate's and up's sums side by side in a row
+        part = torch.empty((split_k, m, 2 * n), dtype=torch.float32, device=x.device)
+        counters = split_counters(grid[0] * grid[1], x.device)
     fp8_swiglu_kernel[grid](
-        x, w1, w1_scale, w3, w3_scale, q, q_scale, m, n, k, float(limit),
+        x, w1, w1_scale, w3, w3_scale, q, q_scale, part, counters, m, n, k, float(limit),
         x.stride(0), w1.stride(0), w1_scale.stride(0), q.stride(0), q_scale.stride(0),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=FP8_BLOCK, SWAP_AB=swap_ab, EVEN_K=k % FP8_BLOCK == 0,
-        ROUND_BITS=interpreting(), **launch_options(x.device, swap_ab),
+        ROUND_BITS=interpreting(), SPLIT_K=split_k, **launch_options(x.device, swap_ab),
     )  # fmt: skip
     return q, q_scale
 
@@ -200,21 +279,24 @@ def shared_expert(
 
 _SIGNATURE = {
     "a_ptr": "*bf16", "w1_ptr": "*fp8e4nv", "w1_scale_ptr": "*u8", "w3_ptr": "*fp8e4nv", "w3_scale_ptr": "*u8",
-    "q_ptr": "*fp8e4nv", "q_scale_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "limit": "fp32",
+    "q_ptr": "*fp8e4nv", "q_scale_ptr": "*fp32", "part_ptr": "*fp32", "count_ptr": "*i32",
+    "M": "i32", "N": "i32", "K": "i32", "limit": "fp32",
     "stride_am": "i32", "stride_wn": "i32", "stride_wsn": "i32", "stride_qm": "i32", "stride_qsm": "i32",
-    **{c: "constexpr" for c in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SWAP_AB", "EVEN_K", "ROUND_BITS")},
+    **{c: "constexpr" for c in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SWAP_AB", "EVEN_K", "ROUND_BITS", "SPLIT_K")},
 }  # fmt: skip
 # multiples of 16 at DeepSeek-V4-Flash's shared expert (D = 4096, I = 2048): N, K, the row strides that
 # equal them, and the scale row strides D / 128 = 32 and I / 128 = 16; not M
 ALIGNED_INTS = ("N", "K", "stride_am", "stride_wn", "stride_wsn", "stride_qm", "stride_qsm")
-_GPU = {"BLOCK_N": 128, "BLOCK_K": 128, "EVEN_K": True, "ROUND_BITS": False}
+_GPU = {"BLOCK_N": 128, "BLOCK_K": 128, "EVEN_K": True, "ROUND_BITS": False, "SPLIT_K": 1}
 COMPILE_CONFIGS = (
     ("decode", _SIGNATURE, {**_GPU, "BLOCK_M": 16, "SWAP_AB": True}),
+    ("decode_split8", _SIGNATURE, {**_GPU, "BLOCK_M": 16, "SWAP_AB": True, "SPLIT_K": 8}),
     ("prefill", _SIGNATURE, {**_GPU, "BLOCK_M": 64, "SWAP_AB": False}),
     ("prefill_s2", _SIGNATURE, {**_GPU, "BLOCK_M": 64, "SWAP_AB": False}),
 )
 LAUNCH_OPTIONS = {
     "decode": {"num_warps": 4},
+    "decode_split8": {"num_warps": 4},
     "prefill": {"num_warps": 8},
     "prefill_s2": {"num_warps": 8, "num_stages": 2},
 }

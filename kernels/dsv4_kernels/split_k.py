@@ -60,8 +60,9 @@ def _split_arrive(count_ptr, tile, SPLIT_K: tl.constexpr):
 @triton.jit
 def _split_sum(p_ptrs, p_mask, stride_ps, SPLIT_K: tl.constexpr):
     """The SPLIT_K parts of a tile added in split order; .cg loads read L2, where the other programs' stores
-    are (an SM's L1 is not coherent with the others')."""
+    are (an SM's L1 is not coherent with the others'). A loop, not unrolled: unrolled, the eight parts' loads
+    were all in flight at once and the shared expert's two-accumulator epilogue spilled on sm_120."""
     acc = tl.load(p_ptrs, mask=p_mask, other=0.0, cache_modifier=".cg")
-    for s in tl.static_range(1, SPLIT_K):
+    for s in range(1, SPLIT_K):
         acc += tl.load(p_ptrs + s * stride_ps, mask=p_mask, other=0.0, cache_modifier=".cg")
     return acc

@@ -102,6 +102,8 @@ EXPECTED = {
     ("fp8_swiglu", "decode", 90): "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3",
     ("fp8_swiglu", "prefill", 90): "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3",
     ("fp8_swiglu", "decode", 120): "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32",
+    ("fp8_swiglu", "decode_split8", 90): "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3",
+    ("fp8_swiglu", "decode_split8", 120): "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32",
     ("fp8_swiglu", "prefill_s2", 120): "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32",
 }
 

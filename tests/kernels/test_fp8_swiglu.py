@@ -24,8 +24,9 @@ import torch
 
 from dsv4_kernels.formats import dequant_fp8_block, quant_fp8_block
 from dsv4_kernels.fp8_gemm_ref import dequant_act_fp8_ref
-from dsv4_kernels.fp8_swiglu import fp8_swiglu, shared_expert
+from dsv4_kernels.fp8_swiglu import default_split_k, fp8_swiglu, pick_split_k, shared_expert
 from dsv4_kernels.fp8_swiglu_ref import fp8_swiglu_ref, shared_expert_ref
+from dsv4_kernels.split_k import split_counters
 from dsv4_kernels.testing import into_poisoned
 from dsv4serve.model.backends import KernelBackends
 from dsv4serve.model.moe import Expert
@@ -75,6 +76,28 @@ def test_act_is_the_references_on_exact_sums(m: int, inter: int, d: int) -> None
     want_q, want_scale = fp8_swiglu_ref(x, w1, s1, w3, s3, LIMIT)
     assert q.dtype == torch.float8_e4m3fn and torch.equal(_bytes(q), _bytes(want_q))
     assert torch.equal(scale, want_scale)
+
+
+@pytest.mark.parametrize(("m", "inter", "split"), [(1, 128, 2), (3, 200, 4), (16, 256, 4)])
+def test_a_split_k_launch_is_the_references_on_exact_sums(m: int, inter: int, split: int) -> None:
+    """Decode tiles split over K (4 blocks of 128): each split's gate / up sums stored, the last to arrive adds
+    them in split order and runs the epilogue; on exact sums the act bytes and scales are the reference's, and
+    the arrival counters are back at 0 for the next launch (and graph replays)."""
+    x, (w1, s1, w3, s3), _ = _exact_inputs(m, inter, 512, seed=3 * m + inter)
+    q, scale = fp8_swiglu(x, w1, s1, w3, s3, LIMIT, split_k=split)
+    want_q, want_scale = fp8_swiglu_ref(x, w1, s1, w3, s3, LIMIT)
+    assert torch.equal(_bytes(q), _bytes(want_q)) and torch.equal(scale, want_scale)
+    assert int(split_counters(1, x.device).abs().sum()) == 0
+    with pytest.raises(ValueError, match="split_k"):
+        fp8_swiglu(x, w1, s1, w3, s3, LIMIT, split_k=3)  # 3 does not divide the 4 K blocks
+
+
+def test_the_built_in_split_fills_the_gpu_for_the_shared_expert_only() -> None:
+    assert default_split_k(16, 32) == 8  # V4-Flash's shared expert: 2,048 channels (16 tiles), K 4,096
+    assert default_split_k(64, 32) == 2  # 8,192 channels: 128 programs at split 2
+    assert default_split_k(128, 32) == 1 and default_split_k(16, 3) == 1  # enough tiles; an odd K
+    assert pick_split_k(1, 2048, 4096, torch.device("cpu")) == 1  # off CUDA: unsplit (the interpreter)
+    assert pick_split_k(64, 2048, 4096, torch.device("cpu")) == 1  # the prefill tile never splits
 
 
 def test_act_without_a_limit() -> None:
