@@ -38,6 +38,7 @@ from dsv4serve.model.packed_load import load_packed
 from dsv4serve.model.transformer import Transformer
 from dsv4serve.parallel.group import RankGroup
 from dsv4serve.parallel.partition import Partition, PartitionError, make_partition, rank_specs
+from dsv4serve.worker.k_split_check import check_and_apply
 from dsv4serve.worker.kernel_check import KernelCheckError, check_kernels
 
 log = logging.getLogger("dsv4serve.worker")
@@ -117,11 +118,15 @@ def worker_numerics(args: ModelArgs, kernels: str, device: torch.device, batch_i
 
 def checked_numerics(num: Numerics, kernels: str, device: torch.device) -> Numerics:
     """The backends that passed the start-up kernel check (worker/kernel_check.py). A CUDA worker runs it
-    before any weight is placed: a fallback changes how the head loads."""
+    before any weight is placed: a fallback changes how the head loads. Then, on CUDA, the K splits and tuned
+    loop forms the tiny model cannot reach are checked too (worker/k_split_check.py: a failure switches them
+    off, the start goes on)."""
     try:
         checked = check_kernels(num.backends, device, named_kernels(kernels))
     except KernelCheckError as exc:
         raise StartupError(f"--kernels {kernels}: {exc}") from exc
+    if device.type == "cuda" and checked.uses_triton():
+        check_and_apply(device)
     return dataclasses.replace(num, backends=checked)
 
 

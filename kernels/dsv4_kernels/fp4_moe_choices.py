@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from dsv4_kernels import tuning
+from dsv4_kernels.split_k import k_splits_allowed
 
 
 @dataclass(frozen=True)
@@ -69,8 +70,11 @@ def _num_warps(gate_up: bool, block_m: int) -> int:
 
 
 def tuned_choice(gemm: str, num_routes: int, block_m: int, device: torch.device) -> dict:
-    """The card's measured choice for this decode GEMM (tuning.py); {} for none, or for prefill tiles."""
-    return (tuning.lookup(device, "fp4_moe", gemm, size=num_routes) or {}) if block_m == 16 else {}
+    """The card's measured choice for this decode GEMM (tuning.py); {} for none, for prefill tiles, or when the
+    start-up check switched the tuned forms off (split_k.allow_k_splits)."""
+    if block_m != 16 or not k_splits_allowed():
+        return {}
+    return tuning.lookup(device, "fp4_moe", gemm, size=num_routes) or {}
 
 
 def loop_form_for(choice: dict, k: int, block_k: int) -> LoopForm:

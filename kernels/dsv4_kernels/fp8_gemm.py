@@ -53,7 +53,7 @@ from dsv4_kernels import tuning
 from dsv4_kernels.fp4_moe_tiles import _pow2_scale, _round_to_e4m3  # the one FP8 activation quantizer's parts
 from dsv4_kernels.fp8_gemm_ref import FP8_AMAX_FLOOR, FP8_BLOCK
 from dsv4_kernels.outputs import as_gpu_stored, output_buffer
-from dsv4_kernels.split_k import _split_arrive, _split_sum, split_counters, unsplit_args
+from dsv4_kernels.split_k import _split_arrive, _split_sum, k_splits_allowed, split_counters, unsplit_args
 
 AMAX_FLOOR = tl.constexpr(FP8_AMAX_FLOOR)
 
@@ -203,6 +203,8 @@ def num_warps(device: torch.device, swap_ab: bool) -> int:
 def pick_split_k(m: int, n: int, k: int, device: torch.device) -> int:
     """The K split of a decode (swapped-tile) launch of [m, k] x [n, k]^T: what bench/gpu_fp8_sweep.py measured
     fastest on this card for this weight shape (tuning.py), when it divides the K blocks; else 1."""
+    if not k_splits_allowed():
+        return 1
     split = tuning.lookup(device, "fp8_gemm", f"{n}x{k}", size=m) or 1
     return split if (-(-k // FP8_BLOCK)) % split == 0 else 1
 

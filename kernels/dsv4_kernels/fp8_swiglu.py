@@ -36,7 +36,7 @@ from dsv4_kernels.fp4_moe_tiles import _quantize_rows, _round_bf16
 from dsv4_kernels.fp8_gemm import _a_tile, _sm_major, fp8_gemm, interpreting, pick_blocks
 from dsv4_kernels.fp8_gemm_ref import FP8_BLOCK
 from dsv4_kernels.outputs import output_buffer
-from dsv4_kernels.split_k import _split_arrive, _split_sum, split_counters, unsplit_args
+from dsv4_kernels.split_k import _split_arrive, _split_sum, k_splits_allowed, split_counters, unsplit_args
 
 # a decode launch's K split when the card's tuning file names none: enough programs to spread the weight read
 # over the SMs (the FP8 projections with 4-32 tiles measured fastest at splits 8-16 on one H200,
@@ -200,7 +200,7 @@ def pick_split_k(m: int, n: int, k: int, device: torch.device) -> int:
     launch to SPLIT_TARGET_PROGRAMS programs; 1 off CUDA (the interpreter) and for prefill tiles. It depends on
     the weight shape only, not on the decode batch, so every decode bucket sums in one order."""
     k_blocks = -(-k // FP8_BLOCK)
-    if not pick_blocks(m)[2]:
+    if not pick_blocks(m)[2] or not k_splits_allowed():
         return 1
     tuned = tuning.lookup(device, "fp8_swiglu", f"{n}x{k}", size=m)
     if tuned:

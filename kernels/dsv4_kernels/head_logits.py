@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from dsv4_kernels.outputs import output_buffer
-from dsv4_kernels.split_k import _split_arrive, _split_sum, split_counters, unsplit_args
+from dsv4_kernels.split_k import _split_arrive, _split_sum, k_splits_allowed, split_counters, unsplit_args
 
 BLOCK_V = 128
 # under the Triton interpreter each program costs milliseconds of Python whatever its size: 2048 vocabulary
@@ -165,7 +165,7 @@ def head_logits(
     block_v = INTERPRETER_BLOCK_V if interpreting() else BLOCK_V
     tiles = triton.cdiv(v, block_v) * triton.cdiv(m, bm)
     if split_k is None:
-        split_k = 1 if interpreting() else pick_split_k(tiles, k)
+        split_k = 1 if interpreting() or not k_splits_allowed() else pick_split_k(tiles, k)
     if split_k < 1 or (split_k > 1 and k % (split_k * BLOCK_K)):
         raise ValueError(f"split_k {split_k} x BLOCK_K {BLOCK_K} must divide K={k}")
     part, counters = unsplit_args(y.device)

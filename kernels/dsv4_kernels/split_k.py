@@ -18,6 +18,20 @@ import triton
 import triton.language as tl
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
+_ALLOWED = [True]  # the K splits and tuned K-loop forms; off after a failed start-up check
+
+
+def allow_k_splits(allowed: bool) -> None:
+    """Switch the K splits (fp8_gemm, fp8_swiglu, head_logits) and fp4_moe's tuned choices on or off for the
+    process: off, every launch the wrappers pick is the unsplit built-in form (dsv4serve's start-up check turns
+    them off when a split form does not give the unsplit bits on the device). An explicit split_k still runs."""
+    _ALLOWED[0] = allowed
+
+
+def k_splits_allowed() -> bool:
+    return _ALLOWED[0]
+
+
 _RETIRED: list[torch.Tensor] = []  # outgrown buffers: a captured graph may still point at one
 
 
