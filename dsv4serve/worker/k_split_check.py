@@ -108,19 +108,23 @@ def _fp4_moe(device: torch.device, gen: torch.Generator) -> Callable[[LoopForm],
     return run
 
 
-def check_k_splits(device: torch.device) -> list[Verdict]:
-    """Each split form against its kernel's unsplit launch (module doc); one Verdict per form."""
+KERNELS = ("fp8_gemm", "fp8_swiglu", "head_logits", "fp4_moe")
+
+
+def check_k_splits(device: torch.device, kernels: tuple[str, ...] = KERNELS) -> list[Verdict]:
+    """Each split form of `kernels` against its kernel's unsplit launch (module doc); one Verdict per form."""
     from dsv4_kernels.fp4_moe import LoopForm
     from dsv4_kernels.split_k import split_counters
 
     gen = torch.Generator().manual_seed(11)
     forms: list[tuple[str, Callable[[Any], tuple[torch.Tensor, ...]], Any, Any]] = []
     for name, build in (("fp8_gemm", _fp8_gemm), ("fp8_swiglu", _fp8_swiglu), ("head_logits", _head_logits)):
-        run = build(device, gen)
-        forms.append((f"{name} split 4", run, 4, 1))  # one split each: the same code for any split
-    fp4 = _fp4_moe(device, gen)
-    for loop in (LoopForm(split_k=2), LoopForm(late_scale=True), LoopForm(split_k=2, late_scale=True)):
-        forms.append((f"fp4_moe {loop.name}", fp4, loop, LoopForm()))
+        if name in kernels:
+            forms.append((f"{name} split 4", build(device, gen), 4, 1))  # one split each: the same code for any
+    if "fp4_moe" in kernels:
+        fp4 = _fp4_moe(device, gen)
+        for loop in (LoopForm(split_k=2), LoopForm(late_scale=True), LoopForm(split_k=2, late_scale=True)):
+            forms.append((f"fp4_moe {loop.name}", fp4, loop, LoopForm()))
     verdicts = []
     for label, run, form, plain in forms:
         try:

@@ -27,8 +27,8 @@ def test_a_split_that_changes_the_result_is_caught(monkeypatch) -> None:
         return out * (1 + 2.0**-7) if split_k and split_k > 1 else out
 
     monkeypatch.setattr(fp8_gemm, "fp8_linear", off_by_one_ulp)
-    failed = {v.kernel for v in k_split_check.check_k_splits(torch.device("cpu")) if not v.ok}
-    assert failed == {"fp8_gemm split 4"}
+    verdicts = k_split_check.check_k_splits(torch.device("cpu"), ("fp8_gemm", "head_logits"))
+    assert [(v.kernel, v.ok) for v in verdicts] == [("fp8_gemm split 4", False), ("head_logits split 4", True)]
 
 
 def test_a_failed_check_turns_the_splits_off_and_the_start_goes_on(monkeypatch, caplog) -> None:
