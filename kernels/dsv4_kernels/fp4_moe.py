@@ -35,8 +35,8 @@ costs ~16 instructions a weight in the joined form's sm_90 loop (the decode GEMM
 by HBM: bench/RESULTS.md), while an e2m1 code's bits moved into fp16's fields are the code's value times
 2^-14, exactly (e2m1's subnormal 0.5 lands on fp16's subnormal 2^-15). So per 32 channels (one weight
 scale) it takes one fp16 dot of those unscaled weights with the activations' e4m3 grid values (exact in
-fp16) and multiplies the fp32 sums by weight scale x activation scale x 2^14, a power of two: exact. The
-products are the same exact products; only the order of the fp32 sums changes again.
+fp16), multiplies each group's fp32 sums by its weight scale and a trip's by the activation scale x 2^14
+(powers of two: exact). The products are the same exact products; only the order of the fp32 sums changes.
 
 A tile is computed transposed, out^T = W @ A^T: the dequantized weight tile is the dot's left
 operand, so the warps split its rows instead of each holding all of it, and on Hopper a 16-route

@@ -105,13 +105,9 @@ def _e2m1_pair_bits(words, A: tl.constexpr):
     A + 4 sit 16 bits apart, as the two halves do, so one shift places both: mantissa and exponent (bits 0-2
     of a code) at fp16 bits 9-11, sign (bit 3) at bit 15; two shifts and two masks a pair."""
     if A < 3:
-        mag = words << (9 - 4 * A)
-    else:
-        mag = words >> 3
-    if A < 3:
-        sign = words << (12 - 4 * A)
-    else:
-        sign = words
+        mag, sign = words << (9 - 4 * A), words << (12 - 4 * A)
+    else:  # code 3's bits sit above fp16's: shift right (sign bit 15 already in place)
+        mag, sign = words >> 3, words
     return (mag & 0x0E000E00) | (sign & 0x80008000)
 
 

@@ -36,13 +36,14 @@ from dsv4_kernels.fp4_moe_tiles import _quantize_rows, _round_bf16
 from dsv4_kernels.fp8_gemm import _a_tile, _sm_major, fp8_gemm, interpreting, pick_blocks
 from dsv4_kernels.fp8_gemm_ref import FP8_BLOCK
 from dsv4_kernels.outputs import output_buffer
-from dsv4_kernels.split_k import _split_arrive, _split_sum, k_splits_allowed, split_counters, unsplit_args
-
-# a decode launch's K split when the card's tuning file names none: enough programs to spread the weight read
-# over the SMs (the FP8 projections with 4-32 tiles measured fastest at splits 8-16 on one H200,
-# bench/RESULTS.md "the second GPU session"); at most 8, and a divisor of the K blocks
-SPLIT_TARGET_PROGRAMS = 128
-MAX_SPLIT_K = 8
+from dsv4_kernels.split_k import (
+    _split_arrive,
+    _split_sum,
+    k_splits_allowed,
+    split_counters,
+    split_to_fill,
+    unsplit_args,
+)
 
 
 @triton.jit
@@ -196,8 +197,8 @@ def _check_fp8(w: torch.Tensor, w_scale: torch.Tensor, k: int) -> None:
 
 def pick_split_k(m: int, n: int, k: int, device: torch.device) -> int:
     """The K split of a decode (swapped-tile) launch: the card's tuned choice for this weight shape (tuning.py,
-    "fp8_swiglu"), else on CUDA the smallest split (<= MAX_SPLIT_K, dividing the K blocks) that brings the
-    launch to SPLIT_TARGET_PROGRAMS programs; 1 off CUDA (the interpreter) and for prefill tiles. It depends on
+    "fp8_swiglu"), else on CUDA the built-in rule head_logits takes too (split_k.split_to_fill: about 128
+    programs, split at most 8, dividing the K blocks); 1 off CUDA (the interpreter) and for prefill tiles. It depends on
     the weight shape only, not on the decode batch, so every decode bucket sums in one order."""
     k_blocks = -(-k // FP8_BLOCK)
     if not pick_blocks(m)[2] or not k_splits_allowed():
@@ -205,16 +206,7 @@ def pick_split_k(m: int, n: int, k: int, device: torch.device) -> int:
     tuned = tuning.lookup(device, "fp8_swiglu", f"{n}x{k}", size=m)
     if tuned:
         return tuned if k_blocks % tuned == 0 else 1
-    return default_split_k(-(-n // pick_blocks(m)[1]), k_blocks) if device.type == "cuda" else 1
-
-
-def default_split_k(tiles: int, k_blocks: int) -> int:
-    """The built-in split of a decode launch of `tiles` channel tiles over `k_blocks` K blocks: doubled while
-    the launch has fewer than SPLIT_TARGET_PROGRAMS programs, up to MAX_SPLIT_K, while it divides the blocks."""
-    split = 1
-    while split < MAX_SPLIT_K and tiles * split < SPLIT_TARGET_PROGRAMS and k_blocks % (2 * split) == 0:
-        split *= 2
-    return split
+    return split_to_fill(-(-n // pick_blocks(m)[1]), k_blocks) if device.type == "cuda" else 1
 
 
 def fp8_swiglu(

@@ -32,7 +32,14 @@ import triton
 import triton.language as tl
 
 from dsv4_kernels.outputs import output_buffer
-from dsv4_kernels.split_k import _split_arrive, _split_sum, k_splits_allowed, split_counters, unsplit_args
+from dsv4_kernels.split_k import (
+    _split_arrive,
+    _split_sum,
+    k_splits_allowed,
+    split_counters,
+    split_to_fill,
+    unsplit_args,
+)
 
 BLOCK_V = 128
 # under the Triton interpreter each program costs milliseconds of Python whatever its size: 2048 vocabulary
@@ -40,10 +47,6 @@ BLOCK_V = 128
 # not depend on the tile's vocabulary width) and take whole-model CPU tests minutes less
 INTERPRETER_BLOCK_V = 2048
 BLOCK_K = 64  # 3 pipeline stages of a [128, 64] bf16 weight tile and a [64, BLOCK_M] fp32 y tile fit sm_120
-# split K until a launch has about this many programs (an H200 has 132 SMs, an RTX 5090 170): unmeasured, an
-# assumption from the FP8 projections' measured splits (tuned/NVIDIA_H200.json: 8-16 tiles took 8-16 splits)
-SPLIT_TARGET_PROGRAMS = 128
-MAX_SPLIT_K = 8
 
 
 def interpreting() -> bool:
@@ -133,12 +136,9 @@ def pick_block_m(m: int, batch_invariant: bool = False) -> int:
 
 
 def pick_split_k(tiles: int, k: int) -> int:
-    """The K split for a launch of `tiles` output tiles: doubled while the programs stay within
-    SPLIT_TARGET_PROGRAMS, up to MAX_SPLIT_K, each split a whole number of BLOCK_K steps of K."""
-    split = 1
-    while split < MAX_SPLIT_K and tiles * split * 2 <= SPLIT_TARGET_PROGRAMS and k % (2 * split * BLOCK_K) == 0:
-        split *= 2
-    return split
+    """The K split for a launch of `tiles` output tiles (split_k.split_to_fill), each split a whole number of
+    BLOCK_K steps of K."""
+    return split_to_fill(tiles, k // BLOCK_K if k % BLOCK_K == 0 else 1)
 
 
 def head_logits(

@@ -48,6 +48,22 @@ def split_counters(n: int, device: torch.device) -> torch.Tensor:
     return buf
 
 
+# a narrow decode launch's built-in K split: doubled while the programs stay within SPLIT_TARGET_PROGRAMS (the FP8
+# projections with 4-32 tiles measured fastest at splits 8-16 on one H200, bench/RESULTS.md "the second GPU
+# session"), at most MAX_SPLIT_K, and a divisor of the K steps
+SPLIT_TARGET_PROGRAMS = 128
+MAX_SPLIT_K = 8
+
+
+def split_to_fill(tiles: int, k_steps: int) -> int:
+    """The K split for a launch of `tiles` output tiles over `k_steps` K steps: doubled while the programs stay
+    within SPLIT_TARGET_PROGRAMS, up to MAX_SPLIT_K, each split a whole number of steps."""
+    split = 1
+    while split < MAX_SPLIT_K and tiles * split * 2 <= SPLIT_TARGET_PROGRAMS and k_steps % (2 * split) == 0:
+        split *= 2
+    return split
+
+
 _UNUSED: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 

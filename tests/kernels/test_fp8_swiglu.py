@@ -24,9 +24,9 @@ import torch
 
 from dsv4_kernels.formats import dequant_fp8_block, quant_fp8_block
 from dsv4_kernels.fp8_gemm_ref import dequant_act_fp8_ref
-from dsv4_kernels.fp8_swiglu import default_split_k, fp8_swiglu, pick_split_k, shared_expert
+from dsv4_kernels.fp8_swiglu import fp8_swiglu, pick_split_k, shared_expert
 from dsv4_kernels.fp8_swiglu_ref import fp8_swiglu_ref, shared_expert_ref
-from dsv4_kernels.split_k import split_counters
+from dsv4_kernels.split_k import split_counters, split_to_fill
 from dsv4_kernels.testing import into_poisoned
 from dsv4serve.model.backends import KernelBackends
 from dsv4serve.model.moe import Expert
@@ -93,9 +93,9 @@ def test_a_split_k_launch_is_the_references_on_exact_sums(m: int, inter: int, sp
 
 
 def test_the_built_in_split_fills_the_gpu_for_the_shared_expert_only() -> None:
-    assert default_split_k(16, 32) == 8  # V4-Flash's shared expert: 2,048 channels (16 tiles), K 4,096
-    assert default_split_k(64, 32) == 2  # 8,192 channels: 128 programs at split 2
-    assert default_split_k(128, 32) == 1 and default_split_k(16, 3) == 1  # enough tiles; an odd K
+    assert split_to_fill(16, 32) == 8  # V4-Flash's shared expert: 2,048 channels (16 tiles), K 4,096
+    assert split_to_fill(64, 32) == 2  # 8,192 channels: 128 programs at split 2
+    assert split_to_fill(128, 32) == 1 and split_to_fill(16, 3) == 1  # enough tiles; an odd K
     assert pick_split_k(1, 2048, 4096, torch.device("cpu")) == 1  # off CUDA: unsplit (the interpreter)
     assert pick_split_k(64, 2048, 4096, torch.device("cpu")) == 1  # the prefill tile never splits
 
