@@ -65,7 +65,9 @@ def label(choice: dict) -> str:
 
 def sweep(t: int, opts, deadline: float) -> list[dict]:
     from bench.gpu_cases.fp4_moe import MoeDims, random_fp4, real_dims
-    from dsv4_kernels.fp4_moe import LoopForm, fp4_moe_gemm, moe_align, pick_block_k, pick_block_m
+    from dsv4_kernels.fp4_moe import LoopForm, fp4_moe_gemm
+    from dsv4_kernels.fp4_moe_choices import pick_block_k, pick_block_m
+    from dsv4_kernels.moe_align import moe_align
 
     dev = torch.device("cpu" if opts.cpu_smoke else "cuda")
     d = MoeDims(256, 256, 8, 2, 10.0) if opts.cpu_smoke else real_dims()

@@ -1,4 +1,4 @@
-"""Routed experts with MXFP4 weights (dsv4_kernels.fp4_moe) at DeepSeek-V4-Flash's sizes.
+"""Routed experts with MXFP4 weights (dsv4_kernels.fp4_moe_layer) at DeepSeek-V4-Flash's sizes.
 
 Real config: dim 4096, moe_inter_dim 2048, 256 experts, top-6, SwiGLU limit 10; decode (T=1: six
 experts' weights read, memory-bound) and prefill (T=2048: every expert used, compute-bound).
@@ -102,7 +102,7 @@ def _reference(device: torch.device, *args) -> torch.Tensor:
 
 
 def build(device: torch.device, d: MoeDims, tokens: tuple[int, ...]) -> list[GpuCase]:
-    from dsv4_kernels.fp4_moe import fp4_moe
+    from dsv4_kernels.fp4_moe_layer import fp4_moe
 
     gen = torch.Generator(device=device).manual_seed(0)
     w1, s1 = random_fp4(d.experts, d.inter, d.dim, 118, device, gen)  # gate/up of order one
@@ -140,7 +140,7 @@ def slot_cases(
 ) -> list[GpuCase]:
     """fp4_moe with slots (device) + bank (pinned host on CUDA): `miss_fractions` of the used experts
     unmapped, so the kernel reads them from the bank."""
-    from dsv4_kernels.fp4_moe import ExpertSlots, fp4_moe
+    from dsv4_kernels.fp4_moe_layer import ExpertSlots, fp4_moe
 
     gen = torch.Generator(device=device).manual_seed(1)
     w1, s1 = random_fp4(d.experts, d.inter, d.dim, 118, device, gen)

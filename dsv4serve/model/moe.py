@@ -6,7 +6,7 @@ kernel reads) or, when the memory plan offloads them, behind an expert-slot cach
 (`use_expert_cache`, dsv4serve/experts/): some in device slots, the rest in the host bank.
 
 With `num.backends.fp4_moe == "triton"` the routed experts run as the grouped MXFP4 kernels
-(dsv4_kernels.fp4_moe: four launches, no host sync): on the stacked copies `pack_fp4` made or the
+(dsv4_kernels.fp4_moe_layer: four launches, no host sync): on the stacked copies `pack_fp4` made or the
 packed loader read (`use_packed_experts`: then there are no dense experts and only the kernel runs),
 or, with a cache, on its slots and bank tensors (the kernel picks the source per expert). The kernel
 quantizes x itself, so x is quantized once: `act_quant` runs in torch only for an input that torch
@@ -318,7 +318,7 @@ class MoE(nn.Module):
     ) -> torch.Tensor:
         """The routed experts' sum [N, D] fp32 by the grouped MXFP4 kernel (resident or cached experts); with
         `reduce` False each route's output [N, k, D] (the kernel's store dtype), for `moe_combine`."""
-        from dsv4_kernels.fp4_moe import ExpertSlots, fp4_moe  # lazy: kernel modules build kernels on import
+        from dsv4_kernels.fp4_moe_layer import ExpertSlots, fp4_moe  # lazy: kernel modules build kernels on import
 
         if self.expert_source is not None:
             src = self.expert_source.kernel_sources(self.layer_id, ids)

@@ -1,20 +1,15 @@
-"""Grouped MXFP4 expert GEMMs for the routed experts (reference: `fp4_moe_ref`), in Triton.
+"""Grouped MXFP4 expert GEMMs for the routed experts (reference: `fp4_moe_ref`), in Triton: the kernel
+and its launcher `fp4_moe_gemm`. The layer around them (align, gate/up, down, combine) is `fp4_moe_layer`.
 
-Flow (`fp4_moe`), tokens T, top-k k, experts E, model dim D, expert inter dim I; four launches, no
-host sync, a grid that depends on (T, k, E) only:
-  1. `moe_align` (moe_align.py, one program): the T*k routes (flat = token * k + j) sorted by expert
-     and padded per expert to a multiple of BLOCK_M (pad id T*k); one expert id per block, -1 for the
-     blocks past the used ones (a fixed count: cdiv(T*k, BLOCK_M) + min(T*k, E)).
-  2. kernel, GATE_UP: per (block, 128 I channels) x is quantized to FP8 in the K loop (QUANT_A: the
-     reference's act_quant, exactly, fp4_moe_tiles.py), gate = x @ W1[e]^T and up = x @ W3[e]^T, each
-     rounded to bf16, clamped SwiGLU (gate <= limit, |up| <= limit), times the routing weight, rounded
-     to bf16; the epilogue quantizes that to FP8 itself (QUANT_OUT: the 128-wide tile is one whole
-     activation block of each row) -> act e4m3 [T*k, I] + fp32 scales [T*k, ceil(I/128)].
-  3. kernel, down: per (block, D tile) y = act @ W2[e]^T rounded to bf16 -> [T*k, D].
-  4. out[t] = sum_j y[t*k + j] in fp32: one torch reduction. Fusing it into the down kernel would
-     need atomic adds, whose order (and so the fp32 sum) changes from run to run on a GPU.
+The two GEMMs, per 16-route block of one expert:
+  - GATE_UP: per (block, 128 I channels) x is quantized to FP8 in the K loop (QUANT_A: the
+    reference's act_quant, exactly, fp4_moe_tiles.py), gate = x @ W1[e]^T and up = x @ W3[e]^T, each
+    rounded to bf16, clamped SwiGLU (gate <= limit, |up| <= limit), times the routing weight, rounded
+    to bf16; the epilogue quantizes that to FP8 itself (QUANT_OUT: the 128-wide tile is one whole
+    activation block of each row) -> act e4m3 [T*k, I] + fp32 scales [T*k, ceil(I/128)].
+  - down: per (block, D tile) y = act @ W2[e]^T rounded to bf16 -> [T*k, D].
 
-Two weight sources (`ExpertSlots`): the GEMM kernel reads expert e from the device slots when
+Two weight sources (`slots`, `fp4_moe_layer.ExpertSlots`): the GEMM kernel reads expert e from the device slots when
 slot_of_expert[e] >= 0 (slots + slot * stride), else from the stacked [E, ...] tensors passed as the
 weights (the host bank: on a GPU a pinned host tensor, read in place over PCIe through unified
 virtual addressing). The choice is one scalar branch per block between two pointer arguments of one
@@ -49,8 +44,6 @@ K (D for GATE_UP, I for the down GEMM) must be a multiple of 32; N is free.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
@@ -58,10 +51,6 @@ import triton.language as tl
 from dsv4_kernels.fp4_moe_choices import (
     LoopForm,
     _num_warps,
-    loop_form_for,
-    pick_block_k,
-    pick_block_m,
-    tuned_choice,
 )
 from dsv4_kernels.fp4_moe_tiles import (
     E2M1_IN_FP16,
@@ -73,24 +62,12 @@ from dsv4_kernels.fp4_moe_tiles import (
     _late_scale_group,
     _load_fp4_raw,
 )
-from dsv4_kernels.moe_align import align_blocks, moe_align
-from dsv4_kernels.moe_combine import moe_combine
 from dsv4_kernels.outputs import output_buffer
 from dsv4_kernels.split_k import _split_arrive, _split_sum, split_counters, unsplit_args
 
 GATE_UP_BLOCK_N = 128  # one whole FP8 activation block of act per tile: the epilogue quantizes it
 
-__all__ = [
-    "ExpertSlots",
-    "LoopForm",
-    "align_blocks",
-    "fp4_moe",
-    "fp4_moe_gemm",
-    "moe_align",
-    "pick_block_k",
-    "pick_block_m",
-    "store_dtype",
-]
+__all__ = ["GATE_UP_BLOCK_N", "LoopForm", "fp4_moe_gemm", "interpreting", "store_dtype"]
 
 
 @triton.jit
@@ -268,15 +245,6 @@ def store_dtype() -> torch.dtype:
     return torch.float32 if interpreting() else torch.bfloat16
 
 
-@dataclass(frozen=True)
-class ExpertSlots:
-    """A second weight source: device slots holding some experts, stacked like the weights ([S, ...] per
-    part, in FP4_PARTS order: w1, w1_scale, w3, w3_scale, w2, w2_scale), and which expert is where."""
-
-    slot_of_expert: torch.Tensor  # [E] int32, -1: not in a slot (read from the stacked weights)
-    parts: tuple[torch.Tensor, ...]  # the six [S, N, K/2] / [S, N, K/32] tensors
-
-
 def _u8(t: torch.Tensor) -> torch.Tensor:
     """Packed codes (int8/uint8) or e8m0 scales (float8_e8m0fnu/uint8) as raw bytes."""
     if t.dtype not in (torch.int8, torch.uint8, torch.float8_e8m0fnu):
@@ -424,91 +392,3 @@ def _slot_sources(slots, slot_of_expert, weights: tuple[torch.Tensor, ...], gate
         if not _same_layout(s, ref):
             raise ValueError(f"slots {tuple(s.shape)} must be laid out as the weights {tuple(ref.shape)}")
     return sw, sws, sw3, sws3, slot_of_expert
-
-
-def fp4_moe(
-    x: torch.Tensor,
-    w1: torch.Tensor,
-    w1_scale: torch.Tensor,
-    w3: torch.Tensor,
-    w3_scale: torch.Tensor,
-    w2: torch.Tensor,
-    w2_scale: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    limit: float,
-    block_m: int | None = None,
-    block_n: int | None = None,
-    block_k: int | None = None,
-    outs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    slots: ExpertSlots | None = None,
-    usage: torch.Tensor | None = None,
-    reduce: bool = True,
-) -> torch.Tensor:
-    """x [T, D] bf16 (or fp32), W1/W3 [E, I, D/2] + [E, I, D/32], W2 [E, D, I/2] + [E, D, I/32], topk [T, k]
-    (weights fp32, already route-scaled) -> routed-expert sum fp32 [T, D] (module contract above); with
-    `reduce` False the per-route outputs [T, k, D] in `store_dtype()` instead, for `moe_combine` to sum with
-    what the layer adds (one launch for the sum, the adds and the cast).
-    `outs`: optional (act e4m3 [T*k, I], act scales fp32 [T*k, ceil(I/128)], y [T*k, D]) buffers;
-    `block_n`: the down GEMM's N tile. Decode blocks (16 routes) take the card's tuned choices
-    (tuning.py: K-loop form, tiles, warps, stages) where a tile size is not given and a tuned split fits K.
-    `slots`: experts read from device slots instead (module doc);
-    `usage` int64 [E + 1] (needs `slots`): the expert-slot cache's record (moe_align.py)."""
-    t, k = topk_ids.shape
-    num_routes = t * k
-    bm = block_m or pick_block_m(num_routes, w1.shape[0])
-    up, down = (tuned_choice(gemm, num_routes, bm, x.device) for gemm in ("gate_up", "down"))
-    bk_up = block_k or up.get("block_k") or pick_block_k(bm, True, x.device)
-    bk_down = block_k or down.get("block_k") or pick_block_k(bm)
-    slot_map = slots.slot_of_expert if slots is not None else None
-    if usage is not None and slots is None:
-        raise ValueError("usage records which experts came from slots: it needs slots")
-    sorted_ids, expert_ids = moe_align(topk_ids, w1.shape[0], bm, usage, slot_map if usage is not None else None)
-    act_q, act_s, y_out = outs or (None, None, None)
-    act_q, act_s = fp4_moe_gemm(
-        x,
-        None,
-        w1,
-        w1_scale,
-        sorted_ids,
-        expert_ids,
-        num_routes,
-        k,
-        w3=w3,
-        w3_scale=w3_scale,
-        topk_weights=topk_weights,
-        limit=limit,
-        block_m=bm,
-        block_n=GATE_UP_BLOCK_N,
-        block_k=bk_up,
-        out=act_q,
-        out_scale=act_s,
-        quant_out=True,
-        slots=slots.parts[:4] if slots is not None else None,
-        slot_of_expert=slot_map,
-        num_warps=up.get("num_warps"),
-        num_stages=up.get("num_stages"),
-        loop=loop_form_for(up, x.shape[1], bk_up),
-    )
-    y = fp4_moe_gemm(
-        act_q,
-        act_s,
-        w2,
-        w2_scale,
-        sorted_ids,
-        expert_ids,
-        num_routes,
-        1,
-        block_m=bm,
-        block_n=block_n or down.get("block_n") or 64,
-        block_k=bk_down,
-        out=y_out,
-        slots=slots.parts[4:] if slots is not None else None,
-        slot_of_expert=slot_map,
-        num_warps=down.get("num_warps"),
-        num_stages=down.get("num_stages"),
-        loop=loop_form_for(down, w2.shape[2] * 2, bk_down),
-    )
-    assert isinstance(y, torch.Tensor)  # without quant_out the GEMM returns one tensor, not a pair
-    pairs = y.view(t, k, -1)
-    return moe_combine(pairs) if reduce else pairs

@@ -155,7 +155,7 @@ _SIG = {
     "CHUNK": "constexpr",
     "USAGE": "constexpr",
 }
-# DeepSeek-V4-Flash: 256 experts; decode blocks of 16 routes, prefill blocks of 64 (fp4_moe.pick_block_m)
+# DeepSeek-V4-Flash: 256 experts; decode blocks of 16 routes, prefill blocks of 64 (fp4_moe_choices.pick_block_m)
 COMPILE_CONFIGS = (
     ("decode", _SIG, {"BLOCK_M": 16, "E_P2": 256, "CHUNK": CHUNK, "USAGE": True}),
     ("prefill", _SIG, {"BLOCK_M": 64, "E_P2": 256, "CHUNK": CHUNK, "USAGE": True}),

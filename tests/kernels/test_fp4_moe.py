@@ -25,7 +25,8 @@ import pytest
 import torch
 
 from dsv4_kernels.formats import dequant_fp4
-from dsv4_kernels.fp4_moe import ExpertSlots, fp4_moe, fp4_moe_gemm, store_dtype
+from dsv4_kernels.fp4_moe import fp4_moe_gemm, store_dtype
+from dsv4_kernels.fp4_moe_layer import ExpertSlots, fp4_moe
 from dsv4_kernels.fp4_moe_ref import down_ref, fp4_moe_ref, gate_up_ref, moe_align_ref
 from dsv4_kernels.fp8_gemm_ref import act_quant_fp8_ref
 from dsv4_kernels.launch_guard import HostSync, launch_guard

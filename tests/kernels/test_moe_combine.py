@@ -69,7 +69,7 @@ def test_bad_arguments_are_refused() -> None:
 def test_the_fp4_moe_routes_through_it_give_the_layers_old_sum() -> None:
     """fp4_moe's per-route outputs (reduce=False) combined with a shared expert's output and cast equal the old
     form bit for bit: fp4_moe's fp32 sum, `y += shared`, `y.to(bf16)`."""
-    from dsv4_kernels.fp4_moe import fp4_moe
+    from dsv4_kernels.fp4_moe_layer import fp4_moe
     from dsv4_kernels.testing import fp4_moe_problem
 
     x, weights, topk_w, topk_ids = fp4_moe_problem(t=3, topk=2, e=8, d=256, i=128, seed=6)

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from dsv4_kernels import tuning
-from dsv4_kernels.fp4_moe import LoopForm, fp4_moe, fp4_moe_gemm, store_dtype
+from dsv4_kernels.fp4_moe import LoopForm, fp4_moe_gemm, store_dtype
+from dsv4_kernels.fp4_moe_layer import fp4_moe
 from dsv4_kernels.fp4_moe_ref import down_ref, gate_up_ref
 from dsv4_kernels.fp8_gemm import fp8_linear, pick_split_k
 from dsv4_kernels.fp8_gemm_ref import act_quant_fp8_ref, fp8_linear_ref
@@ -128,7 +129,7 @@ def test_the_wrappers_take_the_cards_choices(fake_card, monkeypatch) -> None:
     down = {"late_scale": True, "split_k": 4, "block_k": 32, "block_n": 32}
     tuning.record(fake_card, ("fp4_moe", "gate_up"), 2, up, "Fake GPU", "test")
     tuning.record(fake_card, ("fp4_moe", "down"), 2, down, "Fake GPU", "test")
-    import dsv4_kernels.fp4_moe as fp4
+    import dsv4_kernels.fp4_moe_layer as fp4
 
     seen = []
     real = fp4.fp4_moe_gemm
