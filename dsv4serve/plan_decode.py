@@ -11,6 +11,8 @@ import dataclasses
 from typing import Any
 
 from dsv4serve.memory import decode_speed as ds
+from dsv4serve.memory.decode_choice import faster_backend, project_backends
+from dsv4serve.memory.decode_lanes import BankTiers
 from dsv4serve.report import format_table
 
 # flag -> (Bandwidths field, default, where the default comes from, what it is); every default is an assumption
@@ -32,6 +34,12 @@ FLAGS = {
         ds.DEFAULT_HOST_GBPS,
         "DDR5 dual channel, about 80 GB/s sustained",
         "host memory GB/s; `doctor` measures it",
+    ),
+    "--disk-bandwidth": (
+        "disk_gbps",
+        ds.DEFAULT_DISK_GBPS,
+        "NVMe SSD read through page faults on the mapped shards, about 3 GB/s",
+        "GB/s of page-ins of the experts host RAM cannot hold (the bank's disk tier)",
     ),
     "--cpu-efficiency": (
         "cpu_efficiency",
@@ -87,11 +95,17 @@ def decode_plan(
     """Projections for the MoE backends this plan can run: gpu when every expert is resident, else offload
     (misses over PCIe) and hybrid (misses over PCIe or on the CPU, best split); as JSON and as text."""
     bw, sources = bandwidths(ns)
-    graphs = not cfg.enforce_eager.value
     backends = ("gpu",) if memory.experts_resident else ("offload", "hybrid")
-    projections = {b: ds.project_decode(decode_bytes, memory.expert_slots, bw, b, graphs) for b in backends}
+    bank = memory.host.bank_bytes if memory.host is not None else 0
+    eager = cfg.enforce_eager.value
+
+    def project(rates: ds.Bandwidths) -> dict[str, tuple[ds.DecodeProjection, BankTiers, str | None]]:
+        return project_backends(decode_bytes, memory.expert_slots, bank, memory.machine, rates, eager, backends)
+
+    full = project(bw)
+    projections = {k: v[0] for k, v in full.items()}
     today = dataclasses.replace(bw, kernel_efficiency=ds.MEASURED_KERNEL_EFFICIENCY)
-    measured = {b: ds.project_decode(decode_bytes, memory.expert_slots, today, b, graphs) for b in backends}
+    measured = {k: v[0] for k, v in project(today).items()}
     data = {
         "bandwidths": sources,
         "device_read_efficiency": ds.DEVICE_READ_EFFICIENCY,
@@ -102,19 +116,14 @@ def decode_plan(
         "with_todays_kernels": {
             "kernel_efficiency": ds.MEASURED_KERNEL_EFFICIENCY,
             "source": ds.MEASURED_KERNEL_EFFICIENCY_SOURCE,
-            "tokens_per_second": {b: round(p.tokens_per_second, 2) for b, p in measured.items()},
+            "tokens_per_second": {k: round(p.tokens_per_second, 2) for k, p in measured.items()},
         },
-        "disk_expert_fraction": _host_fraction(memory, "disk_bytes", 0.0),
-        "pinned_expert_fraction": _host_fraction(memory, "pin_estimate_bytes", 1.0),
+        "bank_tiers": {k: dataclasses.asdict(v[1]) | {"disk": v[1].disk} for k, v in full.items()},
+        "eager": {k: v[2] for k, v in full.items() if v[2] is not None},
+        "faster": faster_backend(full) if len(full) > 1 else backends[0],
+        "host_memory_given": memory.host is None or memory.host.ram_bytes is not None,
     }
     return data, format_decode_plan(data, projections)
-
-
-def _host_fraction(memory: Any, field: str, unknown: float) -> float:
-    """A part of the expert bank (host memory plan) as a fraction of it; `unknown` without host memory."""
-    host = memory.host
-    part = getattr(host, field) if host is not None else None
-    return unknown if part is None or not host.bank_bytes else min(1.0, part / host.bank_bytes)
 
 
 def format_decode_plan(data: dict[str, Any], projections: dict[str, ds.DecodeProjection]) -> str:
@@ -127,7 +136,7 @@ def format_decode_plan(data: dict[str, Any], projections: dict[str, ds.DecodePro
         row |= {f"{n} ms": f"{(p.serial + p.parallel)[i].seconds * 1e3:.3f}" for n, p in projections.items()}
         rows.append(row)
     rows.append(
-        {"term": "step", "lane": "serial + slowest lane", "detail": ""}
+        {"term": "step", "lane": "serial + MoE phase", "detail": ""}
         | {f"{n} ms": f"{p.step_seconds * 1e3:.2f}" for n, p in projections.items()}
     )
     rows.append(
@@ -143,6 +152,7 @@ def format_decode_plan(data: dict[str, Any], projections: dict[str, ds.DecodePro
         f"  host memory {bw['host_gbps']['value']:g} GB/s ({bw['host_gbps']['source']})",
         f"  CPU experts at {bw['cpu_efficiency']['value']:g} of host memory bandwidth "
         f"({bw['cpu_efficiency']['source']})",
+        f"  disk {bw['disk_gbps']['value']:g} GB/s ({bw['disk_gbps']['source']})",
         format_table(rows, ("term", "lane", *(f"{n} ms" for n in names), "detail")).replace(
             "detail", f"detail ({names[-1]})", 1
         ),
@@ -154,21 +164,30 @@ def format_decode_plan(data: dict[str, Any], projections: dict[str, ds.DecodePro
             f"- hybrid: {100 * h.cpu_fraction:.0f}% of the misses on the CPU (the split that balances its lanes); "
             f"its MoE phase is bound by {h.bound_by}"
         )
-    lines.append("- a step is the serial terms plus the slowest MoE lane (each layer waits for its router)")
+    lines.append(
+        "- a step is the serial terms plus the MoE phase: each layer waits for its router, then for its slowest lane "
+        "(layers whose experts live alike form a class; each lane above is summed over the classes)"
+    )
     today = data["with_todays_kernels"]
     lines.append(
         "- the GPU terms above are at the bandwidth bound; with today's kernels, which reached "
         f"{today['kernel_efficiency']:g} of it ({today['source']}): "
         + ", ".join(f"{b} {tps:.1f} tokens/s" for b, tps in today["tokens_per_second"].items())
     )
-    if data["pinned_expert_fraction"] < 1.0:
+    for b, why in data["eager"].items():
+        lines.append(f"- {b}: decode steps run eager ({why}): {ds.CENSUS_LAUNCHES_PER_STEP:,} launches priced eager")
+    for b, t in data["bank_tiers"].items():
+        if t["pinned"] < 1.0 or t["cpu_layers"] < 1.0:
+            kt = f", kt-kernel holds {100 * t['cpu_layers']:.0f}% of the layers" if b == "hybrid" else ""
+            lines.append(
+                f"- {b}: the bank (host memory plan) is {100 * t['pinned']:.0f}% pinned, {100 * t['pageable']:.0f}% "
+                f"pageable, {100 * t['disk']:.0f}% on disk{kt}"
+            )
+    if not data["host_memory_given"]:
+        lines.append("- host memory not given (--host-memory): the bank is assumed all pinned")
+    if len(projections) > 1:
         lines.append(
-            f"- about {100 * data['pinned_expert_fraction']:.0f}% of the bank can be pinned (host memory plan): "
-            "misses beyond it copy from pageable memory, slower; give that rate as --h2d-bandwidth to price it"
-        )
-    if data["disk_expert_fraction"]:
-        lines.append(
-            f"- {100 * data['disk_expert_fraction']:.0f}% of the expert bank stays on disk (host memory plan): "
-            "its misses page in from disk, which this projection does not model: it is an upper bound"
+            f"- --moe-backend auto with kt-kernel installed runs {data['faster']} on a CUDA worker (the faster "
+            "projection)"
         )
     return "\n".join(lines)

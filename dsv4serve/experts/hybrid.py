@@ -71,7 +71,7 @@ class HybridExperts:
         misses = {e: int(counts[e]) for e in torch.nonzero((counts > 0) & (slot_of < 0)).flatten().tolist()}
         self.stats.layer_steps += 1
         self.stats.routed_experts += int((counts > 0).sum())
-        cpu = sorted(split_misses(misses, bank.expert_bytes, layer in bank.pinned, self.costs))
+        cpu = sorted(split_misses(misses, bank.expert_bytes, layer in bank.pinned, self.costs, layer in bank.mapped))
         self.stats.fetched_misses += len(misses) - len(cpu)
         if not cpu:
             return None

@@ -57,12 +57,16 @@ class SplitCosts:
         )
 
 
-def split_misses(miss_tokens: dict[int, int], expert_bytes: int, pinned: bool, costs: SplitCosts) -> set[int]:
+def split_misses(
+    miss_tokens: dict[int, int], expert_bytes: int, pinned: bool, costs: SplitCosts, on_disk: bool = False
+) -> set[int]:
     """The misses (expert -> tokens routed to it this step) that kt-kernel computes; the rest are
     fetched. Fetches go to the experts with the most tokens (ties: the lower id), and the split point
-    minimizes max(fetch seconds, CPU seconds); an equal cost keeps the expert on the CPU (no copy)."""
+    minimizes max(fetch seconds, CPU seconds); an equal cost keeps the expert on the CPU (no copy).
+    `on_disk`: the layer's bank part stayed in the checkpoint's shards, so a fetch would page it in from
+    disk first (~3 GB/s, memory/decode_speed.py) where kt-kernel reads its own copy in RAM: all on the CPU."""
     fetch_each = costs.fetch_seconds(expert_bytes, pinned)
-    if fetch_each is None:
+    if fetch_each is None or on_disk:
         return set(miss_tokens)
     order = sorted(miss_tokens, key=lambda e: (-miss_tokens[e], e))
     cpu_s = sum(costs.cpu.seconds(miss_tokens[e]) for e in order)

@@ -6,8 +6,10 @@ gpu       every routed expert resident on the device;
 offload   some in device slots, the misses read from the host bank by the device (experts/slot_cache.py);
 hybrid    as offload, but misses computed on the CPU by kt-kernel where the measured costs say so
           (experts/hybrid.py, experts/miss_split.py).
-auto      gpu when every expert is resident, hybrid when they are offloaded and kt-kernel is installed,
-          else offload. An explicit choice is honoured exactly or refused with the reason.
+auto      gpu when every expert is resident, hybrid when they are offloaded and kt-kernel is installed
+          and the projected decode speed does not say offload is faster (a CUDA worker projects both as it
+          would run them: memory/decode_choice.py), else offload. An explicit choice is honoured exactly or
+          refused with the reason.
 """
 
 from __future__ import annotations
@@ -26,10 +28,16 @@ class MoeBackendError(ValueError):
 
 
 def choose_moe_backend(
-    requested: str, explicit: bool, offloaded: bool, kt: tuple[bool, str], batch_invariant: bool = False
+    requested: str,
+    explicit: bool,
+    offloaded: bool,
+    kt: tuple[bool, str],
+    batch_invariant: bool = False,
+    offload_faster: str | None = None,
 ) -> tuple[str, str]:
     """(backend, why). `offloaded`: the routed experts live in a host bank behind device slots
-    (--moe-cache-size, or the memory plan); `kt`: kt_backend.kt_kernel_available()."""
+    (--moe-cache-size, or the memory plan); `kt`: kt_backend.kt_kernel_available(); `offload_faster`: the
+    projections' line when they say offload decodes faster than hybrid here (auto then keeps offload)."""
     if requested not in BACKENDS:
         raise MoeBackendError(f"--moe-backend {requested}: choose one of {', '.join(BACKENDS)}")
     kt_ok, kt_why = kt
@@ -40,6 +48,8 @@ def choose_moe_backend(
             return "offload", f"experts offloaded; no CPU experts: {kt_why}"
         if batch_invariant:
             return "offload", "experts offloaded; --batch-invariant keeps the CPU experts off (their split varies)"
+        if offload_faster:
+            return "offload", f"experts offloaded; kt-kernel installed, but offload decodes faster: {offload_faster}"
         return "hybrid", "experts offloaded and kt-kernel installed: misses computed on the CPU where cheaper"
     if requested == "gpu":
         if offloaded:
@@ -66,8 +76,13 @@ def choose_moe_backend(
     return "hybrid", "--moe-backend hybrid"
 
 
-def moe_backend_for(setting, offloaded: bool, numerics) -> tuple[str, str]:
-    """The worker's choice from the launch's Sourced --moe-backend; logs what kt-kernel offers."""
+def moe_backend_for(setting, offloaded: bool, numerics, offload_faster=lambda: None) -> tuple[str, str]:
+    """The worker's choice from the launch's Sourced --moe-backend; logs what kt-kernel offers.
+    `offload_faster()`: the projections' line when offload decodes faster (asked only when auto could pick hybrid)."""
     kt = kt_kernel_available()
     log.info("kt-kernel: %s", f"{kt_version()} installed" if kt[0] else kt[1])
-    return choose_moe_backend(setting.value, setting.explicit, offloaded, kt, numerics.batch_invariant)
+    auto = setting.value == "auto" or not setting.explicit
+    ask = auto and offloaded and kt[0] and not numerics.batch_invariant
+    return choose_moe_backend(
+        setting.value, setting.explicit, offloaded, kt, numerics.batch_invariant, offload_faster() if ask else None
+    )

@@ -120,6 +120,12 @@ class ExpertSlotCache:
         e = self.bank.n_experts
         return {(self.layers[k // e], k % e): s for s, k in enumerate(self._slot_keys.tolist()) if k >= 0}
 
+    @property
+    def staged_layers(self) -> list[int]:
+        """The MoE layers whose bank tensors the device cannot read in place (kernel_sources' staging path):
+        a step through one of them makes the host wait for its routing, so it cannot be a CUDA graph."""
+        return [layer for layer in self.layers if not self.bank.device_readable(layer, self.device)]
+
     # ------------------------------------------------------------------ what the MoE layer calls
 
     def kernel_sources(self, layer: int, ids: torch.Tensor) -> KernelSources:

@@ -12,12 +12,14 @@ Model of one batch-1 decode step (every constant below names its source or says 
   uniform, independent routing, so a use finds its expert in a GPU slot with probability slots / experts
   (any slot policy gives that under uniform references; real routing is skewed, so real hits are higher and
   this is the pessimistic end). Hits are read from GPU memory.
-- Each miss is either copied over PCIe into a slot (h2d bandwidth), then read by the GPU, or computed on the
-  CPU from host memory (host bandwidth x cpu_efficiency: kt-kernel's streaming rate over the weights). The
-  two run in parallel with the GPU's expert work, but only after the layer's router has run: per layer,
-  time = attention part + max(GPU experts, PCIe copies, CPU experts, host memory). Summed over identical
-  layers that is the same expression over the whole step. The CPU fraction of the misses is the one that
-  balances the first three lanes (chosen to minimise the step).
+- Each miss is either read by the GPU over PCIe (h2d bandwidth), or computed on the CPU from host memory (host
+  bandwidth x cpu_efficiency: kt-kernel's streaming rate over the weights). The two run in parallel with the
+  GPU's expert work, but only after the layer's router has run: per layer, time = attention part + the slowest
+  of the MoE lanes (GPU experts, PCIe copies, staged copies, CPU experts, host memory). Where the miss's expert
+  lives changes its path (decode_lanes.py, `BankTiers`): pinned, read in place; pageable or on disk, staged by
+  the host first (a disk page-in at disk bandwidth before it); and with hybrid only the layers kt-kernel holds
+  can send misses to the CPU. Layers alike form a class; the step's MoE phase sums each class's slowest lane,
+  at the CPU share of its misses that minimises it.
 - Host memory is one resource for both ways of serving a miss: a copy's DMA reads the expert from host memory
   as the CPU's GEMV does, so every miss's bytes cross the host's memory bus once whichever lane takes it, and
   the `host memory` lane (all misses' bytes at host bandwidth) bounds the two together: PCIe's 50 GB/s beside
@@ -26,10 +28,9 @@ Model of one batch-1 decode step (every constant below names its source or says 
 - A hybrid step hands each MoE layer's hidden state to the CPU and its output back: HANDOFF_SECONDS per layer.
 - Launch overhead: CENSUS_LAUNCHES_PER_STEP launches x a per-launch gap (replayed CUDA graph or eager), added:
   at batch 1 most decode kernels run shorter than a launch, so the GPU waits for each.
-Not modelled: speculative decoding (MTP), pageable copies beyond the pin budget (give the lower
---h2d-bandwidth; their staging memcpy also reads and writes host memory a second time), the CPU's own
-contention with the copies beyond the shared cap (cache, memory controller queues), and a KV cache that is
-not bf16.
+Not modelled: speculative decoding (MTP), the page cache keeping some of the experts left on disk (a host
+with spare RAM would; the bank's tiers leave it the margin only), the CPU's own contention with the copies
+beyond the shared cap (cache, memory controller queues), and a KV cache that is not bf16.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from dsv4serve.memory.decode_lanes import TIERS, BankTiers, Rates, class_lanes
 from dsv4serve.model.args import ModelArgs
 from dsv4serve.model.backends import KernelBackends
 from dsv4serve.model.schema import TensorSpec
@@ -47,6 +49,9 @@ GB = 1e9  # bandwidths are in GB/s (10^9 bytes), as cards and memory are sold
 DEFAULT_GPU_GBPS = 1790.0  # RTX 5090 (users.md: the first users' card), NVIDIA's spec sheet: 1792 GB/s GDDR7
 DEFAULT_H2D_GBPS = 50.0  # PCIe 5.0 x16, pinned: ~64 GB/s raw per direction, ~50 achieved (issue 18)
 DEFAULT_HOST_GBPS = 80.0  # DDR5 dual channel: 2 x 8 B x 5600 MT/s = 89.6 GB/s peak, ~80 sustained
+# assumed: an NVMe SSD (PCIe 4.0, ~7 GB/s sequential on spec sheets) read through page faults on the memory-mapped
+# shards, one expert (13 MB) at a time in readahead-sized pieces: about 3 GB/s
+DEFAULT_DISK_GBPS = 3.0
 # kt-kernel's MXFP4 expert GEMV streams its weights at this fraction of the host's memory bandwidth. Measured
 # on a 2-core VM: 24% (issue 18; compute-bound per core there). A desktop with 8-16 cores is memory-bound; 0.5
 # is an assumption between that floor and STREAM-like reads (~0.8); bench/bench_cpu_experts.py measures it.
@@ -78,6 +83,8 @@ DEFAULT_CONTEXT_TOKENS = 32768  # the KV read is priced at this context (users.m
 
 DENSE_GROUPS = ("attention", "compressor", "indexer", "router", "hc_norm")  # read before / at routing
 BACKENDS = ("gpu", "offload", "hybrid")  # where misses go: none, PCIe only, PCIe or CPU (best split)
+ALL_PINNED = BankTiers()  # a bank in pinned memory, every layer held by kt-kernel with hybrid
+LANES = ("GPU experts", "PCIe copies", "staged copies", "CPU experts", "host memory")
 
 
 @dataclass(frozen=True)
@@ -104,9 +111,10 @@ class Bandwidths:
     host_gbps: float = DEFAULT_HOST_GBPS
     cpu_efficiency: float = DEFAULT_CPU_EFFICIENCY
     kernel_efficiency: float = 1.0  # the share of the GPU's read bandwidth the kernels reach (1: the bound)
+    disk_gbps: float = DEFAULT_DISK_GBPS  # page-ins of experts the bank left on disk
 
     def __post_init__(self) -> None:
-        for name in ("gpu_gbps", "h2d_gbps", "host_gbps", "cpu_efficiency", "kernel_efficiency"):
+        for name in ("gpu_gbps", "h2d_gbps", "host_gbps", "cpu_efficiency", "kernel_efficiency", "disk_gbps"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
@@ -138,22 +146,18 @@ class DecodeProjection:
     misses_per_token: float
     cpu_fraction: float  # of the misses, computed on the CPU
     serial: tuple[Term, ...]  # run one after another on the GPU's stream
-    parallel: tuple[Term, ...]  # the MoE phase's lanes: the step waits for the slowest
+    parallel: tuple[Term, ...]  # the MoE phase's lanes, each summed over the classes of layers (decode_lanes.py)
+    moe_seconds: float  # the MoE phase: per class of layers its slowest lane, summed
+    bound_by: str  # the slowest lane of the class that costs most; lanes within 0.1% of it named too
     notes: tuple[str, ...] = field(default=())
 
     @property
     def step_seconds(self) -> float:
-        return sum(t.seconds for t in self.serial) + max(t.seconds for t in self.parallel)
+        return sum(t.seconds for t in self.serial) + self.moe_seconds
 
     @property
     def tokens_per_second(self) -> float:
         return 1.0 / self.step_seconds
-
-    @property
-    def bound_by(self) -> str:
-        """The slowest MoE lane; lanes within 0.1% of it are named too (a balanced split ties them)."""
-        slowest = max(t.seconds for t in self.parallel)
-        return " = ".join(t.name for t in self.parallel if t.seconds >= slowest * 0.999)
 
     def to_json(self) -> dict:
         return {
@@ -164,6 +168,7 @@ class DecodeProjection:
             "hits_per_token": round(self.hits_per_token, 2),
             "misses_per_token": round(self.misses_per_token, 2),
             "cpu_fraction_of_misses": round(self.cpu_fraction, 4),
+            "moe_ms": round(self.moe_seconds * 1e3, 4),
             "moe_phase_bound_by": self.bound_by,
             "serial_ms": {t.name: round(t.seconds * 1e3, 4) for t in self.serial},
             "parallel_ms": {t.name: round(t.seconds * 1e3, 4) for t in self.parallel},
@@ -228,22 +233,6 @@ def expected_hits(b: DecodeBytes, slots: int) -> float:
     return b.expert_uses * min(slots, b.n_experts) / b.n_experts
 
 
-def best_cpu_fraction(gpu_fixed_s: float, gpu_per_miss_s: float, pcie_s: float, cpu_s: float) -> float:
-    """The CPU share f of the misses minimising max(gpu_fixed + gpu_per_miss (1-f), pcie (1-f), cpu f):
-    a convex, piecewise-linear function of f whose minimum lies where the rising CPU lane meets one of the
-    falling lanes, or at an end."""
-    candidates = {0.0, 1.0}
-    if cpu_s + gpu_per_miss_s > 0:
-        candidates.add((gpu_fixed_s + gpu_per_miss_s) / (cpu_s + gpu_per_miss_s))
-    if cpu_s + pcie_s > 0:
-        candidates.add(pcie_s / (cpu_s + pcie_s))
-
-    def cost(f: float) -> float:
-        return max(gpu_fixed_s + gpu_per_miss_s * (1 - f), pcie_s * (1 - f), cpu_s * f)
-
-    return min((f for f in candidates if 0.0 <= f <= 1.0), key=lambda f: (cost(f), f))
-
-
 def _serial_terms(b: DecodeBytes, gpu_bps: float, cuda_graphs: bool, handoff_s: float) -> tuple[Term, ...]:
     """The GPU stream's own work, one term after another."""
     launch_s = GRAPH_LAUNCH_SECONDS if cuda_graphs else EAGER_LAUNCH_SECONDS
@@ -274,48 +263,70 @@ def project_decode(
     backend: str = "hybrid",
     cuda_graphs: bool = True,
     hit_rate: float | None = None,
+    tiers: BankTiers = ALL_PINNED,
 ) -> DecodeProjection:
     """Batch-1 decode step time with `slots` GPU expert slots (slots >= experts: all resident). `hit_rate`
-    replaces the uniform-routing hit model (a what-if for skewed routing)."""
+    replaces the uniform-routing hit model (a what-if for skewed routing); `tiers` where the bank holds the
+    experts outside the slots (default: all pinned, every layer held by kt-kernel with hybrid)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if hit_rate is not None and not 0.0 <= hit_rate <= 1.0:
         raise ValueError(f"hit_rate must be within [0, 1], got {hit_rate}")
-    gpu = bw.gpu_read_bps
+    rates = Rates(bw.gpu_read_bps, bw.h2d_gbps * GB, bw.host_bps, bw.cpu_expert_bps, bw.disk_gbps * GB)
     hits = expected_hits(b, slots) if hit_rate is None else b.expert_uses * hit_rate
     misses = b.expert_uses - hits
     if misses > 0 and backend == "gpu":
         raise ValueError(f"backend 'gpu' needs every expert resident: {slots} slots < {b.n_experts} experts")
-    miss_bytes = misses * b.expert_bytes
-    shared_hit_s = (b.shared_expert_bytes + hits * b.expert_bytes) / gpu
-    fetched_gpu_s, pcie_s, cpu_s = miss_bytes / gpu, miss_bytes / (bw.h2d_gbps * GB), miss_bytes / bw.cpu_expert_bps
-    host_s = miss_bytes / bw.host_bps  # every miss read once from host memory, by the copy's DMA or the CPU
-    f = best_cpu_fraction(shared_hit_s, fetched_gpu_s, pcie_s, cpu_s) if backend == "hybrid" and misses else 0.0
-    handoff_s = b.n_moe_layers * HANDOFF_SECONDS if f > 0 else 0.0
-    if f > 0:  # the handoff is paid only by a step that uses the CPU: compare with fetching everything
-        cpu_used = shared_hit_s + fetched_gpu_s * (1 - f), pcie_s * (1 - f), cpu_s * f, host_s
-        if max(cpu_used) + handoff_s >= max(shared_hit_s + fetched_gpu_s, pcie_s, host_s):
-            f, handoff_s = 0.0, 0.0
-    mb, fetched = 1e6, misses * (1 - f)
+    fixed_s = (b.shared_expert_bytes + hits * b.expert_bytes) / rates.gpu
+    lanes: dict[str, float] = dict.fromkeys(LANES, 0.0)
+    moe_s = handoff_s = cpu_misses = 0.0
+    fetched: dict[str, float] = dict.fromkeys(TIERS, 0.0)
+    binding: tuple[float, str] = (-1.0, "")
+    for tier, share, held in tiers.classes() if misses else [("pinned", 1.0, False)]:
+        args = (tier, held, fixed_s * share, misses * share * b.expert_bytes, rates)
+        class_lanes_s, f = class_lanes(*args, use_cpu=False)
+        if backend == "hybrid" and held:  # the handoff is paid only where the CPU takes a share: worth it?
+            with_cpu, f_cpu = class_lanes(*args, use_cpu=True)
+            class_handoff = share * b.n_moe_layers * HANDOFF_SECONDS
+            if f_cpu > 0 and max(with_cpu.values()) + class_handoff < max(class_lanes_s.values()):
+                class_lanes_s, f, handoff_s = with_cpu, f_cpu, handoff_s + class_handoff
+        slowest = max(class_lanes_s.values())
+        moe_s += slowest
+        if slowest > binding[0]:
+            binding = (slowest, " = ".join(n for n in LANES if class_lanes_s[n] >= slowest * 0.999))
+        for name in LANES:
+            lanes[name] += class_lanes_s[name]
+        cpu_misses += misses * share * f
+        fetched[tier] += misses * share * (1 - f)
+    mb = 1e6
+    n_fetched = sum(fetched.values())
     parallel = (
         Term(
             "GPU experts",
-            shared_hit_s + fetched_gpu_s * (1 - f),
-            f"shared {b.shared_expert_bytes / mb:,.0f} MB + {hits:.1f} hits + {fetched:.1f} fetched "
-            f"x {b.expert_bytes / mb:.2f} MB at {gpu / GB:,.0f} GB/s",
+            lanes["GPU experts"],
+            f"shared {b.shared_expert_bytes / mb:,.0f} MB + {hits:.1f} hits + {n_fetched:.1f} fetched "
+            f"x {b.expert_bytes / mb:.2f} MB at {rates.gpu / GB:,.0f} GB/s",
         ),
-        Term("PCIe copies", pcie_s * (1 - f), f"{fetched:.1f} misses at {bw.h2d_gbps:g} GB/s"),
+        Term("PCIe copies", lanes["PCIe copies"], f"{fetched['pinned']:.1f} pinned misses at {bw.h2d_gbps:g} GB/s"),
+        Term(
+            "staged copies",
+            lanes["staged copies"],
+            f"{fetched['pageable'] + fetched['disk']:.1f} unpinned misses ({fetched['disk']:.1f} from disk at "
+            f"{bw.disk_gbps:g} GB/s), each copied by the host then read over PCIe"
+            if fetched["pageable"] + fetched["disk"]
+            else "none: the bank is pinned",
+        ),
         Term(
             "CPU experts",
-            cpu_s * f,
-            f"{misses * f:.1f} misses at {bw.host_gbps:g} GB/s x {bw.cpu_efficiency:g} = "
+            lanes["CPU experts"],
+            f"{cpu_misses:.1f} misses at {bw.host_gbps:g} GB/s x {bw.cpu_efficiency:g} = "
             f"{bw.cpu_expert_bps / GB:.1f} GB/s",
         ),
         Term(
             "host memory",
-            host_s,
+            lanes["host memory"],
             f"{misses:.1f} misses x {b.expert_bytes / mb:.2f} MB read at {bw.host_gbps:g} GB/s "
-            "(copies and CPU share it)",
+            "(copies and CPU share it; staged misses cross it 3-4 times)",
         ),
     )
     if hit_rate is None:
@@ -326,11 +337,14 @@ def project_decode(
     else:
         note = f"hits: {b.expert_uses} uses x {hit_rate:g} (hit rate given) = {hits:.2f} per token"
     notes = [note]
-    if misses and host_s >= max(t.seconds for t in parallel) * 0.999:
+    if misses and "host memory" in binding[1]:
         notes.append(
             f"host memory binds the MoE phase: each miss is read from host memory once, by a copy's DMA or by the "
-            f"CPU, {miss_bytes / GB:.2f} GB a token at {bw.host_gbps:g} GB/s whichever lane takes it; only more "
-            "slot hits (more slots, skewed routing) or a faster host memory (more channels) raise it"
+            f"CPU, {misses * b.expert_bytes / GB:.2f} GB a token at {bw.host_gbps:g} GB/s whichever lane takes it; "
+            "only more slot hits (more slots, skewed routing) or a faster host memory (more channels) raise it"
         )
-    serial = _serial_terms(b, gpu, cuda_graphs, handoff_s)
-    return DecodeProjection(backend, cuda_graphs, hits, misses, f, serial, parallel, tuple(notes))
+    serial = _serial_terms(b, rates.gpu, cuda_graphs, handoff_s)
+    return DecodeProjection(
+        backend, cuda_graphs, hits, misses, cpu_misses / misses if misses else 0.0, serial, parallel, moe_s,
+        binding[1], tuple(notes),
+    )  # fmt: skip

@@ -300,14 +300,21 @@ def plan_memory(
         f"{seqs} sequence states ({_g(r.seq_bytes)}); max_model_len {max_len:,}"
         + ("" if max_len == model_len else f" (model limit {model_len:,}, capped by KV capacity)")
     )
+    host = 0 if resident_all else weights.routed_expert_bytes
+    warnings: list[str] = []
+    split = host_split(host, machine, decisions, warnings, s.cpu_experts) if host else None
     if s.cpu_experts and not resident_all and graphs:  # hybrid syncs per layer: its steps run eager
         decisions.append(f"decode graphs: none after all (hybrid CPU experts); their {_g(graphs)} go to activations")
         graphs = 0
+    elif split is not None and split.pin_estimate_bytes is not None and split.pin_estimate_bytes < host and graphs:
+        decisions.append(  # the worker decides from the pin budget it measures (engine_setup.eager_reason)
+            f"decode graphs: none after all (the expert bank is not all pinned: the host stages the other layers' "
+            f"misses mid-step, which a CUDA graph cannot hold); their {_g(graphs)} go to activations"
+        )
+        graphs = 0
     free = budget - resident - graphs - slots * weights.expert_bytes - kvb - r.seq_bytes
     geometry, chunk = final_chunk(args, machine, s, free, kv_tok, max_len)
-    warnings = [chunk.warning] if chunk.warning else []
-    host = 0 if resident_all else weights.routed_expert_bytes
-    split = host_split(host, machine, decisions, warnings, s.cpu_experts) if host else None
+    warnings += [chunk.warning] if chunk.warning else []
     return MemoryPlan(
         machine,
         budget,

@@ -88,11 +88,12 @@ def build_engine(launch: WorkerLaunch) -> EngineParts:
         numerics = checked_numerics(numerics, launch.kernels.value, device)
     model, expert_cache, launch = load_model(ckpt, launch, numerics, device, group)
     hybrid = cpu_experts_of(model)
-    # decode steps captured as CUDA graphs: not with --enforce-eager, nor in hybrid mode (it syncs per layer). In a
-    # tensor-parallel group every rank captures the same buckets in the same order, the NCCL collectives inside
-    # (NCCL >= 2.9.6 records them in a graph); the static buffers with collectives are checked over gloo on the CPU
-    # (tests/unit/test_tp_forward.py), the capture over NCCL only by bench/gpu_cases/multi_gpu.py on a multi-GPU run
-    capture = device.type == "cuda" and not launch.enforce_eager.value and hybrid is None
+    # decode steps captured as CUDA graphs unless `eager_reason` says why not. In a tensor-parallel group every rank
+    # captures the same buckets in the same order, the NCCL collectives inside (NCCL >= 2.9.6 records them in a
+    # graph); the static buffers with collectives are checked over gloo on the CPU (tests/unit/test_tp_forward.py),
+    # the capture over NCCL only by bench/gpu_cases/multi_gpu.py on a multi-GPU run
+    eager = eager_reason(device, launch.enforce_eager.value, hybrid is not None, expert_cache)
+    capture = eager is None
     n_spec = launch.speculative_tokens.value
     graph_reserve = (
         decode_graph_bytes(args, launch.max_num_seqs.value, launch.max_model_len.value, n_spec) if capture else 0
@@ -178,9 +179,7 @@ def build_engine(launch: WorkerLaunch) -> EngineParts:
         kv_pages=pool.num_pages,
         page_tokens=page,
         sequence_slots=pool.num_slots,
-        decode_graphs=HYBRID_EAGER
-        if hybrid is not None and device.type == "cuda"
-        else _graphs_line(graphs, launch, device, graph_reserve) + _speculative_note(n_spec, graphs, spec_graphs),
+        decode_graphs=(eager or _graphs_line(graphs, graph_reserve)) + _speculative_note(n_spec, graphs, spec_graphs),
         ranks=rank_lines,
     )
     return EngineParts(Scheduler(limits), runner, ChunkState(plan), ready, expert_cache, group)
@@ -288,14 +287,32 @@ def _speculative_note(n_tokens: int, graphs: DecodeGraphs | None, spec_graphs: S
     return f"; --speculative-tokens {n_tokens}: MTP drafts verified per step{how}"
 
 
-def _graphs_line(graphs: DecodeGraphs | None, launch: WorkerLaunch, device: torch.device, planned: int) -> str:
-    if graphs is not None:
-        return f"{graphs.report.describe()} (planned {planned / 2**20:.0f} MiB)"
+def eager_reason(
+    device: torch.device, enforce_eager: bool, hybrid: bool, expert_cache: ExpertSlotCache | None
+) -> str | None:
+    """Why decode steps run eager (the start-up report's decode-graphs line), or None: captured as CUDA graphs.
+    A step that makes the host wait mid-way cannot be captured (the capture would fail and stop the start):
+    hybrid CPU experts sync per MoE layer, and so does every layer whose experts the host must stage (a bank
+    beyond the pin budget: WSL2's pin cap, or a host RAM smaller than the bank, the rest on disk)."""
     if device.type != "cuda":
         return "off (CPU: every step eager)"
-    if launch.enforce_eager.value:
+    if enforce_eager:
         return "off (--enforce-eager)"
-    return f"off (--tensor-parallel-size {launch.tensor_parallel_size.value}: the ranks run eager)"
+    if hybrid:
+        return HYBRID_EAGER
+    staged = expert_cache.staged_layers if expert_cache is not None else []
+    if expert_cache is not None and staged:
+        return (
+            f"off ({len(staged)} of {len(expert_cache.layers)} MoE layers' experts are not pinned (pageable or on "
+            "disk): the host stages their misses mid-step, which a CUDA graph cannot hold; more pinnable host "
+            "memory captures them)"
+        )
+    return None
+
+
+def _graphs_line(graphs: DecodeGraphs | None, planned: int) -> str:
+    assert graphs is not None  # eager_reason said capture
+    return f"{graphs.report.describe()} (planned {planned / 2**20:.0f} MiB)"
 
 
 def _rank_line(launch: WorkerLaunch, group: RankGroup, device: torch.device, model: Transformer, pool: KvPool) -> str:

@@ -153,7 +153,12 @@ def load_model(
     slots = launch.moe_cache_size.value
     n_experts = args.n_routed_experts * (args.n_all_layers if mtp else args.n_layers)
     try:
-        moe_backend, why = moe_backend_for(launch.moe_backend, slots is not None and slots < n_experts, numerics)
+        offloaded = slots is not None and slots < n_experts
+
+        def offload_faster() -> str | None:  # auto on a CUDA worker: would hybrid decode slower than offload here?
+            return _offload_faster(ckpt, launch, backends, mtp) if device.type == "cuda" else None
+
+        moe_backend, why = moe_backend_for(launch.moe_backend, offloaded, numerics, offload_faster)
     except MoeBackendError as exc:
         raise StartupError(str(exc)) from exc
     # hybrid: kt-kernel's copy of the experts is planned first, the bank fills the RAM left beside it
@@ -183,6 +188,23 @@ def load_model(
     model.use_kernels(backends)  # packs what the Triton kernels read (nothing left to do after load_packed)
     log.info("kernels: %s", backends)
     return model, cache, launch
+
+
+def _offload_faster(ckpt: Checkpoint, launch: WorkerLaunch, backends: KernelBackends, mtp: bool) -> str | None:
+    """Both offloaded backends projected as this worker would run them (memory/decode_choice.py): the bank in this
+    host's available RAM, the assumed bandwidths; the line to log when offload is the faster."""
+    from dsv4serve.memory.decode_choice import offload_faster, project_backends
+    from dsv4serve.memory.decode_speed import Bandwidths, decode_bytes
+    from dsv4serve.memory.plan import Machine
+    from dsv4serve.memory.probe import detect_platform
+
+    specs = model_specs(ckpt.specs, ckpt.args, mtp)
+    bank = sum(s.nbytes for s in specs if s.group == "routed_experts")
+    machine = Machine(0, host_snapshot().free_bytes, detect_platform())  # the RAM the bank may fill (attach.py)
+    b = decode_bytes(specs, ckpt.args, backends)
+    slots = launch.moe_cache_size.value or 0
+    eager = launch.enforce_eager.value
+    return offload_faster(project_backends(b, slots, bank, machine, Bandwidths(), eager, ("offload", "hybrid")))
 
 
 def rank_partition(args: ModelArgs, launch: WorkerLaunch) -> Partition:

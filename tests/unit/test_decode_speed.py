@@ -1,12 +1,15 @@
-"""The projected batch-1 decode speed (memory/decode_speed.py) against cases computed by hand, and its byte
-counts against the real DeepSeek-V4-Flash tensor list and the model document."""
+"""The projected batch-1 decode speed (memory/decode_speed.py, decode_lanes.py, decode_choice.py) against cases
+computed by hand, and its byte counts against the real DeepSeek-V4-Flash tensor list and the model document."""
 
 from __future__ import annotations
 
 import pytest
 
 from dsv4serve.memory import decode_speed as ds
-from dsv4serve.memory.decode_speed import Bandwidths, DecodeBytes, best_cpu_fraction, project_decode
+from dsv4serve.memory.decode_choice import faster_backend, offload_faster, project_backends
+from dsv4serve.memory.decode_lanes import BankTiers
+from dsv4serve.memory.decode_speed import Bandwidths, DecodeBytes, project_decode
+from dsv4serve.memory.plan import Machine
 from dsv4serve.memory.weights import loaded_weight_bytes
 from dsv4serve.model.args import read_model_args
 from dsv4serve.model.backends import KernelBackends
@@ -83,10 +86,8 @@ def test_a_slow_gpu_lane_gets_the_cpu_share_that_balances_it():
     # no shared expert or hits; the GPU reads a fetched miss in 10 MB / 900 GB/s; PCIe is nearly free, so the
     # GPU's reading of fetched copies binds: f x 180 x 10 MB / CPU = (1 - f) x 1.8 GB / GPU
     slow_gpu = Bandwidths(gpu_gbps=40 / ds.DEVICE_READ_EFFICIENCY, h2d_gbps=1e6, host_gbps=80, cpu_efficiency=0.5)
-    f = best_cpu_fraction(0.0, 1.8 / 40, 1.8 / 1e6, 1.8 / 40)
-    assert f == pytest.approx(0.5)  # GPU 40 GB/s and CPU 40 GB/s: half each
     p = project_decode(DecodeBytes(**{**TOY.__dict__, "shared_expert_bytes": 0}), 0, slow_gpu, "hybrid")
-    assert p.cpu_fraction == pytest.approx(0.5) and p.hits_per_token == 0
+    assert p.cpu_fraction == pytest.approx(0.5) and p.hits_per_token == 0  # GPU 40 GB/s and CPU 40 GB/s: half each
 
 
 def test_the_cpu_is_left_idle_when_its_handoffs_cost_more_than_it_saves():
@@ -186,3 +187,64 @@ def test_todays_kernel_efficiency_scales_the_gpu_terms_only():
         assert today.step_seconds > full.step_seconds
     with pytest.raises(ValueError, match="kernel_efficiency"):
         Bandwidths(kernel_efficiency=0.0)
+
+
+# --------------------------------------------------------------------------- where the bank holds the misses
+
+
+def test_the_bank_tiers_cut_the_layers_into_classes():
+    """Whole layers in order: pinned first, then pageable, then disk; kt-kernel holds the first cpu_layers."""
+    classes = BankTiers(pinned=0.5, pageable=0.25, cpu_layers=0.6).classes()
+    assert [(t, round(w, 9), held) for t, w, held in classes] == [
+        ("pinned", 0.5, True), ("pageable", 0.1, True), ("pageable", 0.15, False), ("disk", 0.25, False),
+    ]  # fmt: skip
+    assert BankTiers().classes() == [("pinned", 1.0, True)] and BankTiers(0.3, 0.3).disk == pytest.approx(0.4)
+    with pytest.raises(ValueError, match="exceed the bank"):
+        BankTiers(0.8, 0.3)
+
+
+def test_unpinned_misses_wait_for_the_host_to_stage_them_and_disk_ones_for_a_page_in_first():
+    # 180 misses = 1.8 GB: half pinned (0.9 GB), a quarter pageable, a quarter on disk (0.45 GB each)
+    p = project_decode(TOY, 100, BW, "offload", tiers=BankTiers(pinned=0.5, pageable=0.25))
+    lanes = {t.name: t.seconds / MS for t in p.parallel}
+    pinned = 0.9 / 50  # read in place over PCIe: 18 ms, beside its host reads (0.9 / 80)
+    pageable = 0.45 * (1 / 50 + 2 / 80)  # the host copies (a read and a write), then PCIe: 20.25 ms in a chain
+    disk = 0.45 * (1 / 3 + 2 / 80 + 1 / 50)  # a 3 GB/s page-in before that: 170.25 ms
+    assert lanes["PCIe copies"] == pytest.approx(pinned * 1e3) and lanes["staged copies"] == pytest.approx(
+        (pageable + disk) * 1e3
+    )
+    assert lanes["host memory"] == pytest.approx((0.9 * 1 + 0.45 * 3 + 0.45 * 4) / 80 * 1e3)
+    assert p.moe_seconds == pytest.approx(pinned + pageable + disk)  # each class waits for its slowest lane
+    assert p.step_seconds / MS == pytest.approx(11 + LAUNCH_MS + (pinned + pageable + disk) * 1e3)
+    assert p.bound_by == "staged copies"
+
+
+def test_hybrid_sends_a_disk_layer_s_misses_to_the_cpu_where_kt_kernel_holds_it():
+    # every layer on disk, kt-kernel holds half of them: the other half fetch every miss through a page-in
+    p = project_decode(TOY, 100, BW, "hybrid", tiers=BankTiers(pinned=0.0, pageable=0.0, cpu_layers=0.5))
+    chain = 0.9 * (1 / 3 + 2 / 80 + 1 / 50)  # 0.9 GB of misses in each half: 340.5 ms fetched
+    f = chain / (chain + 0.9 / 40)  # the held half: the CPU (40 GB/s) and the fetch chain finish together
+    assert p.cpu_fraction == pytest.approx(0.5 * f)
+    assert p.moe_seconds == pytest.approx(chain + f * 0.9 / 40)
+    assert {t.name: t.seconds / MS for t in p.serial}["CPU handoffs"] == pytest.approx(HANDOFF_MS / 2)
+
+
+def test_a_32gb_card_s_backends_as_the_worker_runs_them(real):
+    """On 128 GiB of RAM the bank (137 GiB) does not fit: offload stages 12% from disk, eager; hybrid's kt-kernel
+    copy (1.3x) leaves the bank on disk. With the whole bank pinned (384 GiB) offload replays graphs while hybrid
+    syncs per layer: offload wins too, and only with --enforce-eager does hybrid's CPU share pay off."""
+    _, _, _, b = real
+    slots, bank = 936, 137 * 2**30
+
+    def backends(host_gib: int, eager: bool = False):
+        machine = Machine(32 * 2**30, host_gib * 2**30, "native")
+        return project_backends(b, slots, bank, machine, Bandwidths(), eager, ("offload", "hybrid"))
+
+    small = backends(128)
+    assert small["offload"][1].disk == pytest.approx(1 - 120 / 137) and small["offload"][2] is not None
+    assert small["hybrid"][1].pinned == 0 and small["hybrid"][1].cpu_layers == pytest.approx(28 / 43)
+    assert faster_backend(small) == "offload" and small["offload"][0].tokens_per_second < 5
+    big = backends(384)
+    assert big["offload"][2] is None and big["hybrid"][2] == "hybrid CPU experts sync per MoE layer"
+    assert faster_backend(big) == "offload" and "offload 14.3 vs hybrid 10.3" in (offload_faster(big) or "")
+    assert faster_backend(backends(384, eager=True)) == "hybrid" and offload_faster(backends(384, eager=True)) is None

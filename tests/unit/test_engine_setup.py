@@ -1,5 +1,5 @@
 """--kernels in the worker: auto is torch on the CPU, Triton on CUDA; Triton on a CPU worker is refused
-by name unless the interpreter runs (tests)."""
+by name unless the interpreter runs (tests). Whether decode steps are captured as CUDA graphs, and why not."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from dsv4serve.cli import main as cli_main
 from dsv4serve.model.args import args_from_dicts
 from dsv4serve.model.backends import KernelBackends
 from dsv4serve.tiny.spec import TINY_CONFIG
+from dsv4serve.worker.engine_setup import eager_reason
 from dsv4serve.worker.model_load import StartupError, worker_numerics
 
 ARGS = args_from_dicts(TINY_CONFIG, expert_dtype_hint="fp4")
@@ -153,3 +154,43 @@ def test_batch_invariance_is_opt_in_and_a_bf16_checkpoint_keeps_fp8_kernels_off(
     assert auto.backends.fp8_gemm == auto.backends.fp4_moe == "torch" and auto.backends.attention == "triton"
     with pytest.raises(StartupError, match="fp8_gemm=triton reads FP8"):
         worker_numerics(bf16, "fp8_gemm=triton", cuda)
+
+
+def test_decode_graphs_are_captured_only_where_no_step_makes_the_host_wait():
+    """A capture of a step that syncs fails and stops the start: hybrid CPU experts sync per layer, a layer whose
+    experts are not pinned is staged by the host mid-step (WSL2's pin cap, or a bank larger than host RAM)."""
+    from types import SimpleNamespace
+
+    cuda = torch.device("cuda")
+    pinned = SimpleNamespace(layers=[0, 1, 2], staged_layers=[])
+    partly = SimpleNamespace(layers=[0, 1, 2], staged_layers=[1, 2])
+    assert eager_reason(cuda, False, False, None) is None
+    assert eager_reason(cuda, False, False, pinned) is None  # type: ignore[arg-type]
+    assert eager_reason(CPU, False, False, None) == "off (CPU: every step eager)"
+    assert eager_reason(cuda, True, False, pinned) == "off (--enforce-eager)"  # type: ignore[arg-type]
+    assert "--moe-backend hybrid" in eager_reason(cuda, False, True, pinned)  # type: ignore[arg-type, operator]
+    why = eager_reason(cuda, False, False, partly)  # type: ignore[arg-type]
+    assert why is not None and why.startswith("off (2 of 3 MoE layers' experts are not pinned")
+
+
+def test_auto_on_a_cuda_worker_projects_both_offloaded_backends_with_this_host_s_ram(real_model_dir, monkeypatch):
+    """model_load._offload_faster: the real tensor list, the expert bank in the RAM the host has available (a
+    128 GiB host here: the 137 GiB bank does not fit), the assumed bandwidths: offload is the faster, and says so."""
+    from types import SimpleNamespace
+
+    from dsv4serve.memory.chunk_planner import MemorySnapshot
+    from dsv4serve.model.args import read_model_args
+    from dsv4serve.model.schema import checkpoint_schema
+    from dsv4serve.worker import model_load
+
+    args = read_model_args(real_model_dir)
+    ckpt = SimpleNamespace(specs=tuple(checkpoint_schema(args)), args=args)
+    launch = SimpleNamespace(moe_cache_size=SimpleNamespace(value=936), enforce_eager=SimpleNamespace(value=False))
+    free = 128 * 2**30
+    monkeypatch.setattr(model_load, "host_snapshot", lambda: MemorySnapshot(free, free, "native"))
+    line = model_load._offload_faster(ckpt, launch, KernelBackends.every("triton"), False)  # type: ignore[arg-type]
+    assert line is not None and line.startswith("projected batch-1 decode offload 3.8 vs hybrid 1.9 tokens/s")
+    free = 1024 * 2**30  # room for the bank and kt-kernel's copy: offload replays graphs, hybrid runs eager
+    assert "offload 14.3 vs hybrid 10.3" in (
+        model_load._offload_faster(ckpt, launch, KernelBackends.every("triton"), False) or ""
+    )

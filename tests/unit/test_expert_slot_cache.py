@@ -139,6 +139,7 @@ def test_an_explicit_step_boundary_is_not_repeated_by_the_first_layer():
 def test_kernel_sources_read_ram_layers_in_place_and_stage_mapped_ones():
     bank = make_bank(mapped_layers=(2,))
     cache = ExpertSlotCache(bank, 4, CPU)
+    assert cache.staged_layers == [2] and ExpertSlotCache(make_bank(), 4, CPU).staged_layers == []
     ids0 = torch.tensor([[1, 3]])
     src = cache.kernel_sources(0, ids0)
     assert all(t is bank.layers[0][p] for t, p in zip(src.bank, PART_ORDER))  # read in place

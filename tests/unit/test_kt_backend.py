@@ -74,6 +74,33 @@ def test_auto_with_batch_invariance_stays_on_the_device_path():
     assert choose_moe_backend("auto", False, True, KT_YES, batch_invariant=True)[0] == "offload"
 
 
+def test_auto_keeps_offload_where_the_projection_says_it_decodes_faster(monkeypatch):
+    """Installing kt-kernel must not make auto slower: a CUDA worker projects both backends as it would run them
+    (memory/decode_choice.py) and auto keeps offload when it wins; an explicit hybrid is still honoured."""
+    line = "projected batch-1 decode offload 14.3 vs hybrid 10.3 tokens/s"
+    backend, why = choose_moe_backend("auto", False, True, KT_YES, offload_faster=line)
+    assert backend == "offload" and line in why
+    assert choose_moe_backend("hybrid", True, True, KT_YES, offload_faster=line)[0] == "hybrid"
+    from types import SimpleNamespace
+
+    from dsv4serve.experts import moe_backend
+
+    monkeypatch.setattr(moe_backend, "kt_kernel_available", lambda: KT_YES)
+    monkeypatch.setattr(moe_backend, "kt_version", lambda: "0.7.2")
+    asked = []
+
+    def faster() -> str:
+        asked.append(1)
+        return line
+
+    numerics = SimpleNamespace(batch_invariant=False)
+    auto, hybrid = SimpleNamespace(value="auto", explicit=False), SimpleNamespace(value="hybrid", explicit=True)
+    assert moe_backend.moe_backend_for(auto, True, numerics, faster)[0] == "offload" and asked == [1]
+    assert moe_backend.moe_backend_for(hybrid, True, numerics, faster)[0] == "hybrid" and asked == [1]  # not asked
+    assert moe_backend.moe_backend_for(auto, False, numerics, faster)[0] == "gpu" and asked == [1]
+    assert moe_backend.moe_backend_for(auto, True, numerics, lambda: None)[0] == "hybrid"
+
+
 def brute_force(miss_tokens, expert_bytes, costs) -> float:
     """The best max(fetch, CPU) seconds over every subset sent to the CPU."""
     fetch = costs.fetch_seconds(expert_bytes, True)
@@ -112,6 +139,8 @@ def test_decode_computes_misses_on_the_cpu_and_prefill_fetches_them():
     assert split_misses({1: 1}, EXPERT, True, SplitCosts(CpuExpertCost(1e-3, 0), None, None)) == {1}  # CPU device
     pageable = split_misses({e: 1 for e in range(8)}, EXPERT, False, COSTS)
     assert len(pageable) >= len(split_misses({e: 1 for e in range(8)}, EXPERT, True, COSTS))
+    # a layer left on disk: a fetch would page in first, kt-kernel reads its own RAM copy: all on the CPU
+    assert split_misses(prefill, EXPERT, False, slow_link, on_disk=True) == set(prefill)
 
 
 def test_the_host_plan_counts_kt_kernel_s_copy_first():

@@ -314,9 +314,24 @@ def test_speculative_verify_graphs_grow_the_graph_reserve(real):
 
 def test_hybrid_cpu_experts_capture_no_decode_graphs(real):
     args, w = real
-    machine = Machine(32 * GIB, 128 * GIB, "native")
+    machine = Machine(32 * GIB, 192 * GIB, "native")  # room for the whole bank, pinned
     offload = plan_memory(args, w, machine, settings(args, max_model_len=65536))
     hybrid = plan_memory(args, w, machine, dataclasses.replace(settings(args, max_model_len=65536), cpu_experts=True))
     assert offload.decode_graph_bytes > 0 and hybrid.decode_graph_bytes == 0
     assert any("none after all (hybrid" in d for d in hybrid.decisions)
     assert hybrid.activation_free_bytes == offload.activation_free_bytes + offload.decode_graph_bytes
+
+
+def test_a_bank_beyond_the_pin_budget_captures_no_decode_graphs(real):
+    """Layers outside the pinned tier are staged by the host mid-step (engine_setup.eager_reason): 137 GiB of
+    experts on 128 GiB of RAM (17 GiB stay on disk), or on WSL2, which pins about half of RAM."""
+    args, w = real
+    plans = {
+        (host, platform): plan_memory(args, w, Machine(32 * GIB, host * GIB, platform), settings(args))
+        for host, platform in ((192, "native"), (128, "native"), (256, "wsl2"))
+    }
+    assert plans[192, "native"].decode_graph_bytes > 0
+    for key in ((128, "native"), (256, "wsl2")):
+        p = plans[key]
+        assert p.host is not None and p.host.pin_estimate_bytes < p.host.bank_bytes, key
+        assert p.decode_graph_bytes == 0 and any("not all pinned" in d for d in p.decisions), key

@@ -71,7 +71,8 @@ def _run_text(ns, env) -> str:
 
 def test_a_32gb_plan_projects_decode_term_by_term_with_the_given_bandwidths(real_model_dir, tmp_path):
     env = read_environment({"DSV4SERVE_CACHE_DIR": str(tmp_path)}, tuple(options()))
-    flags = ["--gpu-memory", "32GiB", "--host-memory", "128GiB", "--h2d-bandwidth", "25", "--host-bandwidth", "60"]
+    # host RAM for kt-kernel's copy (1.3x) and the bank, all pinned: one class of layers, read in place
+    flags = ["--gpu-memory", "32GiB", "--host-memory", "384GiB", "--h2d-bandwidth", "25", "--host-bandwidth", "60"]
     ns = build_parser("plan").parse_args(["--model", str(real_model_dir), *flags])
     plan = build_plan(ns, env)
     d, experts = plan["decode_speed"], plan["memory_plan"]["experts"]
@@ -90,6 +91,10 @@ def test_a_32gb_plan_projects_decode_term_by_term_with_the_given_bandwidths(real
         assert p["step_ms"] == pytest.approx(serial + max(p["parallel_ms"].values()), abs=1e-2)
         assert p["tokens_per_second"] == pytest.approx(1e3 / p["step_ms"], abs=0.01)
     assert offload["tokens_per_second"] < hybrid["tokens_per_second"]
+    # offload replays graphs; hybrid syncs per layer, so its launches are priced eager (engine_setup.eager_reason)
+    assert offload["serial_ms"]["kernel launches"] == pytest.approx(1556 * 1e-3)
+    assert hybrid["serial_ms"]["kernel launches"] == pytest.approx(1556 * 33e-3)
+    assert d["eager"] == {"hybrid": "hybrid CPU experts sync per MoE layer"} and d["faster"] == "hybrid"
 
     ns_json = build_parser("plan").parse_args(["--model", str(real_model_dir), *flags, "--json"])
     emitted = json.loads(_run_text(ns_json, env))
@@ -105,6 +110,7 @@ def test_a_32gb_plan_projects_decode_term_by_term_with_the_given_bandwidths(real
     assert today["kernel_efficiency"] == MEASURED_KERNEL_EFFICIENCY and "H200" in today["source"]
     assert today["tokens_per_second"]["hybrid"] < hybrid["tokens_per_second"]
     assert f"hybrid {today['tokens_per_second']['hybrid']:.1f} tokens/s" in text
+    assert "--moe-backend auto with kt-kernel installed runs hybrid on a CUDA worker" in text
 
 
 def test_a_card_that_holds_every_expert_projects_the_gpu_backend_only(tiny_cache):

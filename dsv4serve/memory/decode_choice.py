@@ -1,0 +1,81 @@
+"""Which MoE backend decodes faster on this machine, by the projection (pure: no device calls).
+
+    tiers = bank_tiers(bank_bytes, machine, cpu_experts, n_moe_layers)   # the host memory plan's split, as shares
+    why = eager_reason(enforce_eager, backend, tiers)                    # None: decode steps replay CUDA graphs
+    projections = project_backends(b, slots, bank_bytes, machine, bw, enforce_eager, backends)
+    faster = faster_backend(projections)                                 # "offload" or "hybrid"
+
+`dsv4serve plan` prints the projections; the worker's --moe-backend auto asks `faster_backend` before it hands
+the experts to kt-kernel (experts/moe_backend.py), so that installing kt-kernel never makes decode slower. Each
+backend is projected as the worker would run it: the bank's tiers from host_plan.py (hybrid: kt-kernel's copy
+planned first, whole layers), and eager where a step makes the host wait (engine_setup.eager_reason: hybrid CPU
+experts, or layers outside the pinned tier).
+"""
+
+from __future__ import annotations
+
+from dsv4serve.memory import decode_speed as ds
+from dsv4serve.memory.decode_lanes import BankTiers
+from dsv4serve.memory.host_plan import Machine, host_split, kt_copy_bytes
+
+
+def bank_tiers(bank_bytes: int, machine: Machine | None, cpu_experts: bool, n_moe_layers: int) -> BankTiers:
+    """Where the bank holds the experts outside the slots, as the host memory plan splits it for this backend;
+    all pinned (and every layer held by kt-kernel) when there is no bank or host memory is not known."""
+    if not bank_bytes or machine is None or machine.host_bytes is None:
+        return ds.ALL_PINNED
+    split = host_split(bank_bytes, machine, [], [], cpu_experts)
+    assert split.ram_bytes is not None and split.pin_estimate_bytes is not None  # host memory is given
+    held = 1.0
+    if cpu_experts:  # experts/attach.kt_layers: as many whole layers as kt-kernel's copy of them fits
+        layers = split.kt_copy_bytes * n_moe_layers / kt_copy_bytes(bank_bytes)
+        held = min(n_moe_layers, int(layers + 1e-9)) / n_moe_layers
+    pinned = split.pin_estimate_bytes / bank_bytes
+    return BankTiers(pinned, (split.ram_bytes - split.pin_estimate_bytes) / bank_bytes, held)
+
+
+def eager_reason(enforce_eager: bool, backend: str, tiers: BankTiers) -> str | None:
+    """Why this backend's decode steps run eager (worker/engine_setup.eager_reason), or None: CUDA graphs."""
+    if enforce_eager:
+        return "--enforce-eager"
+    if backend == "hybrid":
+        return "hybrid CPU experts sync per MoE layer"
+    if tiers.pinned < 1.0:
+        return "the bank is not all pinned: the host stages those layers' misses mid-step"
+    return None
+
+
+def project_backends(
+    b: ds.DecodeBytes,
+    slots: int,
+    bank_bytes: int,
+    machine: Machine | None,
+    bw: ds.Bandwidths,
+    enforce_eager: bool,
+    backends: tuple[str, ...],
+) -> dict[str, tuple[ds.DecodeProjection, BankTiers, str | None]]:
+    """backend -> (its projection, the bank's tiers for it, why it runs eager or None)."""
+    out = {}
+    for backend in backends:
+        tiers = bank_tiers(bank_bytes, machine, backend == "hybrid", b.n_moe_layers)
+        why = eager_reason(enforce_eager, backend, tiers)
+        out[backend] = (ds.project_decode(b, slots, bw, backend, why is None, tiers=tiers), tiers, why)
+    return out
+
+
+def faster_backend(projections: dict[str, tuple[ds.DecodeProjection, BankTiers, str | None]]) -> str:
+    """The backend with the higher projected tokens/s; a tie keeps the one without kt-kernel (offload)."""
+    return max(projections, key=lambda k: (projections[k][0].tokens_per_second, k != "hybrid"))
+
+
+def offload_faster(projections: dict[str, tuple[ds.DecodeProjection, BankTiers, str | None]]) -> str | None:
+    """The line --moe-backend auto logs when the projections say offload decodes faster than hybrid, else None."""
+    if faster_backend(projections) != "offload" or "hybrid" not in projections:
+        return None
+    speed = {k: v[0].tokens_per_second for k, v in projections.items()}
+    eager = projections["hybrid"][2]
+    return (
+        f"projected batch-1 decode offload {speed['offload']:.1f} vs hybrid {speed['hybrid']:.1f} tokens/s "
+        f"(memory/decode_speed.py at the assumed bandwidths; hybrid runs eager: {eager}; `dsv4serve plan` shows "
+        "the terms; --moe-backend hybrid forces it)"
+    )
