@@ -97,10 +97,11 @@ def decode_plan(
     bw, sources = bandwidths(ns)
     backends = ("gpu",) if memory.experts_resident else ("offload", "hybrid")
     bank = memory.host.bank_bytes if memory.host is not None else 0
-    eager = cfg.enforce_eager.value
+    eager, spec = cfg.enforce_eager.value, cfg.speculative_tokens.value > 0
 
     def project(rates: ds.Bandwidths) -> dict[str, tuple[ds.DecodeProjection, BankTiers, str | None]]:
-        return project_backends(decode_bytes, memory.expert_slots, bank, memory.machine, rates, eager, backends)
+        slots = memory.expert_slots
+        return project_backends(decode_bytes, slots, bank, memory.machine, rates, eager, backends, spec)
 
     full = project(bw)
     projections = {k: v[0] for k, v in full.items()}

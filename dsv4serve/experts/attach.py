@@ -164,7 +164,9 @@ def attach_cpu_experts(
     return hybrid
 
 
-HYBRID_EAGER = "off (--moe-backend hybrid: each MoE layer syncs with the CPU experts)"
+HYBRID_EAGER = (
+    "off (--moe-backend hybrid with --speculative-tokens: the verify steps' MoE layers sync with the CPU experts)"
+)
 
 
 def cpu_experts_of(model: Transformer) -> HybridExperts | None:

@@ -9,8 +9,10 @@ the two partial sums are added (dsv4serve/model/moe.py, `MoE.forward`).
                                                      # device's sum before the shared expert (moe_combine)
 
 The slot cache still decides residency: the experts computed on the CPU are counted as uses (not
-hits), so the hot ones get promoted into slots. A step with a CPU part syncs the host once per layer
-(the routing must reach kt-kernel), so decode steps run eagerly, without CUDA graphs.
+hits), so the hot ones get promoted into slots. A step with this split syncs the host once per layer (the
+routing must reach kt-kernel): prefill chunks and mixed steps. Decode steps replayed as CUDA graphs take
+`graph` instead (hybrid_graph.py: a CPU set per layer fixed between steps, no sync), inside `graph.steps()`;
+`stats` counts the eager split's work only.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dsv4serve.experts.hybrid_graph import GraphJob, GraphSplit, decode_cpu_share
 from dsv4serve.experts.kt_experts import KtExperts, KtJob
 from dsv4serve.experts.miss_split import SplitCosts, split_misses
 from dsv4serve.experts.slot_cache import ExpertSlotCache
@@ -53,17 +56,22 @@ class HybridExperts:
     def __init__(self, kt: KtExperts, cache: ExpertSlotCache, costs: SplitCosts):
         self.kt, self.cache, self.costs = kt, cache, costs
         self.stats = HybridStats()
+        self.graph = GraphSplit(kt, cache, decode_cpu_share(costs, cache.bank.expert_bytes), cache.device)
 
     def describe(self) -> str:
         """For the start-up report: kt-kernel's build and threads, the layers it holds, the measured costs."""
         bank = self.cache.bank
         return f"{self.kt.describe}; measured {self.costs.describe(bank.expert_bytes)}"
 
-    def submit(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> HybridJob | None:
+    def submit(
+        self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> HybridJob | GraphJob | None:
         """Start kt-kernel on `layer`'s misses that the split gives the CPU: x [T, D] (the experts' input,
         already through act_quant), ids [T, k], weights [T, k] fp32. None when it gives it none."""
         if not self.kt.holds(layer):  # host RAM held no kt-kernel copy of it: offload only
             return None
+        if self.graph.active:  # a decode graph's step: the CPU set fixed before it, no sync
+            return self.graph.submit(layer, x, ids, weights)
         bank = self.cache.bank
         slot_of = self.cache.host_slot_map(layer)  # [E] int32, -1: not in a slot
         ids_host = ids.to("cpu")  # the one host sync of the layer

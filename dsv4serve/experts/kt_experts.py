@@ -4,11 +4,22 @@ numerics and why only the low-level API is used).
     kt = KtExperts(layer_parts, geometry, threads)   # layer -> the bank's packed parts, handed over once
     job = kt.submit(layer, x, ids, weights, on_device)
     out = job.wait()                                  # [T, D] bf16
+
+    bufs = kt.stream_buffers(rows, device)            # a decode step's inputs and output, at fixed addresses
+    kt.run_on_stream(kt.stream_task(layer, bufs), device)   # queued on the device's stream: a graph can hold it
+    kt.wait_on_stream(device)
+
+On CUDA the stream forms are kt-kernel's `CPUInfer.submit_with_cuda_stream` / `sync_with_cuda_stream`:
+host functions on the current stream (cudaLaunchHostFunc), so the stream runs the CPU work where the copies
+before it have landed and waits for it before the copies after, and a CUDA graph captures both as host
+nodes replayed every step (kt-kernel keeps each task's and each sync's arguments for the process). On the
+CPU they are its plain `submit` / `sync`, in the same order.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 
@@ -31,6 +42,18 @@ class KtJob:
             self._infer.sync()
             self._done, self._keep = True, ()
         return self.out
+
+
+@dataclass(frozen=True)
+class KtStreamBuffers:
+    """A stream forward's host side: x [R, D] bf16, ids [R, k] int64, weights [R, k] fp32 in; out [R, D] bf16;
+    n [1] int32 the rows kt-kernel computes (R)."""
+
+    x: torch.Tensor
+    ids: torch.Tensor
+    weights: torch.Tensor
+    out: torch.Tensor
+    n: torch.Tensor
 
 
 class KtExperts:
@@ -56,6 +79,7 @@ class KtExperts:
         self.masks = torch.zeros((len(self.layers), geometry.n_experts), dtype=torch.bool)
         self._row = {layer: i for i, layer in enumerate(self.layers)}
         self._moes = {layer: self._load(layer, layer_parts[layer]) for layer in self.layers}
+        self._stream_tasks: dict[tuple[int, int], tuple[object, KtStreamBuffers]] = {}  # kept: kt reads them
 
     def _load(self, layer: int, parts: Mapping[str, torch.Tensor]):
         g = self.geometry
@@ -128,6 +152,57 @@ class KtExperts:
             )
             self.infer.submit(task)
         return KtJob(self.infer, out, tuple(keep))
+
+    def set_mask(self, layer: int, on_device: torch.Tensor) -> None:
+        """The experts of `layer` kt-kernel skips (computed on the device), [E] bool, read at its next forward."""
+        self.masks[self._row[layer]] = on_device.to("cpu", torch.bool)
+
+    def stream_buffers(self, rows: int, device: torch.device) -> KtStreamBuffers:
+        """Host buffers for a `rows`-token forward whose inputs the device copies in (pinned on CUDA)."""
+        if rows > self.max_tokens:
+            raise ValueError(f"{rows} rows exceed kt-kernel's {self.max_tokens}-token buffers")
+        g, pin = self.geometry, device.type == "cuda"
+
+        def make(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            t = torch.zeros(shape, dtype=dtype)
+            return t.pin_memory() if pin else t
+
+        n = make((1,), torch.int32)
+        n[0] = rows
+        return KtStreamBuffers(
+            make((rows, g.dim), torch.bfloat16),
+            make((rows, g.topk), torch.int64),
+            make((rows, g.topk), torch.float32),
+            make((rows, g.dim), torch.bfloat16),
+            n,
+        )
+
+    def stream_task(self, layer: int, bufs: KtStreamBuffers):
+        """`layer`'s forward over `bufs`, built once (kt-kernel reads every input through its pointer when the
+        task runs, the mask of `set_mask` included): run it with `run_on_stream` as often as needed."""
+        key = (layer, bufs.x.data_ptr())
+        if key not in self._stream_tasks:
+            b = bufs
+            self._stream_tasks[key] = (
+                self._moes[layer].forward_task(
+                    b.n.data_ptr(), b.ids.shape[1], b.ids.data_ptr(), b.weights.data_ptr(), b.x.data_ptr(),
+                    b.out.data_ptr(), False,
+                ),
+                b,
+            )  # fmt: skip
+        return self._stream_tasks[key][0]
+
+    def run_on_stream(self, task, device: torch.device) -> None:
+        if device.type == "cuda":
+            self.infer.submit_with_cuda_stream(torch.cuda.current_stream(device).cuda_stream, task)
+        else:
+            self.infer.submit(task)
+
+    def wait_on_stream(self, device: torch.device) -> None:
+        if device.type == "cuda":
+            self.infer.sync_with_cuda_stream(torch.cuda.current_stream(device).cuda_stream)
+        else:
+            self.infer.sync()
 
     def forward(self, layer, x, ids, weights, on_device=None) -> torch.Tensor:
         return self.submit(layer, x, ids, weights, on_device).wait()

@@ -172,6 +172,17 @@ class ExpertSlotCache:
         (the hybrid split, experts/hybrid.py)."""
         return self._map_host[self._row[layer]]
 
+    def expert_scores(self, layer: int) -> torch.Tensor:
+        """`layer`'s experts' decayed-frequency scores [E] float64 on the host (residency.py), as of the last
+        boundary: the hybrid graph split's use rates (experts/hybrid_graph.py)."""
+        e = self.bank.n_experts
+        row = self._row[layer]
+        return self._scores[row * e : (row + 1) * e]
+
+    def usage_row(self, layer: int) -> torch.Tensor:
+        """`layer`'s usage counters [E + 1] int64 on the device (the module doc): device-side uses add here."""
+        return self.usage[self._row[layer]]
+
     def record_cpu_uses(self, layer: int, experts: list[int]) -> None:
         """Count uses of `experts` computed outside the device path (kt-kernel, --moe-backend hybrid): uses,
         not hits, so the residency scores still see them and promote the hot ones."""

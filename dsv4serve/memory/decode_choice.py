@@ -8,8 +8,8 @@
 `dsv4serve plan` prints the projections; the worker's --moe-backend auto asks `faster_backend` before it hands
 the experts to kt-kernel (experts/moe_backend.py), so that installing kt-kernel never makes decode slower. Each
 backend is projected as the worker would run it: the bank's tiers from host_plan.py (hybrid: kt-kernel's copy
-planned first, whole layers), and eager where a step makes the host wait (engine_setup.eager_reason: hybrid CPU
-experts, or layers outside the pinned tier).
+planned first, whole layers), and eager where a step makes the host wait (engine_setup.eager_reason: layers
+outside the pinned tier, or hybrid CPU experts in speculative verify steps).
 """
 
 from __future__ import annotations
@@ -34,12 +34,13 @@ def bank_tiers(bank_bytes: int, machine: Machine | None, cpu_experts: bool, n_mo
     return BankTiers(pinned, (split.ram_bytes - split.pin_estimate_bytes) / bank_bytes, held)
 
 
-def eager_reason(enforce_eager: bool, backend: str, tiers: BankTiers) -> str | None:
-    """Why this backend's decode steps run eager (worker/engine_setup.eager_reason), or None: CUDA graphs."""
+def eager_reason(enforce_eager: bool, backend: str, tiers: BankTiers, speculative: bool = False) -> str | None:
+    """Why this backend's decode steps run eager (worker/engine_setup.eager_reason), or None: CUDA graphs (hybrid
+    too: its decode steps take the CPU split fixed between steps, experts/hybrid_graph.py)."""
     if enforce_eager:
         return "--enforce-eager"
-    if backend == "hybrid":
-        return "hybrid CPU experts sync per MoE layer"
+    if backend == "hybrid" and speculative:
+        return "hybrid CPU experts sync per MoE layer in the speculative verify steps"
     if tiers.pinned < 1.0:
         return "the bank is not all pinned: the host stages those layers' misses mid-step"
     return None
@@ -53,12 +54,13 @@ def project_backends(
     bw: ds.Bandwidths,
     enforce_eager: bool,
     backends: tuple[str, ...],
+    speculative: bool = False,
 ) -> dict[str, tuple[ds.DecodeProjection, BankTiers, str | None]]:
     """backend -> (its projection, the bank's tiers for it, why it runs eager or None)."""
     out = {}
     for backend in backends:
         tiers = bank_tiers(bank_bytes, machine, backend == "hybrid", b.n_moe_layers)
-        why = eager_reason(enforce_eager, backend, tiers)
+        why = eager_reason(enforce_eager, backend, tiers, speculative)
         out[backend] = (ds.project_decode(b, slots, bw, backend, why is None, tiers=tiers), tiers, why)
     return out
 
@@ -73,9 +75,10 @@ def offload_faster(projections: dict[str, tuple[ds.DecodeProjection, BankTiers, 
     if faster_backend(projections) != "offload" or "hybrid" not in projections:
         return None
     speed = {k: v[0].tokens_per_second for k, v in projections.items()}
-    eager = projections["hybrid"][2]
+    eager = {k: v[2] for k, v in projections.items() if v[2]}
+    how = "".join(f"; {k} eager: {why}" for k, why in eager.items())
     return (
         f"projected batch-1 decode offload {speed['offload']:.1f} vs hybrid {speed['hybrid']:.1f} tokens/s "
-        f"(memory/decode_speed.py at the assumed bandwidths; hybrid runs eager: {eager}; `dsv4serve plan` shows "
-        "the terms; --moe-backend hybrid forces it)"
+        f"(memory/decode_speed.py at the assumed bandwidths{how}; `dsv4serve plan` shows the terms; "
+        "--moe-backend hybrid forces it)"
     )

@@ -303,8 +303,11 @@ def plan_memory(
     host = 0 if resident_all else weights.routed_expert_bytes
     warnings: list[str] = []
     split = host_split(host, machine, decisions, warnings, s.cpu_experts) if host else None
-    if s.cpu_experts and not resident_all and graphs:  # hybrid syncs per layer: its steps run eager
-        decisions.append(f"decode graphs: none after all (hybrid CPU experts); their {_g(graphs)} go to activations")
+    if s.cpu_experts and not resident_all and graphs and s.speculative_tokens:  # engine_setup.eager_reason
+        decisions.append(
+            f"decode graphs: none after all (hybrid CPU experts sync per layer in the speculative verify steps); "
+            f"their {_g(graphs)} go to activations"
+        )
         graphs = 0
     elif split is not None and split.pin_estimate_bytes is not None and split.pin_estimate_bytes < host and graphs:
         decisions.append(  # the worker decides from the pin budget it measures (engine_setup.eager_reason)

@@ -92,9 +92,16 @@ def build_engine(launch: WorkerLaunch) -> EngineParts:
     # captures the same buckets in the same order, the NCCL collectives inside (NCCL >= 2.9.6 records them in a
     # graph); the static buffers with collectives are checked over gloo on the CPU (tests/unit/test_tp_forward.py),
     # the capture over NCCL only by bench/gpu_cases/multi_gpu.py on a multi-GPU run
-    eager = eager_reason(device, launch.enforce_eager.value, hybrid is not None, expert_cache)
-    capture = eager is None
     n_spec = launch.speculative_tokens.value
+    eager = eager_reason(device, launch.enforce_eager.value, hybrid is not None and n_spec > 0, expert_cache)
+    if eager is None and hybrid is not None and hybrid.graph.layers:  # its stream forward, replayed, must be right
+        from dsv4serve.experts.kt_stream_check import check_stream_graph
+
+        why = check_stream_graph(hybrid.kt, hybrid.graph.layers[0], device)
+        if why is not None:
+            log.warning("hybrid decode steps stay eager: %s", why)
+            eager = f"off (--moe-backend hybrid: {why})"
+    capture = eager is None
     graph_reserve = (
         decode_graph_bytes(args, launch.max_num_seqs.value, launch.max_model_len.value, n_spec) if capture else 0
     )
@@ -288,17 +295,18 @@ def _speculative_note(n_tokens: int, graphs: DecodeGraphs | None, spec_graphs: S
 
 
 def eager_reason(
-    device: torch.device, enforce_eager: bool, hybrid: bool, expert_cache: ExpertSlotCache | None
+    device: torch.device, enforce_eager: bool, hybrid_speculating: bool, expert_cache: ExpertSlotCache | None
 ) -> str | None:
     """Why decode steps run eager (the start-up report's decode-graphs line), or None: captured as CUDA graphs.
     A step that makes the host wait mid-way cannot be captured (the capture would fail and stop the start):
-    hybrid CPU experts sync per MoE layer, and so does every layer whose experts the host must stage (a bank
-    beyond the pin budget: WSL2's pin cap, or a host RAM smaller than the bank, the rest on disk)."""
+    every layer whose experts the host must stage (a bank beyond the pin budget: WSL2's pin cap, or a host RAM
+    smaller than the bank, the rest on disk), and hybrid CPU experts in the speculative steps' graphs (decode
+    graphs take hybrid_graph.py's split; the verify steps have no such split yet)."""
     if device.type != "cuda":
         return "off (CPU: every step eager)"
     if enforce_eager:
         return "off (--enforce-eager)"
-    if hybrid:
+    if hybrid_speculating:
         return HYBRID_EAGER
     staged = expert_cache.staged_layers if expert_cache is not None else []
     if expert_cache is not None and staged:

@@ -9,11 +9,14 @@ count are padding: token 0 at position 0 in the pool's padding slot and padding 
 so they change no real row. On CUDA each bucket's forward is captured once into a CUDA graph at start-up
 and replayed (one launch for the whole step instead of thousands); without CUDA, or with
 --enforce-eager, the same static-buffer path runs eagerly, which is how the CPU tests check padding and
-bucket choice (the same tokens as the unpadded step).
+bucket choice (the same tokens as the unpadded step). With hybrid CPU experts the MoE layers take the split
+fixed between steps (experts/hybrid_graph.py: kt-kernel on the stream, no host sync), its CPU sets chosen at the
+step boundary with the slot cache's, in the eager form too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -22,6 +25,8 @@ from typing import Any
 
 import torch
 
+from dsv4serve.experts.attach import cpu_experts_of
+from dsv4serve.experts.hybrid_graph import GraphSplit
 from dsv4serve.experts.slot_cache import ExpertSlotCache
 from dsv4serve.memory.graph_memory import batch_buckets
 from dsv4serve.model.batch import BatchLayout, RowSpan
@@ -79,6 +84,8 @@ class DecodeGraphs:
     ):
         self.model, self.pool, self.numerics = model, pool, numerics
         self.expert_cache = expert_cache
+        hybrid = cpu_experts_of(model)  # --moe-backend hybrid: its split fixed between steps, inside the graph
+        self.hybrid: GraphSplit | None = hybrid.graph if hybrid is not None else None
         self.device = model.embed.weight.device
         self.width = -(-max_model_len // pool.page_tokens)
         self.max_end, self.pad_slot, self.pad_page = max_model_len, pad_slot, pad_page
@@ -136,19 +143,37 @@ class DecodeGraphs:
         if b.device is not b.host:
             b.device.copy_(b.host, non_blocking=True)  # pinned: the host never waits for it
         if b.graph is not None:
-            if self.expert_cache is not None:  # the layers' hooks do not run in a replay: the boundary is here
-                self.expert_cache.begin_step()
+            self._begin_step()  # the layers' hooks do not run in a replay: the boundary is here
             b.graph.replay()
-            if self.expert_cache is not None:
-                self.expert_cache.end_step()
+            self._end_step()
             assert b.logits is not None
             return b.logits[: len(entries)]
         # eager: the host spans too (the per-row paths of --batch-invariant read positions and slots there)
         padded = entries + [(0, 0, self.pad_slot, [self.pad_page])] * (size - len(entries))
         spans = tuple(RowSpan(i, i, i + 1, e[1], e[2]) for i, e in enumerate(padded))
-        out = self.model.run(dataclasses.replace(b.layout, spans=spans), self.pool, self.numerics)
+        if self.hybrid is not None:  # the graph's split, its boundary first (as a replay takes them)
+            self._begin_step()
+        with self._steps():
+            out = self.model.run(dataclasses.replace(b.layout, spans=spans), self.pool, self.numerics)
+        if self.hybrid is not None:
+            self._end_step()
         assert out.last_logits is not None
         return out.last_logits[: len(entries)]
+
+    def _begin_step(self) -> None:
+        """The host's work between steps: the slot cache's boundary, then the hybrid CPU sets that read it."""
+        if self.expert_cache is not None:
+            self.expert_cache.begin_step()
+        if self.hybrid is not None:
+            self.hybrid.begin_step()
+
+    def _end_step(self) -> None:
+        if self.expert_cache is not None:
+            self.expert_cache.end_step()
+
+    def _steps(self) -> contextlib.AbstractContextManager:
+        """With hybrid CPU experts, MoE layers take the split fixed between steps (experts/hybrid_graph.py)."""
+        return self.hybrid.steps() if self.hybrid is not None else contextlib.nullcontext()
 
     def _capture(self, mempool: Any = None) -> GraphReport:
         """Capture every bucket's forward (largest first, so the smaller ones reuse its memory pool); `mempool`:
@@ -161,15 +186,16 @@ class DecodeGraphs:
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):  # warm-up: lazy initializations and Triton compiles, outside the graph
-                self.model.run(dataclasses.replace(b.layout), self.pool, self.numerics)
+                self._begin_step()
+                with self._steps():
+                    self.model.run(dataclasses.replace(b.layout), self.pool, self.numerics)
+                self._end_step()
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            if self.expert_cache is not None:  # the boundary (host decisions, copies) stays outside the graph
-                self.expert_cache.begin_step()
-            with torch.cuda.graph(graph, pool=mempool):  # a fresh layout: its int64 views are captured too
+            self._begin_step()  # the boundary (host decisions, copies) stays outside the graph
+            with torch.cuda.graph(graph, pool=mempool), self._steps():  # a fresh layout: its int64 views too
                 out = self.model.run(dataclasses.replace(b.layout), self.pool, self.numerics)
-            if self.expert_cache is not None:
-                self.expert_cache.end_step()
+            self._end_step()
             b.graph, b.logits = graph, out.last_logits
         torch.cuda.synchronize(self.device)
         report = GraphReport(

@@ -203,8 +203,9 @@ def _offload_faster(ckpt: Checkpoint, launch: WorkerLaunch, backends: KernelBack
     machine = Machine(0, host_snapshot().free_bytes, detect_platform())  # the RAM the bank may fill (attach.py)
     b = decode_bytes(specs, ckpt.args, backends)
     slots = launch.moe_cache_size.value or 0
-    eager = launch.enforce_eager.value
-    return offload_faster(project_backends(b, slots, bank, machine, Bandwidths(), eager, ("offload", "hybrid")))
+    eager, spec = launch.enforce_eager.value, launch.speculative_tokens.value > 0
+    backends_ = ("offload", "hybrid")
+    return offload_faster(project_backends(b, slots, bank, machine, Bandwidths(), eager, backends_, spec))
 
 
 def rank_partition(args: ModelArgs, launch: WorkerLaunch) -> Partition:

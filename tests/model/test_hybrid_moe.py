@@ -112,3 +112,85 @@ def test_the_hybrid_model_is_the_torch_path_with_the_oracle_for_kt_kernel(ckpt):
 class _Done:
     def sync(self) -> None:
         pass
+
+
+# ------------------------------------------------------------------ decode steps as graphs (hybrid_graph.py)
+
+
+def test_a_graph_step_s_moe_layer_is_its_device_part_plus_kt_kernel_on_the_cpu_set(ckpt):
+    """Inside a decode graph's step the CPU set is fixed before the step: routes to it are kt-kernel's (through the
+    stream buffers), the rest the device path's, bit for bit; the CPU's uses reach the slot cache's counters."""
+    model, cache, cpu = offloaded(ckpt, hybrid=True)
+    split, moe = cpu.graph, model.layers[2].ffn
+    x = torch.randn(6, ckpt.args.dim, generator=torch.Generator().manual_seed(1)).bfloat16()
+    tokens = torch.arange(6)
+    cache.begin_step()
+    split.begin_step()
+    cpu_set = split.cpu_experts(2)
+    free = frozenset(torch.nonzero(cache.host_slot_map(2) < 0).flatten().tolist())
+    assert cpu_set <= free and 0 < split.cpu_share <= 1  # the CPU device: no fetch cost, so all of them
+    with torch.no_grad():
+        weights, ids = moe.gate(x, tokens, NUMERICS_ON)
+        routed = frozenset(ids.unique().tolist())
+        assert routed & cpu_set and routed - cpu_set  # both paths take part
+        usage = cache.usage_row(2).clone()
+        with split.steps():
+            got = moe(x, tokens, NUMERICS_ON)
+        xq = act_quant(x, NUMERICS_ON)
+        device_part = moe._routed_torch(xq, weights, ids, NUMERICS_ON, cpu_set)
+        skip = frozenset(range(ckpt.args.n_routed_experts)) - cpu_set
+        cpu_part = oracle.kt_reference(xq, ids, weights, cache.bank.layers[2], ckpt.args.swiglu_limit, skip)
+        want = device_part + cpu_part.float() + moe.shared_experts(xq, NUMERICS_ON)
+    assert cpu_part.abs().sum() > 0 and torch.equal(got, want.to(got.dtype))
+    grown = cache.usage_row(2) - usage
+    for e in cpu_set:
+        assert int(grown[e]) == int((ids == e).sum()), e
+
+
+def test_decode_graph_steps_with_hybrid_experts_are_the_oracle_s(ckpt):
+    """Through worker/graphs.py (eager standing in for the graph: the same static buffers, boundaries and split):
+    kt-kernel's stream forwards replaced by the oracle give the same tokens and log-probabilities bit for bit over
+    prefill and decode steps of three requests, the slot cache promoting between steps."""
+    from dsv4serve.ipc.messages import AddRequest
+    from dsv4serve.ipc.sampling import SamplingParams
+    from dsv4serve.model.kv_pool import KvPool
+    from dsv4serve.worker.graphs import DecodeGraphs
+    from dsv4serve.worker.runner import Runner
+    from dsv4serve.worker.scheduler import Scheduler, SchedulerLimits
+
+    def serve(model, cache) -> dict[str, list[tuple[int, float]]]:
+        page, max_len = model.args.page_tokens, 256
+        limits = SchedulerLimits(4, 4, 32 * page, page, max_len, model.args.eos_token_id)
+        pool = KvPool(model.args, NUMERICS_ON.compute_dtype, num_pages=33, num_slots=limits.num_slots + 1)
+        graphs = DecodeGraphs(
+            model, pool, NUMERICS_ON, 4, max_len, pool.num_slots - 1, pool.num_pages - 1, False, expert_cache=cache
+        )
+        runner = Runner(model, pool, NUMERICS_ON, model.args.eos_token_id, torch.device("cpu"), graphs=graphs)
+        sched, outs = Scheduler(limits), {}
+        for i in range(3):
+            prompt = list(range(200 + 11 * i, 220 + 13 * i))
+            params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=6, logprobs=0)
+            sched.add(AddRequest(f"r{i}", prompt, params))
+        while sched.has_work:
+            plan = sched.schedule(4096)
+            for msg in sched.complete(plan, runner.execute(plan)):
+                outs.setdefault(msg.request_id, []).extend((t.token_id, t.logprob) for t in msg.tokens)
+        return outs
+
+    model, cache, cpu = offloaded(ckpt, hybrid=True)
+    with torch.no_grad():
+        got = serve(model, cache)
+    twin, twin_cache, twin_cpu = offloaded(ckpt, hybrid=True)
+    kt, parts, ran = twin_cpu.kt, twin_cache.bank.layers, []
+
+    def oracle_run(task, device):
+        layer, b = task
+        skip = frozenset(torch.nonzero(kt.masks[kt._row[layer]]).flatten().tolist())
+        b.out.copy_(oracle.kt_reference(b.x, b.ids, b.weights, parts[layer], ckpt.args.swiglu_limit, skip))
+        ran.append(layer)
+
+    kt.stream_task = lambda layer, bufs: (layer, bufs)
+    kt.run_on_stream, kt.wait_on_stream = oracle_run, lambda device: None
+    with torch.no_grad():
+        want = serve(twin, twin_cache)
+    assert ran and got == want and all(len(v) == 6 for v in got.values())

@@ -231,20 +231,25 @@ def test_hybrid_sends_a_disk_layer_s_misses_to_the_cpu_where_kt_kernel_holds_it(
 
 def test_a_32gb_card_s_backends_as_the_worker_runs_them(real):
     """On 128 GiB of RAM the bank (137 GiB) does not fit: offload stages 12% from disk, eager; hybrid's kt-kernel
-    copy (1.3x) leaves the bank on disk. With the whole bank pinned (384 GiB) offload replays graphs while hybrid
-    syncs per layer: offload wins too, and only with --enforce-eager does hybrid's CPU share pay off."""
+    copy (1.3x) leaves the bank on disk. With the whole bank pinned beside that copy (384 GiB) both replay graphs
+    (hybrid with its CPU split fixed between steps) and hybrid's CPU share pays off; with --speculative-tokens
+    hybrid's verify steps sync, so it runs eager and offload wins."""
     _, _, _, b = real
     slots, bank = 936, 137 * 2**30
 
-    def backends(host_gib: int, eager: bool = False):
+    def backends(host_gib: int, eager: bool = False, speculative: bool = False):
         machine = Machine(32 * 2**30, host_gib * 2**30, "native")
-        return project_backends(b, slots, bank, machine, Bandwidths(), eager, ("offload", "hybrid"))
+        return project_backends(b, slots, bank, machine, Bandwidths(), eager, ("offload", "hybrid"), speculative)
 
     small = backends(128)
     assert small["offload"][1].disk == pytest.approx(1 - 120 / 137) and small["offload"][2] is not None
     assert small["hybrid"][1].pinned == 0 and small["hybrid"][1].cpu_layers == pytest.approx(28 / 43)
     assert faster_backend(small) == "offload" and small["offload"][0].tokens_per_second < 5
+    assert "offload 3.8 vs hybrid 1.9" in (offload_faster(small) or "")
     big = backends(384)
-    assert big["offload"][2] is None and big["hybrid"][2] == "hybrid CPU experts sync per MoE layer"
-    assert faster_backend(big) == "offload" and "offload 14.3 vs hybrid 10.3" in (offload_faster(big) or "")
-    assert faster_backend(backends(384, eager=True)) == "hybrid" and offload_faster(backends(384, eager=True)) is None
+    assert big["offload"][2] is None and big["hybrid"][2] is None  # both all pinned: graphs
+    assert faster_backend(big) == "hybrid" and offload_faster(big) is None
+    assert big["hybrid"][0].tokens_per_second == pytest.approx(21.2, abs=0.05)
+    spec = backends(384, speculative=True)
+    assert spec["hybrid"][2] == "hybrid CPU experts sync per MoE layer in the speculative verify steps"
+    assert "offload 14.3 vs hybrid 10.3" in (offload_faster(spec) or "")

@@ -163,3 +163,20 @@ def test_detection_does_not_import_kt_kernel_or_torch():
         "assert ok or 'pip install --no-deps kt-kernel==0.7.2' in why, why"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_graph_step_s_cpu_set_is_the_coldest_free_experts_up_to_the_cpu_share():
+    """hybrid_graph.cpu_set: by expected use (the slot cache's scores; unseen experts at the mean), coldest first."""
+    from dsv4serve.experts.hybrid_graph import cpu_set, decode_cpu_share
+
+    free = torch.tensor([True, True, False, True, True, True])
+    scores = torch.tensor([4.0, 1.0, 9.0, 0.0, 2.0, 1.0], dtype=torch.float64)  # expert 3 unseen: the mean, 2
+    # free rates 4, 1, 2, 2, 1 (sum 10): half of it is experts 1, 5 (1 + 1), then 3 (2): 4 <= 5, then 4 (2) > 5
+    assert torch.nonzero(cpu_set(free, scores, 0.5)).flatten().tolist() == [1, 3, 5]
+    assert cpu_set(free, scores, 1.0).tolist() == free.tolist() and not cpu_set(free, scores, 0.0).any()
+    assert not cpu_set(torch.zeros(6, dtype=torch.bool), scores, 0.5).any()
+    assert torch.nonzero(cpu_set(free, torch.zeros(6, dtype=torch.float64), 0.4)).flatten().tolist() == [0, 1]
+    # the decode split at one token per expert: the copy (12 MiB at 50 GB/s) and the CPU (1.9 ms) finish together
+    fetch = EXPERT / 50e9
+    assert decode_cpu_share(COSTS, EXPERT) == pytest.approx(fetch / (fetch + 1.9e-3))
+    assert decode_cpu_share(SplitCosts(CpuExpertCost(1e-3, 0), None, None), EXPERT) == 1.0  # CPU device

@@ -98,3 +98,29 @@ def test_the_weights_are_kt_kernel_s_own_copy(parts):
     for t in mine.values():
         t.fill_(0x22)  # the bank's tensors may be dropped after the hand-over
     assert torch.equal(kt.forward(0, x, ids, w), before)
+
+
+def test_the_stream_forward_over_fixed_buffers_equals_the_plain_one_and_its_check_catches_a_silent_one(kt, parts):
+    """kt_experts.stream_task / run_on_stream / wait_on_stream (the CPU stands in for the stream): a task built once
+    over fixed buffers computes whatever they hold when it runs, as the plain forward does, bit for bit; the
+    start-up check (kt_stream_check.py) passes it and names a stream forward that leaves the output untouched."""
+    from dsv4serve.experts.kt_stream_check import check_stream_graph
+
+    cpu = torch.device("cpu")
+    bufs = kt.stream_buffers(3, cpu)
+    task = kt.stream_task(LAYER, bufs)
+    none_on_device = torch.zeros(GEOMETRY.n_experts, dtype=torch.bool)
+    for seed in (5, 6):  # the same task, new inputs in the same buffers
+        x, ids, w = routes(3, GEOMETRY, seed)
+        bufs.x.copy_(x), bufs.ids.copy_(ids), bufs.weights.copy_(w)
+        kt.set_mask(LAYER, none_on_device)
+        kt.run_on_stream(task, cpu)
+        kt.wait_on_stream(cpu)
+        want = kt.forward(LAYER, x, ids, w, none_on_device)
+        assert want.abs().sum() > 0 and torch.equal(bufs.out, want)
+    assert kt.stream_task(LAYER, bufs) is task  # built once per layer and buffers
+    assert check_stream_graph(kt, LAYER, cpu) is None
+    silent = KtExperts({LAYER: parts}, GEOMETRY, KtThreads((0,), (1,)), max_tokens=8)
+    silent.run_on_stream = lambda task, device: None  # a build whose stream submit does nothing
+    why = check_stream_graph(silent, LAYER, cpu)
+    assert why is not None and "differed from the synchronous one" in why

@@ -1,0 +1,155 @@
+"""--moe-backend hybrid inside a decode step replayed as a CUDA graph: the CPU's share of each layer's misses is
+fixed between steps, so the step itself needs no host sync (hybrid.py's split reads each layer's routing on the
+host, which only an eager step can do: prefill chunks and mixed steps keep it).
+
+    split = GraphSplit(kt, cache, cpu_share, device)
+    split.begin_step()                       # host, before each decode step: each layer's CPU set, its masks
+    job = split.submit(layer, x, ids, w)     # device copies and stream-queued CPU work; a HybridJob's interface
+
+A layer's CPU set: its experts outside the device slots, coldest first by the slot cache's decayed-frequency
+scores, until their expected share of the layer's misses (scores as use rates, an unseen expert counted as the
+mean) reaches `cpu_share`. `cpu_share` is the decode split at one token per expert (`decode_cpu_share`): the
+copy of an expert and kt-kernel's work on it finish together. Routes to the set get weight 0 and a stand-in
+slot expert on the device (an exact 0); kt-kernel skips every other expert (its live mask). The device copies
+x / ids / weights into pinned buffers, kt-kernel runs on the stream (kt_experts.run_on_stream), the stream
+waits for it and copies its sum back: host nodes and copies a graph holds. The CPU's uses are added to the slot
+cache's usage counters on the device, as the eager split records them on the host, so residency sees them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from dsv4serve.experts.kt_experts import KtExperts, KtStreamBuffers
+from dsv4serve.experts.miss_split import SplitCosts
+from dsv4serve.experts.slot_cache import ExpertSlotCache
+
+
+def decode_cpu_share(costs: SplitCosts, expert_bytes: int) -> float:
+    """The share of a decode step's misses kt-kernel takes: fetch / (fetch + CPU) at one token per expert (both
+    lanes then finish together); 1 where nothing can be fetched (the device is the CPU)."""
+    fetch = costs.fetch_seconds(expert_bytes, True)
+    if fetch is None:
+        return 1.0
+    cpu = costs.cpu.seconds(1)
+    return fetch / (fetch + cpu)
+
+
+def cpu_set(free: torch.Tensor, scores: torch.Tensor, share: float) -> torch.Tensor:
+    """[E] bool: of the experts `free` (outside the slots), the coldest by `scores` (ties: lower id) whose summed
+    expected use stays within `share` of all free experts' (an unseen expert's rate: the mean, or 1)."""
+    chosen = torch.zeros_like(free)
+    idx = torch.nonzero(free).flatten()
+    if not len(idx) or share <= 0:
+        return chosen
+    if share >= 1:
+        chosen[idx] = True
+        return chosen
+    rate = scores[idx].double()
+    seen = rate > 0
+    rate = torch.where(seen, rate, rate[seen].mean() if bool(seen.any()) else 1.0)
+    order = sorted(range(len(idx)), key=lambda i: (float(rate[i]), int(idx[i])))
+    budget, total = share * float(rate.sum()), 0.0
+    for i in order:
+        total += float(rate[i])
+        if total > budget * (1 + 1e-12):
+            break
+        chosen[idx[i]] = True
+    return chosen
+
+
+class GraphJob:
+    """A layer's CPU part in a graph step (the interface MoE.forward reads of a HybridJob)."""
+
+    def __init__(self, split: GraphSplit, row: int, bufs: KtStreamBuffers, cpu_experts: frozenset[int]):
+        self._split, self._row, self._bufs, self.cpu_experts = split, row, bufs, cpu_experts
+
+    def device_routes(self, ids: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        on_device = self._split.on_device[self._row][ids]
+        return torch.where(on_device, ids, self._split.stand_in[self._row]), torch.where(on_device, weights, 0.0)
+
+    def wait(self, device: torch.device) -> torch.Tensor:
+        """The CPU experts' weighted sum [T, D] fp32 on `device`, once the stream has waited for kt-kernel."""
+        split = self._split
+        split.kt.wait_on_stream(device)
+        if device.type == "cpu":
+            return self._bufs.out.float()
+        out = split.device_out(self._bufs.out.shape[0])
+        out.copy_(self._bufs.out, non_blocking=True)  # pinned: stream-ordered after the wait
+        return out.float()
+
+
+class GraphSplit:
+    def __init__(self, kt: KtExperts, cache: ExpertSlotCache, cpu_share: float, device: torch.device):
+        self.kt, self.cache, self.cpu_share, self.device = kt, cache, cpu_share, device
+        self.layers = [layer for layer in cache.layers if kt.holds(layer)]
+        self._row = {layer: i for i, layer in enumerate(self.layers)}
+        n, e = len(self.layers), cache.bank.n_experts
+        pin = device.type == "cuda"
+        self._host_mask = torch.ones((n, e), dtype=torch.bool, pin_memory=pin)
+        self._host_stand_in = torch.zeros(n, dtype=torch.int64, pin_memory=pin)
+        self.on_device = self._host_mask.to(device) if pin else self._host_mask  # [L, E] bool: not on the CPU
+        self.stand_in = self._host_stand_in.to(device) if pin else self._host_stand_in  # [L] a slot expert
+        self._cpu_sets: list[frozenset[int]] = [frozenset()] * n
+        self._buffers: dict[int, KtStreamBuffers] = {}
+        self._device_out: dict[int, torch.Tensor] = {}
+        self.active = False
+
+    @contextlib.contextmanager
+    def steps(self) -> Iterator[None]:
+        """MoE layers take this split (not the eager one) inside: a decode graph's capture and its eager form."""
+        self.active = True
+        try:
+            yield
+        finally:
+            self.active = False
+
+    def begin_step(self) -> None:
+        """Host, between steps (after the slot cache's boundary): each held layer's CPU set from the slot map and
+        the scores, written to kt-kernel's masks and, stream-ordered before the step, to the device's."""
+        for i, layer in enumerate(self.layers):
+            free = self.cache.host_slot_map(layer) < 0
+            cpu = cpu_set(free, self.cache.expert_scores(layer), self.cpu_share)
+            self._host_mask[i] = ~cpu
+            self.kt.set_mask(layer, ~cpu)
+            in_slot = torch.nonzero(~free).flatten()
+            on_cpu = torch.nonzero(cpu).flatten()
+            self._host_stand_in[i] = int(in_slot[0]) if len(in_slot) else int(on_cpu[0]) if len(on_cpu) else 0
+            self._cpu_sets[i] = frozenset(on_cpu.tolist())
+        if self.on_device is not self._host_mask:
+            self.on_device.copy_(self._host_mask, non_blocking=True)
+            self.stand_in.copy_(self._host_stand_in, non_blocking=True)
+
+    def holds(self, layer: int) -> bool:
+        return layer in self._row
+
+    def cpu_experts(self, layer: int) -> frozenset[int]:
+        """`layer`'s CPU set for the step `begin_step` prepared."""
+        return self._cpu_sets[self._row[layer]]
+
+    def submit(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> GraphJob:
+        """x [T, D] (through act_quant), ids / weights [T, k] on the device: copied to kt-kernel's buffers and its
+        forward queued on the stream; the CPU set's uses added to the slot cache's counters."""
+        row, rows = self._row[layer], x.shape[0]
+        bufs = self._buffers.get(rows)
+        if bufs is None:
+            bufs = self._buffers[rows] = self.kt.stream_buffers(rows, self.device)
+        bufs.x.copy_(x.to(torch.bfloat16), non_blocking=True)
+        bufs.ids.copy_(ids.to(torch.int64), non_blocking=True)
+        bufs.weights.copy_(weights.to(torch.float32), non_blocking=True)
+        self.kt.run_on_stream(self.kt.stream_task(layer, bufs), self.device)
+        on_cpu = ~self.on_device[row][ids]  # [T, k]
+        usage = self.cache.usage_row(layer)
+        usage[: self.cache.bank.n_experts].scatter_add_(0, ids.flatten(), on_cpu.flatten().to(usage.dtype))
+        return GraphJob(self, row, bufs, self._cpu_sets[row])
+
+    def device_out(self, rows: int) -> torch.Tensor:
+        out = self._device_out.get(rows)
+        if out is None:
+            out = self._device_out[rows] = torch.empty(
+                (rows, self.kt.geometry.dim), dtype=torch.bfloat16, device=self.device
+            )
+        return out
