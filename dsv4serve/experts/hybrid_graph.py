@@ -96,6 +96,7 @@ class GraphSplit:
         self._cpu_sets: list[frozenset[int]] = [frozenset()] * n
         self._buffers: dict[int, KtStreamBuffers] = {}
         self._device_out: dict[int, torch.Tensor] = {}
+        self._copied = torch.cuda.Event() if pin else None  # the masks' last copy: the host rewrites them after it
         self.active = False
 
     @contextlib.contextmanager
@@ -110,6 +111,8 @@ class GraphSplit:
     def begin_step(self) -> None:
         """Host, between steps (after the slot cache's boundary): each held layer's CPU set from the slot map and
         the scores, written to kt-kernel's masks and, stream-ordered before the step, to the device's."""
+        if self._copied is not None:
+            self._copied.synchronize()  # long done after a step; a capture's warm-up may still be reading
         for i, layer in enumerate(self.layers):
             free = self.cache.host_slot_map(layer) < 0
             cpu = cpu_set(free, self.cache.expert_scores(layer), self.cpu_share)
@@ -119,9 +122,18 @@ class GraphSplit:
             on_cpu = torch.nonzero(cpu).flatten()
             self._host_stand_in[i] = int(in_slot[0]) if len(in_slot) else int(on_cpu[0]) if len(on_cpu) else 0
             self._cpu_sets[i] = frozenset(on_cpu.tolist())
-        if self.on_device is not self._host_mask:
+        if self._copied is not None:
             self.on_device.copy_(self._host_mask, non_blocking=True)
             self.stand_in.copy_(self._host_stand_in, non_blocking=True)
+            self._copied.record()
+
+    def set_rows(self, rows: int, used: int) -> None:
+        """A `rows`-row step (a decode bucket) of which the first `used` are requests, the rest padding: kt-kernel
+        computes only those (it reads the count when its task runs; the padding rows' sums are left stale)."""
+        bufs = self._buffers.get(rows)
+        if bufs is not None:
+            with torch.inference_mode():  # made inside the model's forward: inference tensors
+                bufs.n[0] = used
 
     def holds(self, layer: int) -> bool:
         return layer in self._row

@@ -142,6 +142,8 @@ class DecodeGraphs:
         self._fill(b.host, size, entries)
         if b.device is not b.host:
             b.device.copy_(b.host, non_blocking=True)  # pinned: the host never waits for it
+        if self.hybrid is not None:  # kt-kernel computes the requests' rows, not the padding
+            self.hybrid.set_rows(size, len(entries))
         if b.graph is not None:
             self._begin_step()  # the layers' hooks do not run in a replay: the boundary is here
             b.graph.replay()
