@@ -201,7 +201,7 @@ class DecodeBench:
                     self.pool.num_slots - 1,
                     self.pool.num_pages - 1,
                     capture=self.device.type == "cuda",
-                    expert_cache=self.cache if mode == "slots" else None,
+                    expert_cache=self.cache if mode in ("slots", "hybrid") else None,
                 )
             except Exception as exc:
                 self.graph_errors[mode] = error_line(exc)
@@ -234,9 +234,10 @@ class DecodeBench:
         self._advance(n)
         return logits
 
-    def graph_step(self, mode: str, n: int) -> torch.Tensor:
-        """One replay -> logits [n, vocab] fp32 (a view of the graph's output: the next replay overwrites it)."""
-        logits = self.decode_graphs(mode).run(self._entries(n))
+    def graph_step(self, mode: str, n: int, eager: bool = False) -> torch.Tensor:
+        """One replay -> logits [n, vocab] fp32 (a view of the graph's output: the next replay overwrites it);
+        `eager`: DecodeGraphs' eager form of the same step (hybrid: with the replay's CPU sets)."""
+        logits = self.decode_graphs(mode).run(self._entries(n), eager=eager, same_split=eager)
         self._advance(n)
         return logits
 

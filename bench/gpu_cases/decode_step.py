@@ -12,7 +12,9 @@ of them (its initial fill: an equal share per layer; promotions follow the routi
 installed, --moe-backend hybrid over that cache (experts/attach.attach_cpu_experts: kt-kernel's copy of the
 bank, the split's costs measured, the misses it gives the CPU computed there), eager steps at batch <= 8
 checked against the device path layer by layer: each MoE layer rerun on the slot cache's path on the input it
-had in the hybrid step (HYBRID_LAYER_BOUND), the step's logits not compared (HYBRID_ATOL says why).
+had in the hybrid step (HYBRID_LAYER_BOUND), the step's logits not compared (HYBRID_ATOL says why); and hybrid
+replays (experts/hybrid_graph.py: each layer's CPU set fixed between steps, kt-kernel as stream host nodes),
+checked against DecodeGraphs' eager form of the same step (HYBRID_GRAPH_ATOL).
 
 The rows (_decode_engine.DecodeBench, built by the first case that runs): an engine KvPool as
 worker/engine_setup.py builds it (every row its own sequence slot and pages, then one padding slot and one
@@ -76,6 +78,9 @@ ATOL, RTOL = 0.05, 0.02
 # tests/model/test_hybrid_moe.py's bound for the FP8 rounding the CPU experts skip
 HYBRID_ATOL = math.inf
 HYBRID_LAYER_BOUND = 2.0**-4
+# a hybrid replay vs the eager form of the same split (DecodeGraphs.run(eager=True, same_split=True): the same
+# kernels, kt-kernel on the same CPU sets): the graphs' own tolerance
+HYBRID_GRAPH_ATOL = ATOL
 NAME = re.compile(r"decode_step bs=(\d+) (eager|graphs) \[(.+)\]")
 
 
@@ -151,6 +156,11 @@ class StepProbe:
     def reference(self) -> torch.Tensor:
         b = self.bench
         b.restore()
+        if self.mode == "hybrid" and self.replay:  # the graph split's eager form, the replay's CPU sets kept
+            b.use("hybrid")
+            out = b.graph_step("hybrid", self.n, eager=True)
+            self.lines.append(f"replay vs its eager form on the same CPU sets: {differences(out, self.out)}")
+            return out
         if self.mode == "hybrid":  # the same step with every miss on the device path (the offload step)
             b.use("slots")
             self.lines.append(self.moe_line())
@@ -219,20 +229,21 @@ def build(device: torch.device, args, batch_sizes: tuple[int, ...], context_toke
     bench = DecodeBench(device, args, max(batch_sizes), context_tokens, extra_tokens)
     label = "triton" if default_backends(device).uses_triton() else "torch"
     homes = {"resident": "resident", "slots": f"slot cache {bench.n_slots}/{bench.n_experts}"}
-    if kt_kernel_available()[0]:  # --moe-backend hybrid: its steps sync per layer, so eager only
+    if kt_kernel_available()[0]:  # --moe-backend hybrid: eager (the per-step split) and replays (the fixed one)
         homes["hybrid"] = f"hybrid: slot cache {bench.n_slots}/{bench.n_experts}, misses on kt-kernel"
     cases = []
     for mode, tag in homes.items():
         for n in [n for n in batch_sizes if mode != "hybrid" or n <= HYBRID_MAX_BATCH]:
-            for replay in (False, True) if mode != "hybrid" else (False,):
+            for replay in (False, True):
                 name = f"decode_step bs={n} {'graphs' if replay else 'eager'} [{tag}, {label}]"
                 probe = StepProbe(bench, mode, n, replay)
+                hybrid_atol = HYBRID_GRAPH_ATOL if replay else HYBRID_ATOL
                 cases.append(
                     StepCase(
                         name,
                         probe.run,
                         probe.reference,
-                        HYBRID_ATOL if mode == "hybrid" else ATOL,
+                        hybrid_atol if mode == "hybrid" else ATOL,
                         RTOL,
                         bytes_moved=step_bytes(args, n),
                         notes=partial(probe.notes, name),

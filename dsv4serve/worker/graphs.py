@@ -133,8 +133,12 @@ class DecodeGraphs:
     def bucket_for(self, rows: int) -> int | None:
         return min((n for n in self.buckets if n >= rows), default=None)
 
-    def run(self, entries: list[tuple[int, int, int, list[int]]]) -> torch.Tensor:
-        """One decode step: (token, position, slot, pages) per row -> logits [rows, vocab] fp32."""
+    def run(
+        self, entries: list[tuple[int, int, int, list[int]]], eager: bool = False, same_split: bool = False
+    ) -> torch.Tensor:
+        """One decode step: (token, position, slot, pages) per row -> logits [rows, vocab] fp32; `eager`: the
+        eager form even where the bucket is captured, and `same_split`: with the hybrid CPU sets of the step
+        before (what a replay is checked against: the same arithmetic)."""
         size = self.bucket_for(len(entries))
         if size is None:
             raise ValueError(f"{len(entries)} rows exceed the largest decode bucket ({self.max_rows})")
@@ -144,7 +148,7 @@ class DecodeGraphs:
             b.device.copy_(b.host, non_blocking=True)  # pinned: the host never waits for it
         if self.hybrid is not None:  # kt-kernel computes the requests' rows, not the padding
             self.hybrid.set_rows(size, len(entries))
-        if b.graph is not None:
+        if b.graph is not None and not eager:
             self._begin_step()  # the layers' hooks do not run in a replay: the boundary is here
             b.graph.replay()
             self._end_step()
@@ -154,7 +158,7 @@ class DecodeGraphs:
         padded = entries + [(0, 0, self.pad_slot, [self.pad_page])] * (size - len(entries))
         spans = tuple(RowSpan(i, i, i + 1, e[1], e[2]) for i, e in enumerate(padded))
         if self.hybrid is not None:  # the graph's split, its boundary first (as a replay takes them)
-            self._begin_step()
+            self._begin_step(split=not same_split)
         with self._steps():
             out = self.model.run(dataclasses.replace(b.layout, spans=spans), self.pool, self.numerics)
         if self.hybrid is not None:
@@ -162,11 +166,13 @@ class DecodeGraphs:
         assert out.last_logits is not None
         return out.last_logits[: len(entries)]
 
-    def _begin_step(self) -> None:
-        """The host's work between steps: the slot cache's boundary, then the hybrid CPU sets that read it."""
+    def _begin_step(self, split: bool = True) -> None:
+        """The host's work between steps: the slot cache's boundary, then the hybrid CPU sets that read it (kept
+        without `split`: a slot promoted or evicted meanwhile changes where the device reads an expert, not its
+        arithmetic)."""
         if self.expert_cache is not None:
             self.expert_cache.begin_step()
-        if self.hybrid is not None:
+        if self.hybrid is not None and split:
             self.hybrid.begin_step()
 
     def _end_step(self) -> None:

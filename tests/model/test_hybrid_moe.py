@@ -175,6 +175,12 @@ def test_decode_graph_steps_with_hybrid_experts_are_the_oracle_s(ckpt):
             plan = sched.schedule(4096)
             for msg in sched.complete(plan, runner.execute(plan)):
                 outs.setdefault(msg.request_id, []).extend((t.token_id, t.logprob) for t in msg.tokens)
+        assert graphs.hybrid is not None
+        sets = [graphs.hybrid.cpu_experts(layer) for layer in graphs.hybrid.layers]
+        calls: list[int] = []
+        graphs.hybrid.begin_step = lambda: calls.append(1)  # what a replay's check must not redo
+        graphs.run([(5, 30, 0, [0])], eager=True, same_split=True)  # the replay's CPU sets, kept
+        assert not calls and sets == [graphs.hybrid.cpu_experts(layer) for layer in graphs.hybrid.layers]
         return outs
 
     model, cache, cpu = offloaded(ckpt, hybrid=True)
