@@ -27,6 +27,8 @@ from dsv4serve.experts.kt_experts import KtExperts, KtStreamBuffers
 from dsv4serve.experts.miss_split import SplitCosts
 from dsv4serve.experts.slot_cache import ExpertSlotCache
 
+REFRESH_STEPS = 16  # steps a CPU set is kept while the slot map stands still (the residency scores drift slowly)
+
 
 def decode_cpu_share(costs: SplitCosts, expert_bytes: int) -> float:
     """The share of a decode step's misses kt-kernel takes: fetch / (fetch + CPU) at one token per expert (both
@@ -51,21 +53,22 @@ def cpu_set(free: torch.Tensor, scores: torch.Tensor, share: float) -> torch.Ten
     rate = scores[idx].double()
     seen = rate > 0
     rate = torch.where(seen, rate, rate[seen].mean() if bool(seen.any()) else 1.0)
-    order = sorted(range(len(idx)), key=lambda i: (float(rate[i]), int(idx[i])))
-    budget, total = share * float(rate.sum()), 0.0
-    for i in order:
-        total += float(rate[i])
-        if total > budget * (1 + 1e-12):
-            break
-        chosen[idx[i]] = True
+    ordered, perm = torch.sort(rate, stable=True)  # idx ascends: equal rates keep the lower id first
+    within = torch.cumsum(ordered, 0) <= share * float(rate.sum()) * (1 + 1e-12)  # a prefix: rates are >= 0
+    chosen[idx[perm[within]]] = True
     return chosen
 
 
 class GraphJob:
     """A layer's CPU part in a graph step (the interface MoE.forward reads of a HybridJob)."""
 
-    def __init__(self, split: GraphSplit, row: int, bufs: KtStreamBuffers, cpu_experts: frozenset[int]):
-        self._split, self._row, self._bufs, self.cpu_experts = split, row, bufs, cpu_experts
+    def __init__(self, split: GraphSplit, layer: int, bufs: KtStreamBuffers):
+        self._split, self._layer, self._row, self._bufs = split, layer, split.row(layer), bufs
+
+    @property
+    def cpu_experts(self) -> frozenset[int]:
+        """The layer's CPU set (the torch path's experts to skip; the kernel path reads the device mask)."""
+        return self._split.cpu_experts(self._layer)
 
     def device_routes(self, ids: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         on_device = self._split.on_device[self._row][ids]
@@ -93,7 +96,8 @@ class GraphSplit:
         self._host_stand_in = torch.zeros(n, dtype=torch.int64, pin_memory=pin)
         self.on_device = self._host_mask.to(device) if pin else self._host_mask  # [L, E] bool: not on the CPU
         self.stand_in = self._host_stand_in.to(device) if pin else self._host_stand_in  # [L] a slot expert
-        self._cpu_sets: list[frozenset[int]] = [frozenset()] * n
+        self._free: torch.Tensor | None = None  # the slot map's free experts the CPU sets were chosen from
+        self._age = 0  # steps since the CPU sets were chosen
         self._buffers: dict[int, KtStreamBuffers] = {}
         self._device_out: dict[int, torch.Tensor] = {}
         self._copied = torch.cuda.Event() if pin else None  # the masks' last copy: the host rewrites them after it
@@ -109,23 +113,27 @@ class GraphSplit:
             self.active = False
 
     def begin_step(self) -> None:
-        """Host, between steps (after the slot cache's boundary): each held layer's CPU set from the slot map and
-        the scores, written to kt-kernel's masks and, stream-ordered before the step, to the device's."""
+        """Host, between steps (after the slot cache's boundary): each held layer's CPU set, chosen again when the
+        slot map changed or REFRESH_STEPS steps on (the scores drift slowly), written to the device's masks
+        stream-ordered before the step; kt-kernel's masks every step (an eager step's split rewrites them)."""
         if self._copied is not None:
             self._copied.synchronize()  # long done after a step; a capture's warm-up may still be reading
+        free = self.cache.host_slot_maps(self.layers) < 0  # [L, E]
+        if self._free is None or self._age >= REFRESH_STEPS or not torch.equal(free, self._free):
+            for i, layer in enumerate(self.layers):
+                self._host_mask[i] = ~cpu_set(free[i], self.cache.expert_scores(layer), self.cpu_share)
+            in_slot, on_cpu = ~free, ~self._host_mask
+            first_cpu = torch.where(on_cpu.any(1), on_cpu.int().argmax(1), 0)
+            self._host_stand_in.copy_(torch.where(in_slot.any(1), in_slot.int().argmax(1), first_cpu))
+            self._free, self._age = free, 0
+            if self._copied is not None:
+                self.on_device.copy_(self._host_mask, non_blocking=True)
+                self.stand_in.copy_(self._host_stand_in, non_blocking=True)
+                self._copied.record()
+        else:
+            self._age += 1
         for i, layer in enumerate(self.layers):
-            free = self.cache.host_slot_map(layer) < 0
-            cpu = cpu_set(free, self.cache.expert_scores(layer), self.cpu_share)
-            self._host_mask[i] = ~cpu
-            self.kt.set_mask(layer, ~cpu)
-            in_slot = torch.nonzero(~free).flatten()
-            on_cpu = torch.nonzero(cpu).flatten()
-            self._host_stand_in[i] = int(in_slot[0]) if len(in_slot) else int(on_cpu[0]) if len(on_cpu) else 0
-            self._cpu_sets[i] = frozenset(on_cpu.tolist())
-        if self._copied is not None:
-            self.on_device.copy_(self._host_mask, non_blocking=True)
-            self.stand_in.copy_(self._host_stand_in, non_blocking=True)
-            self._copied.record()
+            self.kt.set_mask(layer, self._host_mask[i])
 
     def set_rows(self, rows: int, used: int) -> None:
         """A `rows`-row step (a decode bucket) of which the first `used` are requests, the rest padding: kt-kernel
@@ -138,9 +146,12 @@ class GraphSplit:
     def holds(self, layer: int) -> bool:
         return layer in self._row
 
+    def row(self, layer: int) -> int:
+        return self._row[layer]
+
     def cpu_experts(self, layer: int) -> frozenset[int]:
         """`layer`'s CPU set for the step `begin_step` prepared."""
-        return self._cpu_sets[self._row[layer]]
+        return frozenset(torch.nonzero(~self._host_mask[self._row[layer]]).flatten().tolist())
 
     def submit(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> GraphJob:
         """x [T, D] (through act_quant), ids / weights [T, k] on the device: copied to kt-kernel's buffers and its
@@ -156,7 +167,7 @@ class GraphSplit:
         on_cpu = ~self.on_device[row][ids]  # [T, k]
         usage = self.cache.usage_row(layer)
         usage[: self.cache.bank.n_experts].scatter_add_(0, ids.flatten(), on_cpu.flatten().to(usage.dtype))
-        return GraphJob(self, row, bufs, self._cpu_sets[row])
+        return GraphJob(self, layer, bufs)
 
     def device_out(self, rows: int) -> torch.Tensor:
         out = self._device_out.get(rows)

@@ -172,6 +172,10 @@ class ExpertSlotCache:
         (the hybrid split, experts/hybrid.py)."""
         return self._map_host[self._row[layer]]
 
+    def host_slot_maps(self, layers: list[int]) -> torch.Tensor:
+        """`host_slot_map` of each of `layers`, stacked [L, E] (a copy)."""
+        return self._map_host[[self._row[layer] for layer in layers]]
+
     def expert_scores(self, layer: int) -> torch.Tensor:
         """`layer`'s experts' decayed-frequency scores [E] float64 on the host (residency.py), as of the last
         boundary: the hybrid graph split's use rates (experts/hybrid_graph.py)."""

@@ -180,3 +180,40 @@ def test_a_graph_step_s_cpu_set_is_the_coldest_free_experts_up_to_the_cpu_share(
     fetch = EXPERT / 50e9
     assert decode_cpu_share(COSTS, EXPERT) == pytest.approx(fetch / (fetch + 1.9e-3))
     assert decode_cpu_share(SplitCosts(CpuExpertCost(1e-3, 0), None, None), EXPERT) == 1.0  # CPU device
+
+
+def test_a_graph_split_keeps_its_cpu_sets_while_the_slot_map_stands_and_rewrites_kt_kernel_s_masks():
+    """GraphSplit.begin_step: a CPU set is chosen again when the slot map changes or REFRESH_STEPS steps on;
+    kt-kernel's masks are written every step (an eager step's split rewrites them in between)."""
+    from types import SimpleNamespace
+
+    from dsv4serve.experts.hybrid_graph import REFRESH_STEPS, GraphSplit
+
+    slot_map = torch.tensor([[0, -1, -1, 1], [-1, 2, -1, -1]], dtype=torch.int32)  # layers 4 and 7, 4 experts
+    scores = {4: torch.tensor([0.0, 5.0, 1.0, 0.0], dtype=torch.float64), 7: torch.zeros(4, dtype=torch.float64)}
+    cache = SimpleNamespace(
+        layers=[4, 7],
+        bank=SimpleNamespace(n_experts=4),
+        host_slot_maps=lambda layers: slot_map[[[4, 7].index(la) for la in layers]].clone(),
+        expert_scores=lambda layer: scores[layer],
+    )
+    masks: dict[int, list[bool]] = {}
+    kt = SimpleNamespace(holds=lambda layer: True, set_mask=lambda layer, m: masks.__setitem__(layer, m.tolist()))
+    split = GraphSplit(kt, cache, 0.5, torch.device("cpu"))  # type: ignore[arg-type]
+    split.begin_step()
+    # layer 4: free 1 (rate 5), 2 (rate 1): half of 6 is 3: expert 2 only; layer 7: free 0, 2, 3 (unseen: 1 each)
+    assert split.cpu_experts(4) == {2} and split.cpu_experts(7) == {0}
+    assert split.stand_in.tolist() == [0, 1] and masks == {4: [True, True, False, True], 7: [False, True, True, True]}
+    masks.clear()
+    scores[4][2] = 9.0  # the scores drift, the slot map stands: the sets are kept, kt-kernel's masks rewritten
+    split.begin_step()
+    assert split.cpu_experts(4) == {2} and masks[4] == [True, True, False, True]
+    slot_map[0, 2] = 3  # expert 2 promoted into a slot: chosen again at once
+    split.begin_step()
+    assert split.cpu_experts(4) == set()  # expert 1 alone (rate 5) is all of the free rate: more than half
+    scores[7][:] = torch.tensor([5.0, 0.0, 0.1, 0.1])  # layer 7's rates move: 2 and 3 are now the coldest
+    for _ in range(REFRESH_STEPS):
+        split.begin_step()
+    assert split.cpu_experts(7) == {0}  # kept for REFRESH_STEPS steps
+    split.begin_step()
+    assert split.cpu_experts(7) == {2, 3}  # then chosen again
