@@ -113,25 +113,27 @@ class GraphSplit:
             self.active = False
 
     def begin_step(self) -> None:
-        """Host, between steps (after the slot cache's boundary): each held layer's CPU set, chosen again when the
-        slot map changed or REFRESH_STEPS steps on (the scores drift slowly), written to the device's masks
-        stream-ordered before the step; kt-kernel's masks every step (an eager step's split rewrites them)."""
+        """Host, between steps (after the slot cache's boundary): each held layer's CPU set, chosen again when its
+        slots changed, and every layer's REFRESH_STEPS steps on (the scores drift slowly), written to the device's
+        masks stream-ordered before the step; kt-kernel's masks every step (an eager step's split rewrites them)."""
         if self._copied is not None:
             self._copied.synchronize()  # long done after a step; a capture's warm-up may still be reading
         free = self.cache.host_slot_maps(self.layers) < 0  # [L, E]
-        if self._free is None or self._age >= REFRESH_STEPS or not torch.equal(free, self._free):
-            for i, layer in enumerate(self.layers):
-                self._host_mask[i] = ~cpu_set(free[i], self.cache.expert_scores(layer), self.cpu_share)
+        if self._free is None or self._age >= REFRESH_STEPS:
+            rows, self._age = list(range(len(self.layers))), 0
+        else:  # the layers whose slots changed (a promotion touches a few)
+            rows, self._age = torch.nonzero((free != self._free).any(1)).flatten().tolist(), self._age + 1
+        if rows:
+            for i in rows:
+                self._host_mask[i] = ~cpu_set(free[i], self.cache.expert_scores(self.layers[i]), self.cpu_share)
             in_slot, on_cpu = ~free, ~self._host_mask
             first_cpu = torch.where(on_cpu.any(1), on_cpu.int().argmax(1), 0)
             self._host_stand_in.copy_(torch.where(in_slot.any(1), in_slot.int().argmax(1), first_cpu))
-            self._free, self._age = free, 0
+            self._free = free
             if self._copied is not None:
                 self.on_device.copy_(self._host_mask, non_blocking=True)
                 self.stand_in.copy_(self._host_stand_in, non_blocking=True)
                 self._copied.record()
-        else:
-            self._age += 1
         for i, layer in enumerate(self.layers):
             self.kt.set_mask(layer, self._host_mask[i])
 

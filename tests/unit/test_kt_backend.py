@@ -208,12 +208,13 @@ def test_a_graph_split_keeps_its_cpu_sets_while_the_slot_map_stands_and_rewrites
     scores[4][2] = 9.0  # the scores drift, the slot map stands: the sets are kept, kt-kernel's masks rewritten
     split.begin_step()
     assert split.cpu_experts(4) == {2} and masks[4] == [True, True, False, True]
-    slot_map[0, 2] = 3  # expert 2 promoted into a slot: chosen again at once
+    scores[7][:] = torch.tensor([5.0, 0.0, 0.1, 0.1])  # layer 7's rates move: 2 and 3 are now the coldest
+    slot_map[0, 2] = 3  # expert 2 of layer 4 promoted into a slot: layer 4 is chosen again at once, 7 is not
     split.begin_step()
     assert split.cpu_experts(4) == set()  # expert 1 alone (rate 5) is all of the free rate: more than half
-    scores[7][:] = torch.tensor([5.0, 0.0, 0.1, 0.1])  # layer 7's rates move: 2 and 3 are now the coldest
-    for _ in range(REFRESH_STEPS):
+    assert split.cpu_experts(7) == {0}
+    for _ in range(REFRESH_STEPS - 2):
         split.begin_step()
     assert split.cpu_experts(7) == {0}  # kept for REFRESH_STEPS steps
     split.begin_step()
-    assert split.cpu_experts(7) == {2, 3}  # then chosen again
+    assert split.cpu_experts(7) == {2, 3}  # then every layer is chosen again
