@@ -77,6 +77,15 @@ def add_decode_options(parser: argparse.ArgumentParser) -> None:
             metavar="FRACTION" if fraction else "GB/s",
             help=f"projected decode speed: {what} [default {default:g}, assumed: {source}]",
         )
+    parser.add_argument(
+        "--expert-hit-rate",
+        type=_fraction,
+        default=None,
+        metavar="FRACTION",
+        help="projected decode speed: the share of routed-expert uses found in a GPU slot, in place of uniform "
+        "routing's slots / experts (a running server's /metrics: expert_cache_hits_total / "
+        "expert_cache_queries_total)",
+    )
 
 
 def bandwidths(ns: argparse.Namespace) -> tuple[ds.Bandwidths, dict[str, Any]]:
@@ -98,10 +107,11 @@ def decode_plan(
     backends = ("gpu",) if memory.experts_resident else ("offload", "hybrid")
     bank = memory.host.bank_bytes if memory.host is not None else 0
     eager, spec = cfg.enforce_eager.value, cfg.speculative_tokens.value > 0
+    hits = getattr(ns, "expert_hit_rate", None) if not memory.experts_resident else None
 
     def project(rates: ds.Bandwidths) -> dict[str, tuple[ds.DecodeProjection, BankTiers, str | None]]:
         slots = memory.expert_slots
-        return project_backends(decode_bytes, slots, bank, memory.machine, rates, eager, backends, spec)
+        return project_backends(decode_bytes, slots, bank, memory.machine, rates, eager, backends, spec, hits)
 
     full = project(bw)
     projections = {k: v[0] for k, v in full.items()}
@@ -122,6 +132,7 @@ def decode_plan(
         "bank_tiers": {k: dataclasses.asdict(v[1]) | {"disk": v[1].disk} for k, v in full.items()},
         "eager": {k: v[2] for k, v in full.items() if v[2] is not None},
         "faster": faster_backend(full) if len(full) > 1 else backends[0],
+        "expert_hit_rate": {"value": hits, "source": "--expert-hit-rate"} if hits is not None else None,
         "host_memory_given": memory.host is None or memory.host.ram_bytes is not None,
     }
     return data, format_decode_plan(data, projections)

@@ -55,13 +55,16 @@ def project_backends(
     enforce_eager: bool,
     backends: tuple[str, ...],
     speculative: bool = False,
+    hit_rate: float | None = None,
 ) -> dict[str, tuple[ds.DecodeProjection, BankTiers, str | None]]:
-    """backend -> (its projection, the bank's tiers for it, why it runs eager or None)."""
+    """backend -> (its projection, the bank's tiers for it, why it runs eager or None); `hit_rate`: the slot hits
+    measured (or supposed) instead of uniform routing's."""
     out = {}
     for backend in backends:
         tiers = bank_tiers(bank_bytes, machine, backend == "hybrid", b.n_moe_layers)
         why = eager_reason(enforce_eager, backend, tiers, speculative)
-        out[backend] = (ds.project_decode(b, slots, bw, backend, why is None, tiers=tiers), tiers, why)
+        projection = ds.project_decode(b, slots, bw, backend, why is None, hit_rate, tiers)
+        out[backend] = (projection, tiers, why)
     return out
 
 

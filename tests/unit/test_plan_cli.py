@@ -111,6 +111,13 @@ def test_a_32gb_plan_projects_decode_term_by_term_with_the_given_bandwidths(real
     assert today["tokens_per_second"]["hybrid"] < hybrid["tokens_per_second"]
     assert f"hybrid {today['tokens_per_second']['hybrid']:.1f} tokens/s" in text
     assert "--moe-backend auto with kt-kernel installed runs hybrid on a CUDA worker" in text
+    # a measured hit rate (the server's expert_cache_hits_total / expert_cache_queries_total) replaces uniform's
+    ns_hits = build_parser("plan").parse_args(["--model", str(real_model_dir), *flags, "--expert-hit-rate", "0.5"])
+    hits = build_plan(ns_hits, env)["decode_speed"]
+    assert hits["expert_hit_rate"] == {"value": 0.5, "source": "--expert-hit-rate"} and d["expert_hit_rate"] is None
+    for p in hits["projections"].values():
+        assert p["hits_per_token"] == pytest.approx(129) and p["misses_per_token"] == pytest.approx(129)
+    assert hits["projections"]["hybrid"]["tokens_per_second"] > hybrid["tokens_per_second"]
 
 
 def test_a_card_that_holds_every_expert_projects_the_gpu_backend_only(tiny_cache):
@@ -123,6 +130,9 @@ def test_a_bandwidth_must_be_a_positive_number(capsys):
     with pytest.raises(SystemExit):
         build_parser("plan").parse_args(["--model", "dsv4-tiny", "--h2d-bandwidth", "0"])
     assert "not a positive number" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        build_parser("plan").parse_args(["--model", "dsv4-tiny", "--expert-hit-rate", "1.5"])
+    assert "not a fraction" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------ --gpus N: a plan per tensor-parallel rank
