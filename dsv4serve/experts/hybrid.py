@@ -17,6 +17,7 @@ routing must reach kt-kernel): prefill chunks and mixed steps. Decode steps repl
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -36,15 +37,19 @@ class HybridStats:
 
 
 class HybridJob:
-    def __init__(self, kt_job: KtJob, cpu_experts: list[int], on_device: torch.Tensor, stand_in: int):
+    def __init__(
+        self, kt_job: KtJob, cpu_experts: list[int], on_device: torch.Tensor, stand_in: int, uncount: Callable[[], None]
+    ):
         self._kt_job, self.cpu_experts = kt_job, frozenset(cpu_experts)
-        self._on_device, self._stand_in = on_device, stand_in
+        self._on_device, self._stand_in, self._uncount = on_device, stand_in, uncount
 
     def device_routes(self, ids: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The routing for a device path that takes every route (the grouped kernel): a route to an
         expert kt-kernel computes gets weight 0 and a stand-in expert in a slot (its output is then an
-        exact 0, and nothing is read over PCIe for it)."""
+        exact 0, and nothing is read over PCIe for it); the stand-in's counted use is taken back where no
+        real route used it (slot_cache.uncount_stand_in)."""
         on_device = self._on_device.to(ids.device)[ids]  # [T, k] bool
+        self._uncount()
         return torch.where(on_device, ids, self._stand_in), torch.where(on_device, weights, 0.0)
 
     def wait(self, device: torch.device) -> torch.Tensor:
@@ -90,4 +95,11 @@ class HybridExperts:
         self.stats.cpu_experts += len(cpu)
         in_slots = torch.nonzero(slot_of >= 0).flatten()
         stand_in = int(in_slots[0]) if len(in_slots) else cpu[0]  # weight 0 either way
-        return HybridJob(kt_job, cpu, on_device, stand_in)
+        fake = not bool((ids_host[on_device[ids_host]] == stand_in).any())  # no real route counts it already
+        dev = self.cache.usage.device
+
+        def uncount() -> None:
+            stand = torch.tensor(stand_in, device=dev)
+            self.cache.uncount_stand_in(layer, stand, torch.tensor(fake, device=dev))
+
+        return HybridJob(kt_job, cpu, on_device, stand_in, uncount)

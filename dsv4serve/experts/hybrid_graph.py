@@ -71,8 +71,13 @@ class GraphJob:
         return self._split.cpu_experts(self._layer)
 
     def device_routes(self, ids: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        on_device = self._split.on_device[self._row][ids]
-        return torch.where(on_device, ids, self._split.stand_in[self._row]), torch.where(on_device, weights, 0.0)
+        """As HybridJob's: CPU routes get weight 0 and the stand-in; the stand-in's counted use taken back where
+        no real route used it (slot_cache.uncount_stand_in)."""
+        split = self._split
+        on_device, stand = split.on_device[self._row][ids], split.stand_in[self._row]
+        fake = (~on_device).any() & ~((ids == stand) & on_device).any()
+        split.cache.uncount_stand_in(self._layer, stand, fake)
+        return torch.where(on_device, ids, stand), torch.where(on_device, weights, 0.0)
 
     def wait(self, device: torch.device) -> torch.Tensor:
         """The CPU experts' weighted sum [T, D] fp32 on `device`, once the stream has waited for kt-kernel."""
@@ -166,9 +171,10 @@ class GraphSplit:
         bufs.ids.copy_(ids.to(torch.int64), non_blocking=True)
         bufs.weights.copy_(weights.to(torch.float32), non_blocking=True)
         self.kt.run_on_stream(self.kt.stream_task(layer, bufs), self.device)
-        on_cpu = ~self.on_device[row][ids]  # [T, k]
-        usage = self.cache.usage_row(layer)
-        usage[: self.cache.bank.n_experts].scatter_add_(0, ids.flatten(), on_cpu.flatten().to(usage.dtype))
+        on_cpu = ~self.on_device[row][ids]  # [T, k]; an expert's routes all agree
+        usage, n = self.cache.usage_row(layer), self.cache.bank.n_experts
+        used = torch.zeros(n, dtype=torch.bool, device=ids.device).scatter_(0, ids.flatten(), on_cpu.flatten())
+        usage[:n] += used.to(usage.dtype)  # one use per expert and step, as moe_align and record_cpu_uses count
         return GraphJob(self, layer, bufs)
 
     def device_out(self, rows: int) -> torch.Tensor:

@@ -187,6 +187,18 @@ class ExpertSlotCache:
         """`layer`'s usage counters [E + 1] int64 on the device (the module doc): device-side uses add here."""
         return self.usage[self._row[layer]]
 
+    def uncount_stand_in(self, layer: int, expert: torch.Tensor, fake: torch.Tensor) -> None:
+        """Take back the use (and the hit, if `expert` is in a slot) the MXFP4 path's moe_align records for a
+        stand-in: hybrid gives a route the CPU computes weight 0 and a slot expert's id, which counts as that
+        expert's use unless a real route used it too (`fake` False). expert int64 and fake bool, 0-d tensors on
+        the device (a graph can hold it); hit rates in /metrics stay the routing's."""
+        row = self._row[layer]
+        usage, n = self.usage[row], self.bank.n_experts
+        take = fake.to(usage.dtype).view(1)
+        usage.index_add_(0, expert.view(1), -take)
+        in_slot = (self.slot_of_expert[row].index_select(0, expert.view(1)) >= 0).to(usage.dtype)
+        usage.narrow(0, n, 1).sub_(take * in_slot)
+
     def record_cpu_uses(self, layer: int, experts: list[int]) -> None:
         """Count uses of `experts` computed outside the device path (kt-kernel, --moe-backend hybrid): uses,
         not hits, so the residency scores still see them and promote the hot ones."""

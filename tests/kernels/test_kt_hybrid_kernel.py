@@ -27,7 +27,8 @@ pytestmark = pytest.mark.skipif(not kt_kernel_available()[0], reason=kt_kernel_a
 CPU = torch.device("cpu")
 
 
-def test_the_kernel_device_path_with_cpu_experts_matches_the_torch_one(tiny_dir):
+@pytest.mark.parametrize(("seed", "tokens"), [(2, 5), (0, 3)])  # the stand-in (expert 0) routed too, or not
+def test_the_kernel_device_path_with_cpu_experts_matches_the_torch_one(tiny_dir, seed, tokens):
     ckpt = open_checkpoint(tiny_dir)
     model = Transformer(ckpt.args, include_mtp=True).eval()
     cache = attach_expert_cache(model, ckpt, 20, CPU, progress=False)
@@ -35,15 +36,16 @@ def test_the_kernel_device_path_with_cpu_experts_matches_the_torch_one(tiny_dir)
     hybrid = attach_cpu_experts(model, cache, CPU, room_bytes=2**30)
     kernel_num = dataclasses.replace(NUMERICS_ON, backends=KernelBackends(fp4_moe="triton"))
     moe = model.layers[3].ffn
-    x = torch.randn(5, ckpt.args.dim, generator=torch.Generator().manual_seed(2)).bfloat16()
-    tokens = torch.arange(5)
+    x = torch.randn(tokens, ckpt.args.dim, generator=torch.Generator().manual_seed(seed)).bfloat16()
+    tokens = torch.arange(tokens)
     with torch.no_grad():
         weights, ids = moe.gate(x, tokens, NUMERICS_ON)
-        before = hybrid.stats.cpu_experts
+        before, usage = hybrid.stats.cpu_experts, cache.usage_row(3).clone()
         by_kernel = moe(x, tokens, kernel_num).float()
-        on_cpu = hybrid.stats.cpu_experts - before
+        on_cpu, grown = hybrid.stats.cpu_experts - before, cache.usage_row(3) - usage
         by_torch = moe(x, tokens, NUMERICS_ON).float()
     assert 0 < on_cpu < len(ids.unique())  # both paths took part
+    assert torch.equal(grown, _routing_record(ids, cache.host_slot_map(3)))  # the stand-in's route not counted
     w = [cache.bank.layers[3][p] for p in PART_ORDER]
     per_route = down_ref(
         *act_quant_fp8_ref(gate_up_ref(*act_quant_fp8_ref(x), *w[:4], weights, ids, moe.swiglu_limit)), *w[4:], ids
@@ -52,4 +54,47 @@ def test_the_kernel_device_path_with_cpu_experts_matches_the_torch_one(tiny_dir)
     bound = 2.0**-6 * per_route.float().abs().view(*ids.shape, -1).sum(1) + 2.0**-7 * by_torch.abs()
     assert bool(((by_kernel - by_torch).abs() <= bound).all())
     assert not torch.equal(by_kernel, torch.zeros_like(by_kernel))
+    ckpt.source.close()
+
+
+def _routing_record(ids: torch.Tensor, slot_of: torch.Tensor) -> torch.Tensor:
+    """What a step's routing adds to a layer's usage counters: 1 per distinct expert, and in the last column those
+    read from a slot (slot_cache.py's record, whether the device or the CPU computed them)."""
+    record = torch.zeros(len(slot_of) + 1, dtype=torch.int64)
+    routed = ids.unique()
+    record[routed] = 1
+    record[-1] = int((slot_of[routed] >= 0).sum())
+    return record
+
+
+def test_a_graph_step_on_the_kernel_path_is_the_graph_step_on_the_torch_one(tiny_dir):
+    """The hybrid graph split (experts/hybrid_graph.py) with the grouped FP4 kernel as the device path: within the
+    kernel's bound of the same split on the torch path, and the usage counters record the routing (the CPU set's
+    uses counted on the device, the stand-in's taken back)."""
+    ckpt = open_checkpoint(tiny_dir)
+    model = Transformer(ckpt.args, include_mtp=True).eval()
+    cache = attach_expert_cache(model, ckpt, 20, CPU, progress=False)
+    model.load_state_dict(dict(iter_resident_dense(ckpt, progress=False)), strict=True)
+    split = attach_cpu_experts(model, cache, CPU, room_bytes=2**30).graph
+    kernel_num = dataclasses.replace(NUMERICS_ON, backends=KernelBackends(fp4_moe="triton"))
+    moe = model.layers[3].ffn
+    x = torch.randn(3, ckpt.args.dim, generator=torch.Generator().manual_seed(0)).bfloat16()
+    tokens = torch.arange(3)  # routes to experts 1, 2, 3 (slots) and 6: the stand-in (0) is not routed
+    cache.begin_step()
+    split.begin_step()
+    with torch.no_grad(), split.steps():
+        weights, ids = moe.gate(x, tokens, NUMERICS_ON)
+        usage = cache.usage_row(3).clone()
+        by_kernel = moe(x, tokens, kernel_num).float()
+        grown = cache.usage_row(3) - usage
+        by_torch = moe(x, tokens, NUMERICS_ON).float()
+    routed = frozenset(ids.unique().tolist())
+    assert routed & split.cpu_experts(3) and routed - split.cpu_experts(3)  # both paths took part
+    assert torch.equal(grown, _routing_record(ids, cache.host_slot_map(3)))
+    w = [cache.bank.layers[3][p] for p in PART_ORDER]
+    per_route = down_ref(
+        *act_quant_fp8_ref(gate_up_ref(*act_quant_fp8_ref(x), *w[:4], weights, ids, moe.swiglu_limit)), *w[4:], ids
+    )
+    bound = 2.0**-6 * per_route.float().abs().view(*ids.shape, -1).sum(1) + 2.0**-7 * by_torch.abs()
+    assert bool(((by_kernel - by_torch).abs() <= bound).all()) and by_kernel.abs().sum() > 0
     ckpt.source.close()

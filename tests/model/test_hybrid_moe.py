@@ -144,7 +144,7 @@ def test_a_graph_step_s_moe_layer_is_its_device_part_plus_kt_kernel_on_the_cpu_s
     assert cpu_part.abs().sum() > 0 and torch.equal(got, want.to(got.dtype))
     grown = cache.usage_row(2) - usage
     for e in cpu_set:
-        assert int(grown[e]) == int((ids == e).sum()), e
+        assert int(grown[e]) == int((ids == e).any()), e  # one use per expert and step
 
 
 def test_decode_graph_steps_with_hybrid_experts_are_the_oracle_s(ckpt):

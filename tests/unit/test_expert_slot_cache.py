@@ -166,3 +166,19 @@ def test_the_kernel_usage_row_feeds_the_same_accounting():
     src.usage[-1] += 1  # (0,0) is in slot 0: one hit
     cache.collect_usage()
     assert (cache.stats.queries, cache.stats.hits) == (2, 1)
+
+
+def test_a_stand_in_route_s_count_is_taken_back_where_no_real_route_used_it():
+    """Hybrid's weight-0 stand-in routes (experts/hybrid.py) count as the stand-in's use, and a hit if it sits in a
+    slot, in moe_align's record: uncount_stand_in takes both back when `fake`, nothing otherwise."""
+    cache = ExpertSlotCache(make_bank(), 4, CPU)
+    in_slot = int(torch.nonzero(cache.host_slot_map(1) >= 0).flatten()[0])
+    free = int(torch.nonzero(cache.host_slot_map(1) < 0).flatten()[0])
+    before = cache.usage_row(1).clone()
+    cache.uncount_stand_in(1, torch.tensor(in_slot), torch.tensor(True))
+    cache.uncount_stand_in(1, torch.tensor(free), torch.tensor(True))  # a use, not a hit
+    cache.uncount_stand_in(1, torch.tensor(free), torch.tensor(False))
+    taken = before - cache.usage_row(1)
+    want = torch.zeros(N_EXPERTS + 1, dtype=torch.int64)
+    want[in_slot] = want[free] = want[-1] = 1
+    assert torch.equal(taken, want)
