@@ -64,9 +64,13 @@ class HybridExperts:
         self.graph = GraphSplit(kt, cache, decode_cpu_share(costs, cache.bank.expert_bytes), cache.device)
 
     def describe(self) -> str:
-        """For the start-up report: kt-kernel's build and threads, the layers it holds, the measured costs."""
+        """For the start-up report: kt-kernel's build and threads, the layers it holds, the measured costs, and
+        the CPU's share of a decode graph step's misses that follows from them."""
         bank = self.cache.bank
-        return f"{self.kt.describe}; measured {self.costs.describe(bank.expert_bytes)}"
+        return (
+            f"{self.kt.describe}; measured {self.costs.describe(bank.expert_bytes)}; decode graph steps: "
+            f"{100 * self.graph.cpu_share:.0f}% of each layer's expected misses on the CPU"
+        )
 
     def submit(
         self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor

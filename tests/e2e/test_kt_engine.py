@@ -44,6 +44,7 @@ def run(loop_thread, tiny_dir, backend: str):
 def test_hybrid_serves_within_the_rounding_of_offload(loop_thread, tiny_dir):
     (hybrid, tokens), ready = run(loop_thread, tiny_dir, "hybrid")
     assert "kt-kernel" in ready.expert_bank and ready.expert_slots == 20
+    assert "decode graph steps: 100% of each layer's expected misses on the CPU" in ready.expert_bank  # CPU device
     (offload, offload_tokens), offload_ready = run(loop_thread, tiny_dir, "offload")
     assert "kt-kernel" not in offload_ready.expert_bank
     assert len(hybrid) == len(offload) == len(PROMPT) - 1 and len(tokens) == 4
