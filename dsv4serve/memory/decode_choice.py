@@ -1,22 +1,24 @@
 """Which MoE backend decodes faster on this machine, by the projection (pure: no device calls).
 
     tiers = bank_tiers(bank_bytes, machine, cpu_experts, n_moe_layers)   # the host memory plan's split, as shares
+    tiers = split_tiers(split, cpu_experts, n_moe_layers)                 # the same, from a split already made
     why = eager_reason(enforce_eager, backend, tiers)                    # None: decode steps replay CUDA graphs
     projections = project_backends(b, slots, bank_bytes, machine, bw, enforce_eager, backends)
     faster = faster_backend(projections)                                 # "offload" or "hybrid"
 
-`dsv4serve plan` prints the projections; the worker's --moe-backend auto asks `faster_backend` before it hands
-the experts to kt-kernel (experts/moe_backend.py), so that installing kt-kernel never makes decode slower. Each
-backend is projected as the worker would run it: the bank's tiers from host_plan.py (hybrid: kt-kernel's copy
-planned first, whole layers), and eager where a step makes the host wait (engine_setup.eager_reason: layers
-outside the pinned tier, or hybrid CPU experts in speculative verify steps).
+`dsv4serve plan` prints the projections (its memory plan reserves decode graphs by `eager_reason`); the worker's
+--moe-backend auto asks `faster_backend` before it hands the experts to kt-kernel (experts/moe_backend.py), so that
+installing kt-kernel never makes decode slower. Each backend is projected as the worker would run it: the bank's
+tiers from host_plan.py (hybrid: kt-kernel's copy planned first, whole layers), and eager where a step makes the
+host wait (engine_setup.eager_reason: layers outside the pinned tier, or hybrid CPU experts in speculative verify
+steps).
 """
 
 from __future__ import annotations
 
 from dsv4serve.memory import decode_speed as ds
 from dsv4serve.memory.decode_lanes import BankTiers
-from dsv4serve.memory.host_plan import Machine, host_split, kt_copy_bytes
+from dsv4serve.memory.host_plan import HostSplit, Machine, host_split, kt_copy_bytes
 
 
 def bank_tiers(bank_bytes: int, machine: Machine | None, cpu_experts: bool, n_moe_layers: int) -> BankTiers:
@@ -24,14 +26,19 @@ def bank_tiers(bank_bytes: int, machine: Machine | None, cpu_experts: bool, n_mo
     all pinned (and every layer held by kt-kernel) when there is no bank or host memory is not known."""
     if not bank_bytes or machine is None or machine.host_bytes is None:
         return ds.ALL_PINNED
-    split = host_split(bank_bytes, machine, [], [], cpu_experts)
-    assert split.ram_bytes is not None and split.pin_estimate_bytes is not None  # host memory is given
+    return split_tiers(host_split(bank_bytes, machine, [], [], cpu_experts), cpu_experts, n_moe_layers)
+
+
+def split_tiers(split: HostSplit, cpu_experts: bool, n_moe_layers: int) -> BankTiers:
+    """A host memory plan's split (host_plan.host_split) as shares of the bank; all pinned without host memory."""
+    if split.ram_bytes is None or split.pin_estimate_bytes is None or not split.bank_bytes:
+        return ds.ALL_PINNED
+    bank = split.bank_bytes
     held = 1.0
     if cpu_experts:  # experts/attach.kt_layers: as many whole layers as kt-kernel's copy of them fits
-        layers = split.kt_copy_bytes * n_moe_layers / kt_copy_bytes(bank_bytes)
+        layers = split.kt_copy_bytes * n_moe_layers / kt_copy_bytes(bank)
         held = min(n_moe_layers, int(layers + 1e-9)) / n_moe_layers
-    pinned = split.pin_estimate_bytes / bank_bytes
-    return BankTiers(pinned, (split.ram_bytes - split.pin_estimate_bytes) / bank_bytes, held)
+    return BankTiers(split.pin_estimate_bytes / bank, (split.ram_bytes - split.pin_estimate_bytes) / bank, held)
 
 
 def eager_reason(enforce_eager: bool, backend: str, tiers: BankTiers, speculative: bool = False) -> str | None:

@@ -52,6 +52,7 @@ from dsv4serve.memory.chunk_planner import (
     plan_chunk,
     prefill_geometry,
 )
+from dsv4serve.memory.decode_choice import eager_reason, split_tiers
 from dsv4serve.memory.graph_memory import decode_graph_bytes
 from dsv4serve.memory.host_plan import HostSplit, host_split, plans_cpu_experts
 from dsv4serve.memory.weights import WeightBytes
@@ -303,18 +304,12 @@ def plan_memory(
     host = 0 if resident_all else weights.routed_expert_bytes
     warnings: list[str] = []
     split = host_split(host, machine, decisions, warnings, s.cpu_experts) if host else None
-    if s.cpu_experts and not resident_all and graphs and s.speculative_tokens:  # engine_setup.eager_reason
-        decisions.append(
-            f"decode graphs: none after all (hybrid CPU experts sync per layer in the speculative verify steps); "
-            f"their {_g(graphs)} go to activations"
-        )
-        graphs = 0
-    elif split is not None and split.pin_estimate_bytes is not None and split.pin_estimate_bytes < host and graphs:
-        decisions.append(  # the worker decides from the pin budget it measures (engine_setup.eager_reason)
-            f"decode graphs: none after all (the expert bank is not all pinned: the host stages the other layers' "
-            f"misses mid-step, which a CUDA graph cannot hold); their {_g(graphs)} go to activations"
-        )
-        graphs = 0
+    if split is not None and graphs:  # as engine_setup.eager_reason decides from the pin budget it measures
+        tiers = split_tiers(split, s.cpu_experts, args.n_layers)
+        why = eager_reason(False, "hybrid" if s.cpu_experts else "offload", tiers, s.speculative_tokens > 0)
+        if why is not None:
+            decisions.append(f"decode graphs: none after all ({why}); their {_g(graphs)} go to activations")
+            graphs = 0
     free = budget - resident - graphs - slots * weights.expert_bytes - kvb - r.seq_bytes
     geometry, chunk = final_chunk(args, machine, s, free, kv_tok, max_len)
     warnings += [chunk.warning] if chunk.warning else []
