@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 
 from dsv4serve.memory.chunk_planner import PLATFORM_MARGIN_BYTES, MemorySnapshot, PrefillGeometry, activation_bytes
-from dsv4serve.memory.plan import kv_geometry
+from dsv4serve.memory.kv_geometry import kv_geometry
 from dsv4serve.memory.probe import host_snapshot, measure_activation_bytes, take_snapshot
 from dsv4serve.model.args import ModelArgs
 

@@ -13,7 +13,7 @@ never planned. From the rest, in this priority order:
    what is left after the KV target (OFFLOAD_KV_TOKENS) and an OFFLOAD_CHUNK_TARGET chunk. When that
    is below the minimum (n_activated_experts: one token's experts of one layer) the KV and chunk
    targets shrink to their floors (KV_FLOOR_TOKENS, one window page) and the plan says so.
-3. KV capacity: bf16 cache bytes per token from the geometry (dsv4-model.md §2.11: one compressed
+3. KV capacity: bf16 cache bytes per token from the geometry (kv_geometry.py, dsv4-model.md §2.11: one compressed
    entry per ratio tokens in every CSA/HCA layer, plus CSA indexer keys), and the fixed per-sequence
    state (a window of window_size keys per layer, fp32 compressor rings) x max_num_seqs. Offloaded:
    OFFLOAD_KV_TOKENS (capped by max_model_len). Resident: the KV target, then a chunk of up to
@@ -38,7 +38,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from fractions import Fraction
 from typing import Any
 
 from dsv4serve.config import ConfigError, Setting, Source
@@ -55,6 +54,7 @@ from dsv4serve.memory.chunk_planner import (
 from dsv4serve.memory.decode_choice import eager_reason, split_tiers
 from dsv4serve.memory.graph_memory import decode_graph_bytes
 from dsv4serve.memory.host_plan import HostSplit, host_split, plans_cpu_experts
+from dsv4serve.memory.kv_geometry import KvGeometry, kv_bytes, kv_geometry, kv_tokens_for
 from dsv4serve.memory.weights import WeightBytes
 from dsv4serve.model.args import ModelArgs
 from dsv4serve.resolve import who
@@ -71,49 +71,6 @@ def _g(n: int | float) -> str:
 
 
 # ----------------------------------------------------------------------------------- inputs
-
-
-@dataclass(frozen=True)
-class KvGeometry:
-    bytes_per_token: Fraction  # amortized cache bytes per token, all layers
-    seq_state_bytes: int  # fixed per sequence: windows + compressor rings
-    terms: tuple[tuple[str, str], ...]
-
-
-def _carry_bytes(ratio: int, d: int) -> int:
-    """A compressor's fp32 carry per sequence (model/kv_pool.py): kv + score of up to `ratio` pending
-    tokens (2d wide when windows overlap, ratio 4), plus the overlap's previous `A` half (ratio x d)."""
-    overlap = ratio == 4
-    return 2 * ratio * (2 if overlap else 1) * d * 4 + (2 * ratio * d * 4 if overlap else 0)
-
-
-def kv_geometry(args: ModelArgs, include_mtp: bool = False, entry_bytes: int = 2) -> KvGeometry:
-    """dsv4-model.md §2.11, for a cache stored in bf16 (entry_bytes 2 per dim)."""
-    layers = range(args.n_all_layers if include_mtp else args.n_layers)
-    per_token, window, rings = Fraction(0), 0, 0
-    for i in layers:
-        r, kind = args.compress_ratios[i], args.kind(i)
-        window += args.window_size * args.head_dim * entry_bytes  # the raw window, every layer
-        if r:
-            per_token += Fraction(args.head_dim * entry_bytes, r)  # one compressed entry per r tokens
-            rings += _carry_bytes(r, args.head_dim)
-        if kind == "csa":
-            per_token += Fraction(args.index_head_dim * entry_bytes, r)  # indexer keys
-            rings += _carry_bytes(r, args.index_head_dim)
-    terms = (
-        ("compressed entries + indexer keys per token", f"{float(per_token):,.1f} B"),
-        ("window per sequence", f"{window:,} B"),
-        ("compressor carry per sequence (fp32)", f"{rings:,} B"),
-    )
-    return KvGeometry(per_token, window + rings, terms)
-
-
-def kv_bytes(kv: KvGeometry, tokens: int) -> int:
-    return math.ceil(kv.bytes_per_token * tokens)
-
-
-def kv_tokens_for(kv: KvGeometry, n_bytes: int) -> int:
-    return max(0, math.floor(Fraction(n_bytes) / kv.bytes_per_token)) if kv.bytes_per_token else 0
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import torch
 
 from dsv4serve.memory import capacity
 from dsv4serve.memory.chunk_planner import PLATFORM_MARGIN_BYTES, MemorySnapshot, prefill_geometry
-from dsv4serve.memory.plan import kv_geometry
+from dsv4serve.memory.kv_geometry import kv_geometry
 from dsv4serve.model.args import read_model_args
 
 GIB = 2**30

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dsv4serve.memory.plan import kv_geometry
+from dsv4serve.memory.kv_geometry import kv_geometry
 from dsv4serve.model.args import args_from_dicts, read_model_args
 from dsv4serve.model.kv_pool import KvPool, SequenceState
 from dsv4serve.paging import IdAllocator, OutOfIds

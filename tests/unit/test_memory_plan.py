@@ -15,13 +15,8 @@ from dsv4serve.config import ConfigError, Setting, Source
 from dsv4serve.memory.chunk_planner import GEOMETRY_SAFETY_FACTOR, PLATFORM_MARGIN_BYTES, prefill_geometry
 from dsv4serve.memory.graph_memory import decode_graph_bytes
 from dsv4serve.memory.host_plan import HOST_MARGIN_BYTES
-from dsv4serve.memory.plan import (
-    Machine,
-    PlanSettings,
-    kv_bytes,
-    kv_geometry,
-    plan_memory,
-)
+from dsv4serve.memory.kv_geometry import kv_bytes, kv_geometry
+from dsv4serve.memory.plan import Machine, PlanSettings, plan_memory
 from dsv4serve.memory.weights import weight_bytes
 from dsv4serve.model.args import read_model_args
 from dsv4serve.model.schema import checkpoint_schema
