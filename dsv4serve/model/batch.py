@@ -46,6 +46,11 @@ class BatchLayout:
     block_table: torch.Tensor  # [B, W] int32, each row's page table, -1 padded
     max_rows: int  # the most tokens a row runs in this step
     max_end: int  # the most tokens a row holds after this step (a static bound when shapes are fixed)
+    # [N] int32 or None: the packed token whose expert routing each token takes. Itself, except in a padding
+    # row of a static bucket (worker/graphs.py, worker/spec_graphs.py), which takes a request's token: so
+    # padding reaches no expert the requests do not (no extra expert read or fetch) and the expert-slot
+    # cache records only the requests' uses. None: every token routes itself
+    route_rows: torch.Tensor | None = None
     # per-step device values the layers share (`ring_index`), made by the first layer that asks; not an init
     # field, so that dataclasses.replace (a static layout copied for a step) starts empty
     _memo: dict[int, torch.Tensor] = field(default_factory=dict, init=False, repr=False, compare=False)

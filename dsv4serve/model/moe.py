@@ -79,10 +79,15 @@ class Gate(nn.Module):
         else:
             self.bias = nn.Parameter(torch.zeros(args.n_routed_experts))
 
-    def forward(self, x: torch.Tensor, token_ids: torch.Tensor, num: Numerics) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [N, D] -> (weights [N, k] fp32, expert ids [N, k] int64)."""
+    def forward(
+        self, x: torch.Tensor, token_ids: torch.Tensor, num: Numerics, route_rows: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, D] -> (weights [N, k] fp32, expert ids [N, k] int64); `route_rows` [N] int32: token t takes
+        token route_rows[t]'s routing (model/batch.py's BatchLayout.route_rows)."""
         if num.backends.router == "triton":
-            return self._kernel(x, token_ids)
+            return self._kernel(x, token_ids, route_rows)
+        if route_rows is not None:  # two gathers: the torch path runs padded buckets only on the CPU
+            x, token_ids = x.index_select(0, route_rows), token_ids.index_select(0, route_rows)
         logits = matmul(x.float(), self.weight.float(), num)
         if self.score_func == "softmax":
             scores = in_fp64(lambda z: z.softmax(dim=-1), logits)
@@ -99,14 +104,25 @@ class Gate(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights * self.route_scale, ids
 
-    def _kernel(self, x: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _kernel(
+        self, x: torch.Tensor, token_ids: torch.Tensor, route_rows: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The same in two Triton launches (one on a hash layer without softmax), no host sync. Exact
         ties of score + bias go to the lower expert id (torch's CPU topk orders them arbitrarily)."""
         from dsv4_kernels.router import router  # lazy: kernel modules build their kernels on import
 
         table, tokens = (self.tid2eid, token_ids) if self.hash else (None, None)
         return router(
-            x, self.weight, self.bias, self.topk, self.score_func, self.route_scale, self.norm_topk_prob, table, tokens
+            x,
+            self.weight,
+            self.bias,
+            self.topk,
+            self.score_func,
+            self.route_scale,
+            self.norm_topk_prob,
+            table,
+            tokens,
+            route_rows=route_rows,
         )
 
 
@@ -235,9 +251,11 @@ class MoE(nn.Module):
             setattr(self, f"{part}_fp4", None)
             setattr(self, f"{part}_fp4_scale", None)
 
-    def forward(self, x: torch.Tensor, token_ids: torch.Tensor, num: Numerics) -> torch.Tensor:
-        """x [N, D] compute dtype, token_ids [N] -> [N, D] compute dtype."""
-        weights, ids = self.gate(x, token_ids, num)
+    def forward(
+        self, x: torch.Tensor, token_ids: torch.Tensor, num: Numerics, route_rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x [N, D] compute dtype, token_ids [N] -> [N, D] compute dtype; `route_rows`: Gate.forward's."""
+        weights, ids = self.gate(x, token_ids, num, route_rows)
         # hybrid: the CPU's misses start first (on kt-kernel's threads), so they overlap the device path
         cpu = self.cpu_experts
         job = None if cpu is None else cpu.submit(self.layer_id, act_quant(x, num), ids, weights)

@@ -78,7 +78,7 @@ class Block(nn.Module):
         x, post, comb = hc_pre(
             h, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, self.hc_iters, self.hc_eps, self.norm_eps, num
         )
-        x = self.ffn(self.ffn_norm(x, num), layout.token_ids, num)
+        x = self.ffn(self.ffn_norm(x, num), layout.token_ids, num, route_rows=layout.route_rows)
         return hc_post(x, h, post, comb, num)
 
 

@@ -6,7 +6,9 @@ row counts (1, 2, 4, 8, ..., up to --max-num-seqs) the step runs on static buffe
 step is written into the bucket's pinned host buffer, copied once into its static device buffer, and the
 model's forward (embedding to logits) runs over the layout that views that buffer. Rows past the step's
 count are padding: token 0 at position 0 in the pool's padding slot and padding page (never a request's),
-so they change no real row. On CUDA each bucket's forward is captured once into a CUDA graph at start-up
+so they change no real row, and each takes a request's expert routing (`BatchLayout.route_rows`: row b that
+of row b mod the step's rows), so padding reads or fetches no expert the requests do not and the slot cache
+counts only the requests' uses. On CUDA each bucket's forward is captured once into a CUDA graph at start-up
 and replayed (one launch for the whole step instead of thousands); without CUDA, or with
 --enforce-eager, the same static-buffer path runs eagerly, which is how the CPU tests check padding and
 bucket choice (the same tokens as the unpadded step). With hybrid CPU experts the MoE layers take the split
@@ -97,7 +99,7 @@ class DecodeGraphs:
         return max(self.buckets)
 
     def _bucket(self, rows: int) -> _Bucket:
-        n = rows * (6 + self.width) + 1  # ids, positions, cu (rows + 1), start, slot, last, table
+        n = rows * (7 + self.width) + 1  # ids, positions, cu (rows + 1), start, slot, last, table, route rows
         pin = self.device.type == "cuda"
         host = torch.zeros(n, dtype=torch.int32, device="cpu")
         host = host.pin_memory() if pin else host
@@ -105,7 +107,7 @@ class DecodeGraphs:
         self._fill(host, rows, [(0, 0, self.pad_slot, [self.pad_page])] * rows)
         if device is not host:
             device.copy_(host)
-        o = [0, rows, 2 * rows, 3 * rows + 1, 4 * rows + 1, 5 * rows + 1, 6 * rows + 1]
+        o = [0, rows, 2 * rows, 3 * rows + 1, 4 * rows + 1, 5 * rows + 1, 6 * rows + 1, (6 + self.width) * rows + 1]
         spans = tuple(RowSpan(b, b, b + 1, 0, self.pad_slot) for b in range(rows))
         layout = BatchLayout(
             spans,
@@ -115,19 +117,22 @@ class DecodeGraphs:
             device[o[3] : o[4]],
             device[o[4] : o[5]],
             device[o[5] : o[6]],
-            device[o[6] :].view(rows, self.width),
+            device[o[6] : o[7]].view(rows, self.width),
             1,
             self.max_end,
+            device[o[7] :],
         )
         return _Bucket(rows, host, device, layout)
 
     def _fill(self, host: torch.Tensor, rows: int, entries: list[tuple[int, int, int, list[int]]]) -> None:
-        """entries: (token, position, slot, pages) per row, padded to `rows` with padding rows."""
+        """entries: (token, position, slot, pages) per row, padded to `rows` with padding rows (module doc)."""
+        live = len(entries) or rows  # all padding (the capture's warm-up): each row routes itself
         entries = entries + [(0, 0, self.pad_slot, [self.pad_page])] * (rows - len(entries))
         values = [e[0] for e in entries] + [e[1] for e in entries] + list(range(rows + 1))
         values += [e[1] for e in entries] + [e[2] for e in entries] + list(range(rows))
         for _, _, _, pages in entries:
             values += list(pages) + [-1] * (self.width - len(pages))
+        values += [b % live for b in range(rows)]
         host.copy_(torch.tensor(values, dtype=torch.int32, device="cpu"))
 
     def bucket_for(self, rows: int) -> int | None:

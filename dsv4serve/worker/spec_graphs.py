@@ -4,7 +4,8 @@ Two forwards of a speculating request run on static buffers, as the plain decode
 
 - the verify step, per (bucket, n) for n = 1 .. N drafts: every row [last token, d_1 .. d_n] (n + 1 tokens, the
   equal-rows path of model/batch.py), padded to `bucket` rows with padding rows (token 0 at positions 0 .. n in
-  the pool's padding slot and page, never a request's), the logits of every position out ([bucket * (n + 1), V]
+  the pool's padding slot and page, never a request's; each padding row takes a request's expert routing, as in
+  worker/graphs.py), the logits of every position out ([bucket * (n + 1), V]
   through a static `picks`) and the main model's streams (the MTP block's input). The host-driven rollback
   (model/rollback.py save before, restore after) stays outside: it is built from the real rows alone, so a
   padding row is neither saved nor restored; what it writes lands in the padding slot and page only.
@@ -55,16 +56,17 @@ class StaticRows:
 
 
 def static_rows(device: torch.device, rows: int, tokens: int, width: int, max_end: int, pad: Entry) -> StaticRows:
-    """The buffer: ids [R*T] | positions [R*T] | starts [R] | cu [R+1] | slots [R] | last [R] | table [R, W],
-    filled with padding rows (what a capture at start-up runs on)."""
+    """The buffer: ids [R*T] | positions [R*T] | starts [R] | cu [R+1] | slots [R] | last [R] | table [R, W] |
+    route rows [R*T], filled with padding rows (what a capture at start-up runs on)."""
     n_tok = rows * tokens
-    n = 2 * n_tok + rows + (rows + 1) + 2 * rows + rows * width
+    n = 2 * n_tok + rows + (rows + 1) + 2 * rows + rows * width + n_tok
     pin = device.type == "cuda"
     host = torch.zeros(n, dtype=torch.int32, device="cpu")
     host = host.pin_memory() if pin else host
     dev = torch.zeros(n, dtype=torch.int32, device=device) if pin else host
     o = [0, n_tok, 2 * n_tok, 2 * n_tok + rows, 2 * n_tok + 2 * rows + 1, 2 * n_tok + 3 * rows + 1]
     o.append(o[-1] + rows)
+    o.append(o[-1] + rows * width)
     spans = tuple(RowSpan(b, b * tokens, (b + 1) * tokens, pad[1], pad[2]) for b in range(rows))
     layout = BatchLayout(
         spans,
@@ -74,9 +76,10 @@ def static_rows(device: torch.device, rows: int, tokens: int, width: int, max_en
         dev[o[2] : o[3]],
         dev[o[4] : o[5]],
         dev[o[5] : o[6]],
-        dev[o[6] :].view(rows, width),
+        dev[o[6] : o[7]].view(rows, width),
         tokens,
         max_end,
+        dev[o[7] :],
     )
     static = StaticRows(rows, tokens, host, dev, layout, dev[o[1] : o[3]])
     fill(static, [], pad, width)
@@ -98,6 +101,8 @@ def fill(b: StaticRows, entries: Sequence[Entry], pad: Entry, width: int) -> tup
     values += [(i + 1) * t - 1 for i in range(b.rows)]
     for e in rows:
         values += list(e[3]) + [-1] * (width - len(e[3]))
+    live = len(entries) or b.rows  # padding row i routes as row i mod live (all padding: itself)
+    values += [(i % live) * t + j for i in range(b.rows) for j in range(t)]
     b.host.copy_(torch.tensor(values, dtype=torch.int32, device="cpu"))
     if b.device is not b.host:
         b.device.copy_(b.host, non_blocking=True)  # pinned: the host does not wait

@@ -6,6 +6,8 @@ Contract:
   weight    [E, D]  fp32 (or bf16) as the model holds it
   bias      [E]     fp32, learned layers: added to the scores to choose, never to weigh
   tid2eid   [V, k]  int64 (unit last stride) and token_ids [N] int32 / int64, hash layers: the ids as stored
+  route_rows [N] int32, optional: token t takes the routing of token route_rows[t] (a padding row of a
+            static decode bucket takes a request's: worker/graphs.py), read on the device
   returns   (weights fp32 [N, k], ids int64 [N, k])
 
 1. `router_logits_kernel` (learned layers, and softmax on hash layers, whose normalizer needs every
@@ -114,6 +116,7 @@ def router_select_kernel(
     bias_ptr,
     tid2eid_ptr,
     token_ptr,
+    rows_ptr,
     weights_ptr,
     ids_ptr,
     E,
@@ -132,17 +135,20 @@ def router_select_kernel(
     HASH: tl.constexpr,
     DIRECT: tl.constexpr,
     NORM: tl.constexpr,
+    ROUTE: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     """One token: its k ids and routing weights (module doc). HASH: ids from tid2eid[token]; DIRECT
-    (HASH, not softmax): their logits computed here from x and W, no partials read."""
+    (HASH, not softmax): their logits computed here from x and W, no partials read. ROUTE: the token's
+    inputs are those of token rows_ptr[t] (its partials, x row and token id); the outputs are its own."""
     t = tl.program_id(0)
+    src = tl.load(rows_ptr + t).to(tl.int64) if ROUTE else t.to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     k_ok = offs_k < TOPK
     if HASH:
-        token = tl.load(token_ptr + t).to(tl.int64)
+        token = tl.load(token_ptr + src).to(tl.int64)
         ids = tl.load(tid2eid_ptr + token * stride_tv + offs_k, mask=k_ok, other=0).to(tl.int32)
     if DIRECT:
         acc = tl.zeros((BLOCK_K,), dtype=tl.float32)
@@ -150,7 +156,7 @@ def router_select_kernel(
         for d0 in range(0, D, BLOCK_D):
             offs_d = d0 + tl.arange(0, BLOCK_D)
             d_ok = offs_d < D
-            x = tl.load(x_ptr + t.to(tl.int64) * stride_xn + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + src * stride_xn + offs_d, mask=d_ok, other=0.0).to(tl.float32)
             w = tl.load(w_rows + offs_d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
             acc += tl.sum(w * x[None, :], axis=1)
         picked = tl.where(k_ok, _scores(acc, k_ok, SCORE), 0.0)
@@ -159,7 +165,7 @@ def router_select_kernel(
         e_ok = offs_e < E
         logits = tl.zeros((BLOCK_E,), dtype=tl.float32)
         for s in range(0, num_splits):  # slice order: the same sum on every run
-            logits += tl.load(part_ptr + s * stride_ps + t.to(tl.int64) * stride_pn + offs_e, mask=e_ok, other=0.0)
+            logits += tl.load(part_ptr + s * stride_ps + src * stride_pn + offs_e, mask=e_ok, other=0.0)
         scores = _scores(logits, e_ok, SCORE)
         picked = tl.zeros((BLOCK_K,), dtype=tl.float32)
         if not HASH:
@@ -219,9 +225,11 @@ def router_select(
     tid2eid: torch.Tensor | None = None,
     token_ids: torch.Tensor | None = None,
     outs: tuple[torch.Tensor, torch.Tensor] | None = None,
+    route_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The per-token launch: `part` [S, N, E] fp32 (unit last stride) from `router_logits`, or None on a
-    hash layer without softmax (the logits of its ids are computed here from x and weight)."""
+    hash layer without softmax (the logits of its ids are computed here from x and weight); `route_rows`:
+    the module contract's."""
     n, d = x.shape
     e = weight.shape[0]
     if part is None:
@@ -234,17 +242,23 @@ def router_select(
         src, num_splits, stride_ps, stride_pn = part, part.shape[0], part.stride(0), part.stride(1)
     if (tid2eid is None) != (token_ids is None):
         raise ValueError("a hash layer passes both tid2eid and token_ids, a learned layer neither")
+    if route_rows is not None and (
+        tuple(route_rows.shape) != (n,) or route_rows.dtype != torch.int32 or route_rows.device != x.device
+    ):
+        got = f"{tuple(route_rows.shape)} {route_rows.dtype} on {route_rows.device}"
+        raise ValueError(f"route_rows must be int32 [{n}] on {x.device}, got {got}")
     weights = output_buffer(outs[0] if outs else None, (n, k), torch.float32, x.device)
     ids = output_buffer(outs[1] if outs else None, (n, k), torch.int64, x.device)
     bias = bias.float() if bias is not None else weights  # hash: never read
     # learned layers: the table and tokens are never read
     table, tokens = (tid2eid, token_ids.contiguous()) if tid2eid is not None and token_ids is not None else (ids, ids)
+    rows = route_rows.contiguous() if route_rows is not None else ids  # never read without ROUTE
     router_select_kernel[(n,)](
-        src, x, weight, bias, table, tokens, weights, ids,
+        src, x, weight, bias, table, tokens, rows, weights, ids,
         e, d, num_splits, float(route_scale), stride_ps, stride_pn,
         x.stride(0), weight.stride(0), table.stride(0), weights.stride(0), ids.stride(0),
         TOPK=k, SCORE=SCORE_FUNCS.index(score_func), HASH=tid2eid is not None, DIRECT=part is None,
-        NORM=norm_topk_prob and score_func != "softmax",
+        NORM=norm_topk_prob and score_func != "softmax", ROUTE=route_rows is not None,
         BLOCK_E=triton.next_power_of_2(e), BLOCK_K=triton.next_power_of_2(k), BLOCK_D=select_block_d(d),
     )  # fmt: skip
     return weights, ids
@@ -262,6 +276,7 @@ def router(
     token_ids: torch.Tensor | None = None,
     num_splits: int | None = None,
     outs: tuple[torch.Tensor, torch.Tensor] | None = None,
+    route_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """See the module contract: one launch on a hash layer (unless softmax), two otherwise.
     `num_splits`: as `router_logits`; `outs`: (weights fp32 [N, k], ids int64 [N, k]) buffers."""
@@ -280,7 +295,9 @@ def router(
         raise ValueError(f"learned routing needs a bias [{e}]")
     direct = tid2eid is not None and score_func != "softmax"
     part = None if direct else router_logits(x, weight, num_splits)
-    return router_select(part, x, weight, bias, k, score_func, route_scale, norm_topk_prob, tid2eid, token_ids, outs)
+    return router_select(
+        part, x, weight, bias, k, score_func, route_scale, norm_topk_prob, tid2eid, token_ids, outs, route_rows
+    )
 
 
 def select_block_d(d: int) -> int:
@@ -304,18 +321,23 @@ LOGITS_SIGNATURE = {
 }  # fmt: skip
 SELECT_SIGNATURE = {
     "part_ptr": "*fp32", "x_ptr": "*bf16", "w_ptr": "*fp32", "bias_ptr": "*fp32", "tid2eid_ptr": "*i64",
-    "token_ptr": "*i32", "weights_ptr": "*fp32", "ids_ptr": "*i64", "E": _I32, "D": _I32, "num_splits": _I32,
-    "route_scale": "fp32", "stride_ps": _I32, "stride_pn": _I32, "stride_xn": _I32, "stride_we": _I32,
-    "stride_tv": _I32, "stride_wn": _I32, "stride_in": _I32,
-    **{c: "constexpr" for c in ("TOPK", "SCORE", "HASH", "DIRECT", "NORM", "BLOCK_E", "BLOCK_K", "BLOCK_D")},
+    "token_ptr": "*i32", "rows_ptr": "*i32", "weights_ptr": "*fp32", "ids_ptr": "*i64", "E": _I32, "D": _I32,
+    "num_splits": _I32, "route_scale": "fp32", "stride_ps": _I32, "stride_pn": _I32, "stride_xn": _I32,
+    "stride_we": _I32, "stride_tv": _I32, "stride_wn": _I32, "stride_in": _I32,
+    **{c: "constexpr" for c in ("TOPK", "SCORE", "HASH", "DIRECT", "NORM", "ROUTE", "BLOCK_E", "BLOCK_K", "BLOCK_D")},
 }  # fmt: skip
 ALIGNED_INTS = ("E", "D", "stride_xn", "stride_we", "stride_pn")
 _SELECT = {"TOPK": 6, "SCORE": 0, "NORM": True, "BLOCK_E": 256, "BLOCK_K": 8, "BLOCK_D": 256}
 LOGITS_CONFIGS = (("logits", LOGITS_SIGNATURE, {"BLOCK_T": BLOCK_T, "BLOCK_E": BLOCK_E, "BLOCK_D": BLOCK_D}),)
 SELECT_CONFIGS = (
-    # a learned layer: tid2eid_ptr and token_ptr are the ids output's (never read)
-    ("select_topk", {**SELECT_SIGNATURE, "token_ptr": "*i64"}, {**_SELECT, "HASH": False, "DIRECT": False}),
-    # a hash layer (token ids int32, as the batch layout holds them): part_ptr is x's own pointer (never
-    # read), bias_ptr the weights output's
-    ("select_hash", {**SELECT_SIGNATURE, "part_ptr": "*bf16"}, {**_SELECT, "HASH": True, "DIRECT": True}),
-)
+    # a learned layer: tid2eid_ptr, token_ptr and rows_ptr are the ids output's (never read)
+    ("select_topk", {**SELECT_SIGNATURE, "token_ptr": "*i64", "rows_ptr": "*i64"}, {**_SELECT, "HASH": False,
+     "DIRECT": False, "ROUTE": False}),
+    # the same in a static decode bucket (worker/graphs.py): padding rows read a request's inputs
+    ("select_topk_bucket", {**SELECT_SIGNATURE, "token_ptr": "*i64"}, {**_SELECT, "HASH": False, "DIRECT": False,
+     "ROUTE": True}),
+    # a hash layer in a static decode bucket (token ids int32, as the batch layout holds them): part_ptr is x's
+    # own pointer (never read), bias_ptr the weights output's
+    ("select_hash_bucket", {**SELECT_SIGNATURE, "part_ptr": "*bf16"}, {**_SELECT, "HASH": True, "DIRECT": True,
+     "ROUTE": True}),
+)  # fmt: skip

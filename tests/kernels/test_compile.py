@@ -97,7 +97,11 @@ EXPECTED = {
     **{("indexer_topk_select", c, sm): "" for c in ("layout", "plain") for sm in (90, 120)},
     # the MoE router: fp32 logits as IEEE FMA sums (no TF32 tensor cores), then one token a program
     **{("router_logits", "logits", sm): "" for sm in (90, 120)},
-    **{("router_select", c, sm): "" for c in ("select_topk", "select_hash") for sm in (90, 120)},
+    **{
+        ("router_select", c, sm): ""
+        for c in ("select_topk", "select_topk_bucket", "select_hash_bucket")
+        for sm in (90, 120)
+    },
     # the shared expert's w1 + w3 FP8 GEMM (two accumulators; the prefill tile's N split over 2 warpgroups)
     ("fp8_swiglu", "decode", 90): "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3",
     ("fp8_swiglu", "prefill", 90): "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3",

@@ -208,6 +208,28 @@ def test_gate_on_triton_matches_its_torch_path(layer_id: int) -> None:
     torch.testing.assert_close(weights, want_w, rtol=rtol, atol=0)
 
 
+@pytest.mark.parametrize("layer_id", [0, 2])  # a hash layer (one launch, DIRECT) and a learned one
+def test_route_rows_give_a_token_the_routing_of_another(layer_id: int) -> None:
+    """A static decode bucket's padding rows take a request's routing (BatchLayout.route_rows): rows 2 and 3 of
+    four take rows 0 and 1's, on the kernel and on the torch path, and rows 0 and 1 keep their own; the padding
+    rows' own inputs (here a token the table routes elsewhere and another x) are never read."""
+    gate = _random_gate(layer_id)
+    gen = torch.Generator().manual_seed(32)
+    x = torch.randn(4, gate.weight.shape[1], generator=gen).bfloat16()
+    tokens = torch.tensor([5, 7, 0, 0], dtype=torch.int32)
+    rows = torch.tensor([0, 1, 0, 1], dtype=torch.int32)
+    num = dataclasses.replace(NUMERICS_ON, batch_invariant=False)
+    for backends in (KernelBackends(), KernelBackends(router="triton")):
+        run = dataclasses.replace(num, backends=backends)
+        own_w, own_ids = gate(x, tokens, run)
+        weights, ids = gate(x, tokens, run, route_rows=rows)
+        assert torch.equal(ids, own_ids[rows.long()]) and torch.equal(weights, own_w[rows.long()])
+        assert not torch.equal(ids[2:], own_ids[2:]) or not torch.equal(weights[2:], own_w[2:])
+    with pytest.raises(ValueError, match="route_rows"):
+        router(x, gate.weight, gate.bias, gate.topk, gate.score_func, 1.0, True,
+               *((gate.tid2eid, tokens) if gate.hash else (None, None)), route_rows=rows.long())  # fmt: skip
+
+
 def test_gate_ties_keep_torch_topks_experts_and_weights() -> None:
     """Two experts with the same weight row and bias tie exactly on every token; both are chosen. The
     kernel lists the lower id first; torch.topk may not: the same (expert, weight) pairs either way."""

@@ -8,7 +8,9 @@ import dataclasses
 import pytest
 import torch
 
-from dsv4serve.checkpoint.loader import load_dense_state_dict
+from dsv4serve.checkpoint.loader import load_dense_state_dict, open_checkpoint
+from dsv4serve.experts.attach import attach_expert_cache, iter_resident_dense
+from dsv4serve.experts.pinning import PinBudget
 from dsv4serve.ipc.messages import AddRequest
 from dsv4serve.ipc.sampling import SamplingParams
 from dsv4serve.model.kv_pool import KvPool
@@ -29,20 +31,21 @@ def tiny(tiny_dir):
     return model
 
 
-def _engine(model, batch_invariant: bool, graphs: bool, base=NUMERICS_ON):
+def _engine(model, batch_invariant: bool, graphs: bool, base=NUMERICS_ON, expert_cache=None):
     num = dataclasses.replace(base, batch_invariant=batch_invariant)
     page = model.args.page_tokens
     limits = SchedulerLimits(8, 8, 64 * page, page, MAX_LEN, model.args.eos_token_id)
     pool = KvPool(model.args, num.compute_dtype, num_pages=64 + 1, num_slots=limits.num_slots + 1)
-    g = DecodeGraphs(model, pool, num, 8, MAX_LEN, pool.num_slots - 1, pool.num_pages - 1, capture=False)
+    pad = (pool.num_slots - 1, pool.num_pages - 1)
+    g = DecodeGraphs(model, pool, num, 8, MAX_LEN, *pad, capture=False, expert_cache=expert_cache)
     runner = Runner(model, pool, num, model.args.eos_token_id, torch.device("cpu"), graphs=g if graphs else None)
     return Scheduler(limits), runner, g
 
 
 def _generate(
-    model, batch_invariant: bool, graphs: bool, n_requests: int, base=NUMERICS_ON
+    model, batch_invariant: bool, graphs: bool, n_requests: int, base=NUMERICS_ON, expert_cache=None
 ) -> tuple[list[list[int]], list[int]]:
-    sched, runner, g = _engine(model, batch_invariant, graphs, base)
+    sched, runner, g = _engine(model, batch_invariant, graphs, base, expert_cache)
     for i in range(n_requests):
         prompt = list(range(100 + 7 * i, 100 + 7 * i + 20 + 9 * i))  # ragged: some windows close mid-decode
         sched.add(AddRequest(f"r{i}", prompt, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=10)))
@@ -78,3 +81,29 @@ def test_padded_replay_on_the_vectorized_path(tiny):
     got, _ = _generate(tiny, batch_invariant=False, graphs=True, n_requests=3, base=fp32)
     agree = sum(a == b for w, g in zip(want, got) for a, b in zip(w, g)) / sum(map(len, want))
     assert agree >= 0.95, agree
+
+
+def _offloaded(tiny_dir, slots: int):
+    """dsv4-tiny with its routed experts in a host bank behind `slots` slots (the torch slot-cache path)."""
+    ckpt = open_checkpoint(tiny_dir)
+    model = Transformer(ckpt.args, include_mtp=False).eval()
+    cache = attach_expert_cache(model, ckpt, slots, torch.device("cpu"), PinBudget(0, "native", "test"), progress=False)
+    model.load_state_dict(dict(iter_resident_dense(ckpt, progress=False)), strict=False)
+    ckpt.source.close()
+    assert cache is not None
+    return model, cache
+
+
+def test_padding_rows_route_as_requests_and_count_no_expert_use(tiny_dir):
+    """Three requests decode in the 4-row bucket: the padding row takes request 0's routing, so the expert-slot
+    cache records exactly the unpadded steps' uses and hits (the token-0 padding row's own experts would add
+    uses every step, and the cache would spend slots on them)."""
+    runs = []
+    for graphs in (False, True):
+        model, cache = _offloaded(tiny_dir, slots=12)
+        tokens, buckets = _generate(model, True, graphs, n_requests=3, expert_cache=cache)
+        cache.collect_usage()
+        runs.append((tokens, buckets, cache.usage.clone(), cache.stats.queries, cache.stats.hits))
+    (want, _, want_usage, *want_stats), (got, buckets, usage, *stats) = runs
+    assert got == want and 4 in buckets
+    assert torch.equal(usage, want_usage) and stats == want_stats
