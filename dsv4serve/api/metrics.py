@@ -4,7 +4,8 @@ Request-level histograms and counters are recorded by the API as requests finish
 numbers (running / waiting, KV usage, prefix cache, chunk, OOM recoveries, restarts, the expert-slot
 cache, speculative decoding) are read from the EngineClient at scrape time by a collector, so they are
 never stale copies. The expert-slot cache's hit rate is `expert_cache_hits_total /
-expert_cache_queries_total`, as for the prefix cache.
+expert_cache_queries_total`, as for the prefix cache; under --moe-backend hybrid the CPU's share of the uses is
+`expert_cache_cpu_uses_total / expert_cache_queries_total`.
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ E2E_BUCKETS = (
 EXPERT_CACHE_COUNTERS = (
     ("expert_cache_queries", "Routed-expert uses (step, layer, expert) with the GPU expert-slot cache."),
     ("expert_cache_hits", "Routed-expert uses read from a GPU slot (the rest read the host bank in place)."),
+    ("expert_cache_cpu_uses", "Routed-expert uses computed on the CPU by kt-kernel (--moe-backend hybrid)."),
     ("expert_cache_h2d_bytes", "Expert weight bytes copied host -> device into slots (promotions)."),
     ("expert_cache_stalls", "Times the compute waited for expert copies or staged an unpinned layer."),
     ("expert_cache_prefetches", "Experts promoted into GPU slots between steps."),

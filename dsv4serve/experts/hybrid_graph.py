@@ -172,9 +172,9 @@ class GraphSplit:
         bufs.weights.copy_(weights.to(torch.float32), non_blocking=True)
         self.kt.run_on_stream(self.kt.stream_task(layer, bufs), self.device)
         on_cpu = ~self.on_device[row][ids]  # [T, k]; an expert's routes all agree
-        usage, n = self.cache.usage_row(layer), self.cache.bank.n_experts
+        n = self.cache.bank.n_experts
         used = torch.zeros(n, dtype=torch.bool, device=ids.device).scatter_(0, ids.flatten(), on_cpu.flatten())
-        usage[:n] += used.to(usage.dtype)  # one use per expert and step, as moe_align and record_cpu_uses count
+        self.cache.record_cpu_mask(layer, used)  # one use per expert and step, as moe_align counts
         return GraphJob(self, layer, bufs)
 
     def device_out(self, rows: int) -> torch.Tensor:

@@ -8,8 +8,9 @@ kernel reads the rest in place from the host bank, so a step never waits for an 
 
 State, on the device: the slots stacked per part (`w1` int8 [S, I, D/2], `w1_scale` uint8 [S, I, D/32],
 ... as the bank stacks a layer), `slot_of_expert` int32 [L, E] (-1: not in a slot; L = the MoE layers
-in `layers` order) and `usage` int64 [L, E + 1] (cumulative: steps that routed to each expert, and
-in column E the layer's hits; the FP4 path's moe_align adds to it in its own launch). The kernel's
+in `layers` order) and `usage` int64 [L, E + 2] (cumulative: steps that routed to each expert, in column E
+the layer's hits, in column E + 1 its uses computed on the CPU by kt-kernel under --moe-backend hybrid; the
+FP4 path's moe_align adds to the first E + 1 in its own launch). The kernel's
 second weight source is the layer's bank tensors (kernels/dsv4_kernels/fp4_moe.py): on CUDA pinned host
 memory read through unified virtual addressing, so a step has no host sync, no copy issued by the
 host, and stays capturable in a CUDA graph.
@@ -24,8 +25,9 @@ A fresh cache fills every slot at once, each layer an equal share (residency.ini
 A layer whose bank tensors the device cannot read in place (pageable or mapped on CUDA, mapped on the
 CPU) takes the staging path (staging.py), the one host sync, counted.
 
-Stats (ExpertCacheStats; the worker exports the first five): `queries` the (step, layer, expert)
-uses, and `hits` those read from a slot, both from the usage counters, so on CUDA a step or two late;
+Stats (ExpertCacheStats; the worker exports the first six): `queries` the (step, layer, expert)
+uses, `hits` those read from a slot, and `cpu_uses` those kt-kernel computed (hybrid), all from the usage
+counters, so on CUDA a step or two late;
 `h2d_bytes` expert bytes copied host -> device (promotions; the torch path's bank reads on CUDA), not
 the zero-copy reads of the bank by the kernel ((queries - hits) x expert_bytes at most); `stalls` the
 waits: step boundaries whose promotion copies were still running when the compute reached them (CPU:
@@ -57,6 +59,7 @@ class ExpertCacheStats:
     stalls: int = 0
     prefetches: int = 0
     evictions: int = 0
+    cpu_uses: int = 0  # uses kt-kernel computed on the CPU (--moe-backend hybrid)
     staged_layers: int = 0  # staging-path syncs (each also a stall)
     staged_bytes: int = 0  # expert bytes copied on the host into the staging area
 
@@ -65,6 +68,7 @@ class ExpertCacheStats:
         return {
             "expert_cache_queries_total": self.queries,
             "expert_cache_hits_total": self.hits,
+            "expert_cache_cpu_uses_total": self.cpu_uses,
             "expert_cache_h2d_bytes_total": self.h2d_bytes,
             "expert_cache_stalls_total": self.stalls,
             "expert_cache_prefetches_total": self.prefetches,
@@ -103,7 +107,7 @@ class ExpertSlotCache:
             for part, (shape, dtype) in bank.part_shapes.items()
         }  # part -> [S, ...]
         self.slot_of_expert = torch.full((n_rows, n_experts), -1, dtype=torch.int32, device=device)
-        self.usage = torch.zeros((n_rows, n_experts + 1), dtype=torch.int64, device=device)
+        self.usage = torch.zeros((n_rows, n_experts + 2), dtype=torch.int64, device=device)
         self._map_host = torch.full((n_rows, n_experts), -1, dtype=torch.int32, pin_memory=device.type == "cuda")
         self._slot_keys = torch.full((n_slots,), -1, dtype=torch.int64)  # flat key row * E + expert
         self._scores = torch.zeros(n_rows * n_experts, dtype=torch.float64)
@@ -144,7 +148,7 @@ class ExpertSlotCache:
             tuple(bank[p] for p in PART_ORDER),
             tuple(self.slots[p] for p in PART_ORDER),
             self.slot_of_expert[row],
-            self.usage[row],
+            self.usage_row(layer),
         )
 
     def layer_experts(self, layer: int, experts: list[int]) -> Iterator[tuple[int, Parts]]:
@@ -155,7 +159,7 @@ class ExpertSlotCache:
         slot_of = self._map_host[row]
         used = torch.tensor(experts, dtype=torch.long)
         self.usage[row, used.to(self.usage.device)] += 1
-        self.usage[row, -1] += int((slot_of[used] >= 0).sum())
+        self.usage[row, self.bank.n_experts] += int((slot_of[used] >= 0).sum())
         for e in experts:
             slot = int(slot_of[e])
             if slot >= 0:
@@ -184,8 +188,9 @@ class ExpertSlotCache:
         return self._scores[row * e : (row + 1) * e]
 
     def usage_row(self, layer: int) -> torch.Tensor:
-        """`layer`'s usage counters [E + 1] int64 on the device (the module doc): device-side uses add here."""
-        return self.usage[self._row[layer]]
+        """`layer`'s usage counters [E + 1] int64 on the device (uses and hits: the module doc), a view: the
+        device path's uses add here."""
+        return self.usage[self._row[layer], : self.bank.n_experts + 1]
 
     def uncount_stand_in(self, layer: int, expert: torch.Tensor, fake: torch.Tensor) -> None:
         """Take back the use (and the hit, if `expert` is in a slot) the MXFP4 path's moe_align records for a
@@ -201,9 +206,17 @@ class ExpertSlotCache:
 
     def record_cpu_uses(self, layer: int, experts: list[int]) -> None:
         """Count uses of `experts` computed outside the device path (kt-kernel, --moe-backend hybrid): uses,
-        not hits, so the residency scores still see them and promote the hot ones."""
-        row = self._row[layer]
+        not hits, so the residency scores still see them and promote the hot ones; and CPU uses."""
+        row, n = self._row[layer], self.bank.n_experts
         self.usage[row, torch.tensor(experts, dtype=torch.long, device=self.usage.device)] += 1
+        self.usage[row, n + 1] += len(experts)
+
+    def record_cpu_mask(self, layer: int, used: torch.Tensor) -> None:
+        """`record_cpu_uses` on the device: used bool [E], the experts of the step the CPU computed (a graph
+        can hold it: two launches, no host value)."""
+        usage, n = self.usage[self._row[layer]], self.bank.n_experts
+        usage[:n] += used.to(usage.dtype)
+        usage[n + 1] += used.sum()
 
     # ------------------------------------------------------------------ step boundaries
 
@@ -243,9 +256,11 @@ class ExpertSlotCache:
             self.stats.stalls += 1
 
     def _account(self, grown: torch.Tensor) -> None:
-        used = grown[:, :-1]  # [L, E] steps that routed to each expert
+        n = self.bank.n_experts
+        used = grown[:, :n]  # [L, E] steps that routed to each expert
         self.stats.queries += int(used.sum())
-        self.stats.hits += int(grown[:, -1].sum())
+        self.stats.hits += int(grown[:, n].sum())
+        self.stats.cpu_uses += int(grown[:, n + 1].sum())
         self._scores = decayed(self._scores, used.flatten(), self.policy)
 
     def _promote(self, plan) -> None:

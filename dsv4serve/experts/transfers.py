@@ -3,7 +3,7 @@
     counts = LaggedCounts(usage)        counts.collect() -> the counters' growth since the last call, or None
     copier = SlotCopier(slots, device)  copier.idle(); copier.issue(copies, map_host, map_dev); copier.compute_waits()
 
-LaggedCounts: the device usage counters ([L, E + 1] int64, cumulative; moe_align.py adds to them) are
+LaggedCounts: the device usage counters ([L, E + 2] int64, cumulative; moe_align.py adds to them) are
 copied to a pinned host buffer on the compute stream, non-blocking, with an event; `collect` reads the
 buffer only once the event is done and never waits: on CUDA the counts arrive a step or two late. On
 the CPU the copy is synchronous, so a step's counts are read at the next boundary.
@@ -26,7 +26,7 @@ Parts = dict[str, torch.Tensor]  # part name (w1, w1_scale, ...) -> one expert's
 
 class LaggedCounts:
     def __init__(self, usage: torch.Tensor):
-        self.usage = usage  # [L, E + 1] int64 on the device, cumulative
+        self.usage = usage  # [L, E + 2] int64 on the device, cumulative (slot_cache.py)
         self._cuda = usage.is_cuda
         self._host = torch.zeros(usage.shape, dtype=usage.dtype, pin_memory=self._cuda)
         self._seen = torch.zeros(usage.shape, dtype=usage.dtype)
@@ -34,7 +34,7 @@ class LaggedCounts:
         self._pending = False
 
     def collect(self) -> torch.Tensor | None:
-        """The counters' growth since the last collected copy ([L, E + 1] int64 on the host), or None;
+        """The counters' growth since the last collected copy ([L, E + 2] int64 on the host), or None;
         issues the next copy when none is in flight."""
         grown = self._take()
         if not self._pending:

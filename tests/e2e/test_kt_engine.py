@@ -6,6 +6,8 @@ bit-for-bit layer checks; here the bound is on what a client sees)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from dsv4serve.experts.kt_backend import kt_kernel_available
@@ -36,17 +38,21 @@ def run(loop_thread, tiny_dir, backend: str):
     launch = launch_for(tiny_dir, moe_cache_size=20, moe_backend=backend, batch_invariant=Sourced(False))
     client = start_client(loop_thread, launch)
     try:
-        return loop_thread.run(prompt_logprobs(client, backend)), client.ready_info
+        got = loop_thread.run(prompt_logprobs(client, backend))
+        time.sleep(1.5)  # the next Stats message carries the expert cache's counters
+        return got, client.ready_info, client.stats
     finally:
         loop_thread.run(client.shutdown())
 
 
 def test_hybrid_serves_within_the_rounding_of_offload(loop_thread, tiny_dir):
-    (hybrid, tokens), ready = run(loop_thread, tiny_dir, "hybrid")
+    (hybrid, tokens), ready, stats = run(loop_thread, tiny_dir, "hybrid")
     assert "kt-kernel" in ready.expert_bank and ready.expert_slots == 20
+    # /metrics' CPU share: uses the CPU computed, never counted as hits
+    assert 0 < stats.expert_cache_cpu_uses_total <= stats.expert_cache_queries_total - stats.expert_cache_hits_total
     assert "decode graph steps: 100% of each layer's expected misses on the CPU" in ready.expert_bank  # CPU device
-    (offload, offload_tokens), offload_ready = run(loop_thread, tiny_dir, "offload")
-    assert "kt-kernel" not in offload_ready.expert_bank
+    (offload, offload_tokens), offload_ready, offload_stats = run(loop_thread, tiny_dir, "offload")
+    assert "kt-kernel" not in offload_ready.expert_bank and offload_stats.expert_cache_cpu_uses_total == 0
     assert len(hybrid) == len(offload) == len(PROMPT) - 1 and len(tokens) == 4
     diffs = [abs(a - b) for a, b in zip(hybrid, offload, strict=True)]
     mean = sum(diffs) / len(diffs)

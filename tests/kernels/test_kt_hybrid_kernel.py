@@ -40,11 +40,14 @@ def test_the_kernel_device_path_with_cpu_experts_matches_the_torch_one(tiny_dir,
     tokens = torch.arange(tokens)
     with torch.no_grad():
         weights, ids = moe.gate(x, tokens, NUMERICS_ON)
-        before, usage = hybrid.stats.cpu_experts, cache.usage_row(3).clone()
+        cache.collect_usage()
+        before, usage, cpu_uses = hybrid.stats.cpu_experts, cache.usage_row(3).clone(), cache.stats.cpu_uses
         by_kernel = moe(x, tokens, kernel_num).float()
         on_cpu, grown = hybrid.stats.cpu_experts - before, cache.usage_row(3) - usage
+        cache.collect_usage()
         by_torch = moe(x, tokens, NUMERICS_ON).float()
     assert 0 < on_cpu < len(ids.unique())  # both paths took part
+    assert cache.stats.cpu_uses - cpu_uses == on_cpu  # /metrics' expert_cache_cpu_uses_total
     assert torch.equal(grown, _routing_record(ids, cache.host_slot_map(3)))  # the stand-in's route not counted
     w = [cache.bank.layers[3][p] for p in PART_ORDER]
     per_route = down_ref(

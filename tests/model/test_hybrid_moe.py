@@ -134,6 +134,8 @@ def test_a_graph_step_s_moe_layer_is_its_device_part_plus_kt_kernel_on_the_cpu_s
         routed = frozenset(ids.unique().tolist())
         assert routed & cpu_set and routed - cpu_set  # both paths take part
         usage = cache.usage_row(2).clone()
+        cache.collect_usage()
+        cpu_uses = cache.stats.cpu_uses
         with split.steps():
             got = moe(x, tokens, NUMERICS_ON)
         xq = act_quant(x, NUMERICS_ON)
@@ -145,6 +147,8 @@ def test_a_graph_step_s_moe_layer_is_its_device_part_plus_kt_kernel_on_the_cpu_s
     grown = cache.usage_row(2) - usage
     for e in cpu_set:
         assert int(grown[e]) == int((ids == e).any()), e  # one use per expert and step
+    cache.collect_usage()  # and /metrics' CPU uses (expert_cache_cpu_uses_total) count them
+    assert cache.stats.cpu_uses - cpu_uses == len(routed & cpu_set)
 
 
 def test_decode_graph_steps_with_hybrid_experts_are_the_oracle_s(ckpt):

@@ -21,13 +21,14 @@ BASE = dict(
 
 
 def test_cache_counters_cross_the_process_boundary_and_reach_prometheus():
-    counted = ExpertCacheStats(queries=40, hits=30, h2d_bytes=10 * 13_369_344, stalls=6, prefetches=4)
+    counted = ExpertCacheStats(queries=40, hits=30, h2d_bytes=10 * 13_369_344, stalls=6, prefetches=4, cpu_uses=7)
     codec = Codec(FromWorker)
     stats = codec.decode(codec.encode(Stats(**BASE, **counted.stats_fields())))
     text = Metrics(SimpleNamespace(stats=stats, ready_info=None, worker_restarts_total=0)).render().decode()
     for line in (
         "dsv4serve:expert_cache_queries_total 40.0",
         "dsv4serve:expert_cache_hits_total 30.0",
+        "dsv4serve:expert_cache_cpu_uses_total 7.0",
         "dsv4serve:expert_cache_h2d_bytes_total 1.3369344e+08",
         "dsv4serve:expert_cache_stalls_total 6.0",
         "dsv4serve:expert_cache_prefetches_total 4.0",
