@@ -5,7 +5,8 @@
 It looks at Python, torch and its CUDA build, the NVIDIA driver, triton, flashinfer, every GPU
 (total / free memory, compute capability), the Triton kernels (on a GPU: the worker's start-up kernel
 check, each compiled and run against torch), WSL2 and containers, the pinned-memory budget (measured
-on CUDA), host RAM, and the disk behind the Hugging Face cache. It runs on CPU-only machines too:
+on CUDA), host RAM and its bandwidth, host-to-device copies, the disk behind the Hugging Face cache (its free
+space, and how fast it pages experts in: doctor_disk.py). It runs on CPU-only machines too:
 the CPU path (the PyTorch reference) counts as runnable. Exit code 0 when the server can run, 1
 when a check found a blocking problem (status "fail"); "warn" lines never change the exit code.
 """

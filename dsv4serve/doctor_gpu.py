@@ -14,6 +14,7 @@ import re
 import shutil
 import statistics
 import subprocess
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -285,12 +286,21 @@ def measure_h2d_bandwidth(torch: ModuleType, pinned: bool, n_bytes: int = H2D_CO
     return n_bytes / statistics.median(seconds) / 1e9
 
 
-def check_bandwidths(torch: ModuleType | None, measure_host=None) -> list[Check]:
-    """Host memory and host-to-device bandwidth, measured, and the `plan` line that projects decode speed
-    with them (memory/decode_speed.py: misses are copied over PCIe or computed on the CPU)."""
+def check_bandwidths(
+    torch: ModuleType | None, measure_host=None, disk_folder: Path | None = None, measure_disk=None
+) -> list[Check]:
+    """Host memory, host-to-device and disk read bandwidth, measured, and the `plan` line that projects decode
+    speed with them (memory/decode_speed.py: misses are copied over PCIe, computed on the CPU, or paged in from
+    the disk where RAM cannot hold the bank). `disk_folder`: where the checkpoint lives (the Hugging Face cache)."""
+    from dsv4serve.doctor_disk import check_disk_bandwidth
     from dsv4serve.doctor_host import check_host_bandwidth, plan_command
 
     host = check_host_bandwidth(measure_host) if measure_host else check_host_bandwidth()
+    if disk_folder is None:
+        from huggingface_hub import constants
+
+        disk_folder = Path(constants.HF_HUB_CACHE)
+    disk = check_disk_bandwidth(disk_folder, measure_disk) if measure_disk else check_disk_bandwidth(disk_folder)
     gpu = torch is not None and torch.cuda.is_available()
     if not gpu:
         h2d = Check("host-to-device", "ok", "no GPU: not measured", data={"pinned_gbps": None, "pageable_gbps": None})
@@ -303,6 +313,6 @@ def check_bandwidths(torch: ModuleType | None, measure_host=None) -> list[Check]
         else:
             value = f"pinned {pinned:.1f} GB/s, pageable {pageable:.1f} GB/s (GPU 0, {H2D_COPY_BYTES >> 20} MiB copies)"
             h2d = Check("host-to-device", "ok", value, data={"pinned_gbps": pinned, "pageable_gbps": pageable})
-    command = plan_command(host.data.get("gbps"), h2d.data.get("pinned_gbps"), gpu)
+    command = plan_command(host.data.get("gbps"), h2d.data.get("pinned_gbps"), gpu, disk.data.get("gbps"))
     plan = Check("decode projection", "ok", command, data={"command": command})
-    return [host, h2d, plan]
+    return [host, h2d, disk, plan]

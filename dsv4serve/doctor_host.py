@@ -76,7 +76,7 @@ def check_host_ram(platform: str, largest_gpu_bytes: int, meminfo: Path = PROC_M
     return Check("host RAM", "warn", value, fix, data)
 
 
-def _existing_ancestor(path: Path) -> Path:
+def existing_ancestor(path: Path) -> Path:
     for candidate in (path, *path.parents):
         if candidate.exists():
             return candidate
@@ -90,7 +90,7 @@ def _on_windows_drive(path: Path) -> bool:
 
 def check_hf_cache(hub_cache: Path, platform: str) -> Check:
     """Free space where the ~149 GiB checkpoint would be downloaded, unless it is already there."""
-    base = _existing_ancestor(hub_cache)
+    base = existing_ancestor(hub_cache)
     free = shutil.disk_usage(base).free
     cached = (hub_cache / DSV4_FLASH_HUB_FOLDER).is_dir()
     data = {
@@ -124,7 +124,7 @@ def check_hf_cache(hub_cache: Path, platform: str) -> Check:
 
 def check_tiny_cache(cache_dir: Path) -> Check:
     """DSV4SERVE_CACHE_DIR: where dsv4-tiny is built on first use; it must be writable."""
-    base = _existing_ancestor(cache_dir)
+    base = existing_ancestor(cache_dir)
     data = {"path": str(cache_dir), "writable": os.access(base, os.W_OK)}
     if not data["writable"]:
         return Check(
@@ -202,7 +202,9 @@ def check_host_bandwidth(measure=measure_host_bandwidth) -> Check:
     return Check("host memory bandwidth", "ok", value, data=data)
 
 
-def plan_command(host_gbps: float | None, h2d_gbps: float | None, gpu_present: bool) -> str:
+def plan_command(
+    host_gbps: float | None, h2d_gbps: float | None, gpu_present: bool, disk_gbps: float | None = None
+) -> str:
     """The `dsv4serve plan` line that projects decode speed with the measured bandwidths."""
     parts = ["dsv4serve plan --model DeepSeek-V4-Flash"]
     if not gpu_present:  # without --gpu-memory the plan is for this machine's CPU, which has no projection
@@ -211,4 +213,6 @@ def plan_command(host_gbps: float | None, h2d_gbps: float | None, gpu_present: b
         parts.append(f"--h2d-bandwidth {h2d_gbps:.1f}")
     if host_gbps is not None:
         parts.append(f"--host-bandwidth {host_gbps:.1f}")
+    if disk_gbps is not None:
+        parts.append(f"--disk-bandwidth {disk_gbps:.2f}")
     return " ".join(parts)

@@ -39,7 +39,7 @@ FLAGS = {
         "disk_gbps",
         ds.DEFAULT_DISK_GBPS,
         "NVMe SSD read through page faults on the mapped shards, about 3 GB/s",
-        "GB/s of page-ins of the experts host RAM cannot hold (the bank's disk tier)",
+        "GB/s of page-ins of the experts host RAM cannot hold (the bank's disk tier); `doctor` measures it",
     ),
     "--cpu-efficiency": (
         "cpu_efficiency",

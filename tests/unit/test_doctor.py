@@ -345,22 +345,48 @@ def test_host_bandwidth_is_measured_and_named_in_the_check():
     assert check.data["gbps"] == 12.34 and "2 of" in check.value
 
 
-def test_the_plan_line_uses_the_measured_bandwidths_and_parses_as_plan_flags(monkeypatch):
+def test_the_plan_line_uses_the_measured_bandwidths_and_parses_as_plan_flags(monkeypatch, tmp_path):
     from dsv4serve.cli import build_parser
+    from dsv4serve.doctor_disk import DiskRead
     from dsv4serve.doctor_gpu import check_bandwidths
 
-    cpu_only = check_bandwidths(None, measure_host=lambda: (31.0, 1))
-    assert [c.name for c in cpu_only] == ["host memory bandwidth", "host-to-device", "decode projection"]
-    assert cpu_only[1].value == "no GPU: not measured"
-    line = cpu_only[2].value
+    disk = DiskRead(cold_gbps=2.5, warm_gbps=9.0)
+    cpu_only = check_bandwidths(None, measure_host=lambda: (31.0, 1), disk_folder=tmp_path, measure_disk=lambda p: disk)
+    names = ["host memory bandwidth", "host-to-device", "disk read", "decode projection"]
+    assert [c.name for c in cpu_only] == names
+    assert cpu_only[1].value == "no GPU: not measured" and cpu_only[2].data["gbps"] == 2.5
+    line = cpu_only[3].value
     assert "--host-bandwidth 31.0" in line and "--h2d-bandwidth" not in line and "--gpu-memory 32GiB" in line
+    assert "--disk-bandwidth 2.50" in line
     measured = {True: 52.5, False: 21.0}
     monkeypatch.setattr("dsv4serve.doctor_gpu.measure_h2d_bandwidth", lambda torch, pinned: measured[pinned])
-    gpu = check_bandwidths(fake_cuda_torch("unused"), measure_host=lambda: (80.0, 16))  # type: ignore[arg-type]
+    gpu = check_bandwidths(
+        fake_cuda_torch("unused"),  # type: ignore[arg-type]
+        measure_host=lambda: (80.0, 16),
+        disk_folder=tmp_path,
+        measure_disk=lambda p: disk,
+    )
     assert gpu[1].data == {"pinned_gbps": 52.5, "pageable_gbps": 21.0}
     assert "pinned 52.5 GB/s, pageable 21.0 GB/s" in gpu[1].value
-    ns = build_parser("plan").parse_args(gpu[2].value.split()[2:])  # the line is a valid `plan` command
-    assert (ns.h2d_bandwidth, ns.host_bandwidth, ns.gpu_memory) == (52.5, 80.0, None)  # GPU 0 is planned as measured
+    ns = build_parser("plan").parse_args(gpu[3].value.split()[2:])  # the line is a valid `plan` command
+    # GPU 0 is planned as measured
+    assert (ns.h2d_bandwidth, ns.host_bandwidth, ns.disk_bandwidth, ns.gpu_memory) == (52.5, 80.0, 2.5, None)
+
+
+def test_disk_read_is_measured_through_a_map_and_a_cached_read_is_not_called_a_disk(tmp_path):
+    from dsv4serve.doctor_disk import DISK_BLOCK_BYTES, DiskRead, check_disk_bandwidth, measure_disk_read
+
+    read = measure_disk_read(tmp_path, 8 * 1024**2, 1024**2)
+    # 8 MiB paged in and then copied again: neither free nor faster than any DRAM
+    assert 0.01 < read.cold_gbps < 1000 and 0.01 < read.warm_gbps < 1000
+    assert list(tmp_path.iterdir()) == []  # the scratch file is gone
+    ok = check_disk_bandwidth(tmp_path, lambda p: DiskRead(1.25, 6.0))
+    assert ok.status == "ok" and ok.data["gbps"] == 1.25 and ok.value.startswith("1.25 GB/s")
+    assert f"{DISK_BLOCK_BYTES >> 20} MiB blocks" in ok.value
+    cached = check_disk_bandwidth(tmp_path, lambda p: DiskRead(5.9, 6.0))  # the drop did not hold
+    assert cached.status == "warn" and cached.data["gbps"] is None and "page cache" in cached.value
+    failed = check_disk_bandwidth(tmp_path, lambda p: (_ for _ in ()).throw(OSError("no space")))
+    assert failed.status == "warn" and "no space" in failed.value
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="host-to-device copies need CUDA")
