@@ -24,7 +24,7 @@ import torch
 
 from dsv4serve.experts.hybrid_graph import GraphJob, GraphSplit, decode_cpu_share
 from dsv4serve.experts.kt_experts import KtExperts, KtJob
-from dsv4serve.experts.miss_split import SplitCosts, split_misses
+from dsv4serve.experts.miss_split import SplitCosts, held_miss_weight, split_misses
 from dsv4serve.experts.slot_cache import ExpertSlotCache
 
 
@@ -61,6 +61,10 @@ class HybridExperts:
     def __init__(self, kt: KtExperts, cache: ExpertSlotCache, costs: SplitCosts):
         self.kt, self.cache, self.costs = kt, cache, costs
         self.stats = HybridStats()
+        # a miss in a layer kt-kernel holds splits with the CPU: it costs the slot cache less (residency.py)
+        held = {layer: cache.miss_weight(layer) for layer in cache.layers if kt.holds(layer)}
+        weights = {layer: held_miss_weight(w, costs, cache.bank.expert_bytes) for layer, w in held.items()}
+        cache.weigh_layers({layer: w for layer, w in weights.items() if w is not None})
         self.graph = GraphSplit(kt, cache, decode_cpu_share(costs, cache.bank.expert_bytes), cache.device)
 
     def describe(self) -> str:

@@ -77,3 +77,13 @@ def split_misses(
         if step_s < best_s:
             best_n, best_s = n, step_s
     return set(order[best_n:])
+
+
+def held_miss_weight(tier_weight: float, costs: SplitCosts, expert_bytes: int) -> float | None:
+    """A decode miss's cost in a layer kt-kernel holds, in units of a pinned fetch (the slot cache's residency
+    weights, experts/residency.py): the fetch (`tier_weight` pinned fetches) and the CPU at one token per expert
+    run in parallel, so 1 / (1 / tier_weight + fetch / CPU). None on a CPU device (nothing is fetched)."""
+    fetch = costs.fetch_seconds(expert_bytes, True)
+    if fetch is None:
+        return None
+    return 1 / (1 / tier_weight + fetch / costs.cpu.seconds(1))

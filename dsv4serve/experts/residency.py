@@ -15,6 +15,12 @@ step, a quarter of them misses with 8,640 of 11,008 experts resident) and evict 
 hot but were idle for a step. So a candidate must out-score the resident expert it replaces by
 `margin` (no ping-pong between equals), free slots fill first, and at most `max_per_step` copies are
 issued per boundary, which bounds the compute's wait for them.
+
+Misses do not all cost the same: a layer the bank holds pinned is read in place over PCIe, a pageable one is
+staged by the host first, one left on disk is paged in before that (memory/decode_lanes.py). So scores are
+weighed by the miss cost of their layer's tier (`weights`, relative to a pinned miss:
+memory/decode_speed.miss_cost_weights), and a fresh cache fills the costliest layers first: a slot saves most
+where a miss costs most. With the whole bank pinned every weight is 1 and this is plain LFU.
 """
 
 from __future__ import annotations
@@ -43,16 +49,30 @@ def decayed(scores: torch.Tensor, used: torch.Tensor, policy: PromotionPolicy) -
     return scores * policy.decay + used.to(scores.dtype)
 
 
-def initial_keys(n_slots: int, n_rows: int, n_experts: int) -> list[int]:
-    """The keys of a fresh cache, before any usage is known: every layer an equal share of the slots
-    (layer-major round robin, experts in index order), one key per slot, at most every key once."""
-    return [(i % n_rows) * n_experts + i // n_rows for i in range(min(n_slots, n_rows * n_experts))]
+def initial_keys(n_slots: int, n_rows: int, n_experts: int, row_weights: list[float] | None = None) -> list[int]:
+    """The keys of a fresh cache, before any usage is known: the rows of the highest miss cost first
+    (`row_weights`, module doc; none: all equal), and within rows of one weight an equal share of the slots each
+    (layer-major round robin, experts in index order); one key per slot, at most every key once."""
+    weights = row_weights if row_weights is not None else [1.0] * n_rows
+    if len(weights) != n_rows:
+        raise ValueError(f"{len(weights)} row weights for {n_rows} rows")
+    keys: list[int] = []
+    for w in sorted(set(weights), reverse=True):
+        rows = [r for r in range(n_rows) if weights[r] == w]
+        take = min(n_slots - len(keys), len(rows) * n_experts)
+        keys += [rows[i % len(rows)] * n_experts + i // len(rows) for i in range(take)]
+    return keys
 
 
-def plan_promotions(scores: torch.Tensor, slot_keys: torch.Tensor, policy: PromotionPolicy) -> list[Promotion]:
+def plan_promotions(
+    scores: torch.Tensor, slot_keys: torch.Tensor, policy: PromotionPolicy, weights: torch.Tensor | None = None
+) -> list[Promotion]:
     """scores [K] float64, slot_keys [S] int64 (-1: free) -> at most policy.max_per_step promotions: the
     best-scoring keys outside the slots (score > 0; ties: the lower key) into the free slots first, then
-    each over the worst-scoring resident left (ties: the lower slot) while it out-scores it by margin."""
+    each over the worst-scoring resident left (ties: the lower slot) while it out-scores it by margin.
+    `weights` [K] float64: each key's miss cost (module doc); the scores compared are score x weight."""
+    if weights is not None:
+        scores = scores * weights
     in_slot = torch.zeros(scores.numel(), dtype=torch.bool)
     held = slot_keys[slot_keys >= 0]
     in_slot[held] = True

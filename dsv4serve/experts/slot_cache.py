@@ -47,6 +47,7 @@ from dsv4serve.experts.bank import ExpertBank
 from dsv4serve.experts.residency import PromotionPolicy, decayed, initial_keys, plan_promotions
 from dsv4serve.experts.staging import LayerStaging
 from dsv4serve.experts.transfers import LaggedCounts, Parts, SlotCopier
+from dsv4serve.memory.decode_speed import miss_cost_weights
 
 PART_ORDER = ("w1", "w1_scale", "w3", "w3_scale", "w2", "w2_scale")  # the FP4 kernel's argument order
 
@@ -93,7 +94,10 @@ class ExpertSlotCache:
         device: torch.device,
         first_layer: int | None = None,
         policy: PromotionPolicy | None = None,
+        miss_weights: dict[str, float] | None = None,
     ):
+        """`miss_weights`: tier -> a miss's cost relative to a pinned one (residency.py; default
+        decode_speed.miss_cost_weights at its assumed bandwidths)."""
         if n_slots < 1:
             raise ValueError(f"an expert-slot cache needs at least one slot, got {n_slots}")
         self.bank, self.n_slots, self.device = bank, n_slots, device
@@ -116,13 +120,24 @@ class ExpertSlotCache:
         self._copier = SlotCopier(self.slots, device, self.policy.max_per_step)
         self._staging = LayerStaging(bank, device)
         self._begun = False
-        self._fill(initial_keys(n_slots, n_rows, n_experts))
+        self.row_tiers = [self._tier(layer) for layer in self.layers]
+        weights = miss_weights or miss_cost_weights()
+        row_weights = [weights[t] for t in self.row_tiers]
+        self._key_weights = torch.tensor(row_weights, dtype=torch.float64).repeat_interleave(n_experts)
+        self._fill(initial_keys(n_slots, n_rows, n_experts, row_weights))
 
     @property
     def resident(self) -> dict[tuple[int, int], int]:
         """(layer, expert) -> slot, by slot."""
         e = self.bank.n_experts
         return {(self.layers[k // e], k % e): s for s, k in enumerate(self._slot_keys.tolist()) if k >= 0}
+
+    def _tier(self, layer: int) -> str:
+        """Where the bank holds `layer`, as a miss pays it: pinned (read in place; on the CPU any RAM), pageable
+        (staged by the host) or disk (the mapped shards)."""
+        if layer in self.bank.mapped:
+            return "disk"
+        return "pinned" if self.bank.device_readable(layer, self.device) else "pageable"
 
     @property
     def staged_layers(self) -> list[int]:
@@ -170,6 +185,18 @@ class ExpertSlotCache:
                 parts = {part: t.to(self.device) for part, t in parts.items()}
                 self.stats.h2d_bytes += self.bank.expert_bytes
             yield e, parts
+
+    def miss_weight(self, layer: int) -> float:
+        """What a miss in `layer` costs the residency policy, in pinned fetches (residency.py)."""
+        return float(self._key_weights[self._row[layer] * self.bank.n_experts])
+
+    def weigh_layers(self, weights: dict[int, float]) -> None:
+        """Set the miss weights of some layers (hybrid: kt-kernel's, whose misses split with the CPU); promotions
+        from the next boundary on follow them (the slots filled at load stay until they do)."""
+        e = self.bank.n_experts
+        for layer, w in weights.items():
+            row = self._row[layer]
+            self._key_weights[row * e : (row + 1) * e] = w
 
     def host_slot_map(self, layer: int) -> torch.Tensor:
         """`layer`'s slot of each expert [E] int32 on the host (-1: not in a slot), as the next step reads it
@@ -249,7 +276,7 @@ class ExpertSlotCache:
     def _boundary(self) -> None:
         self.collect_usage()
         if self._copier.idle():
-            plan = plan_promotions(self._scores, self._slot_keys, self.policy)
+            plan = plan_promotions(self._scores, self._slot_keys, self.policy, self._key_weights)
             if plan:
                 self._promote(plan)
         if self._copier.compute_waits():

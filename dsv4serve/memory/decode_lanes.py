@@ -16,6 +16,10 @@ With --moe-backend hybrid, kt-kernel holds the first layers that fit beside the 
 only their misses can go to the CPU, which reads kt-kernel's own copy in RAM whatever tier the bank put them in.
 Each class of layers (tier x held) runs its own MoE phase: the slowest of its lanes at the CPU share that
 minimises it. A step's MoE phase is the sum over the classes.
+
+The expert-slot cache weighs each expert's use by what its miss costs (experts/residency.py): under uniform
+routing the slots go to the costliest misses' experts first (disk, then pageable, then pinned; a layer kt-kernel
+holds costs less, its misses split with the CPU), so each class has its own hit rate (`class_hit_rates`).
 """
 
 from __future__ import annotations
@@ -75,10 +79,38 @@ class Rates:
     disk: float  # page-ins from the checkpoint's shards
 
 
+def fetch_seconds_per_byte(tier: str, r: Rates) -> float:
+    """A fetched miss's chain per byte (module doc): PCIe; + the host's staging copy; + the page-in."""
+    return 1 / r.h2d + (0.0 if tier == "pinned" else 2 / r.host) + (1 / r.disk if tier == "disk" else 0.0)
+
+
+def miss_seconds_per_byte(tier: str, held: bool, r: Rates, use_cpu: bool) -> float:
+    """What a miss costs a class per byte: its fetch chain, or where kt-kernel holds the layer and takes a share,
+    the fetch and the CPU in parallel (the two lanes finish together: 1 / (1 / fetch + CPU bytes/s))."""
+    fetch = fetch_seconds_per_byte(tier, r)
+    return 1 / (1 / fetch + r.cpu) if held and use_cpu else fetch
+
+
+def class_hit_rates(classes: list[tuple[str, float, bool]], slot_fraction: float, cost: list[float]) -> list[float]:
+    """Each class's slot hit rate under uniform routing: the slots (`slot_fraction` of all experts) go to the
+    classes of the costliest misses first (`cost`, per class: miss_seconds_per_byte), spread evenly over the
+    layers of equal cost (experts/residency.py's weighted policy in its steady state)."""
+    if not 0.0 <= slot_fraction <= 1.0:
+        raise ValueError(f"slot_fraction must be within [0, 1], got {slot_fraction}")
+    rates, left = [0.0] * len(classes), slot_fraction
+    for c in sorted(set(cost), reverse=True):
+        group = [i for i, ci in enumerate(cost) if ci == c]
+        size = sum(classes[i][1] for i in group)
+        take = min(left, size)
+        for i in group:
+            rates[i] = min(1.0, take / size) if size > 0 else 0.0
+        left -= take
+    return rates
+
+
 def _lines(tier: str, held: bool, fixed_s: float, miss_bytes: float, r: Rates) -> dict[str, tuple[float, float]]:
     """Each lane of a class as a line a + b f in the CPU share f of its misses."""
-    fetch_per_byte = 1 / r.h2d + (0.0 if tier == "pinned" else 2 / r.host) + (1 / r.disk if tier == "disk" else 0.0)
-    fetch = miss_bytes * fetch_per_byte
+    fetch = miss_bytes * fetch_seconds_per_byte(tier, r)
     host = miss_bytes * HOST_CROSSINGS[tier] / r.host
     cpu_host = miss_bytes * CPU_CROSSINGS / r.host
     gpu_fetched = miss_bytes / r.gpu

@@ -38,7 +38,15 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from dsv4serve.memory.decode_lanes import TIERS, BankTiers, Rates, class_lanes
+from dsv4serve.memory.decode_lanes import (
+    TIERS,
+    BankTiers,
+    Rates,
+    class_hit_rates,
+    class_lanes,
+    fetch_seconds_per_byte,
+    miss_seconds_per_byte,
+)
 from dsv4serve.model.args import ModelArgs
 from dsv4serve.model.backends import KernelBackends
 from dsv4serve.model.schema import TensorSpec
@@ -129,6 +137,17 @@ class Bandwidths:
     @property
     def host_bps(self) -> float:
         return self.host_gbps * GB
+
+    def rates(self) -> Rates:
+        return Rates(self.gpu_read_bps, self.h2d_gbps * GB, self.host_bps, self.cpu_expert_bps, self.disk_gbps * GB)
+
+
+def miss_cost_weights(bw: Bandwidths | None = None) -> dict[str, float]:
+    """What a fetched miss costs in each tier of the bank, relative to a pinned one (decode_lanes' chains; the
+    defaults' assumptions unless measured bandwidths are given): the expert-slot cache's residency weights."""
+    rates = (bw or Bandwidths()).rates()
+    pinned = fetch_seconds_per_byte("pinned", rates)
+    return {tier: fetch_seconds_per_byte(tier, rates) / pinned for tier in TIERS}
 
 
 @dataclass(frozen=True)
@@ -272,18 +291,28 @@ def project_decode(
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if hit_rate is not None and not 0.0 <= hit_rate <= 1.0:
         raise ValueError(f"hit_rate must be within [0, 1], got {hit_rate}")
-    rates = Rates(bw.gpu_read_bps, bw.h2d_gbps * GB, bw.host_bps, bw.cpu_expert_bps, bw.disk_gbps * GB)
+    rates = bw.rates()
     hits = expected_hits(b, slots) if hit_rate is None else b.expert_uses * hit_rate
     misses = b.expert_uses - hits
     if misses > 0 and backend == "gpu":
         raise ValueError(f"backend 'gpu' needs every expert resident: {slots} slots < {b.n_experts} experts")
-    fixed_s = (b.shared_expert_bytes + hits * b.expert_bytes) / rates.gpu
+    classes = tiers.classes() if misses else [("pinned", 1.0, False)]
+    # uniform routing: the slots hold the costliest misses' experts (decode_lanes.class_hit_rates); a given hit
+    # rate applies to every class alike
+    cost = [miss_seconds_per_byte(t, held, rates, backend == "hybrid") for t, _, held in classes]
+    rates_by_class = (
+        class_hit_rates(classes, min(slots, b.n_experts) / b.n_experts, cost)
+        if hit_rate is None and misses
+        else [hits / b.expert_uses] * len(classes)
+    )
     lanes: dict[str, float] = dict.fromkeys(LANES, 0.0)
     moe_s = handoff_s = cpu_misses = 0.0
     fetched: dict[str, float] = dict.fromkeys(TIERS, 0.0)
     binding: tuple[float, str] = (-1.0, "")
-    for tier, share, held in tiers.classes() if misses else [("pinned", 1.0, False)]:
-        args = (tier, held, fixed_s * share, misses * share * b.expert_bytes, rates)
+    for (tier, share, held), h in zip(classes, rates_by_class):
+        class_hits, class_misses = b.expert_uses * share * h, b.expert_uses * share * (1 - h)
+        fixed_s = (b.shared_expert_bytes * share + class_hits * b.expert_bytes) / rates.gpu
+        args = (tier, held, fixed_s, class_misses * b.expert_bytes, rates)
         class_lanes_s, f = class_lanes(*args, use_cpu=False)
         if backend == "hybrid" and held:  # the handoff is paid only where the CPU takes a share: worth it?
             with_cpu, f_cpu = class_lanes(*args, use_cpu=True)
@@ -296,8 +325,8 @@ def project_decode(
             binding = (slowest, " = ".join(n for n in LANES if class_lanes_s[n] >= slowest * 0.999))
         for name in LANES:
             lanes[name] += class_lanes_s[name]
-        cpu_misses += misses * share * f
-        fetched[tier] += misses * share * (1 - f)
+        cpu_misses += class_misses * f
+        fetched[tier] += class_misses * (1 - f)
     mb = 1e6
     n_fetched = sum(fetched.values())
     parallel = (

@@ -7,7 +7,7 @@ import pytest
 
 from dsv4serve.memory import decode_speed as ds
 from dsv4serve.memory.decode_choice import faster_backend, offload_faster, project_backends
-from dsv4serve.memory.decode_lanes import BankTiers
+from dsv4serve.memory.decode_lanes import BankTiers, class_hit_rates
 from dsv4serve.memory.decode_speed import Bandwidths, DecodeBytes, project_decode
 from dsv4serve.memory.plan import Machine
 from dsv4serve.memory.weights import loaded_weight_bytes
@@ -204,28 +204,48 @@ def test_the_bank_tiers_cut_the_layers_into_classes():
 
 
 def test_unpinned_misses_wait_for_the_host_to_stage_them_and_disk_ones_for_a_page_in_first():
-    # 180 misses = 1.8 GB: half pinned (0.9 GB), a quarter pageable, a quarter on disk (0.45 GB each)
+    # 200 uses: half in pinned layers, a quarter pageable, a quarter on disk. The 100 slots go to the costliest
+    # misses first (residency.py's weights): 100 of the disk layers' 250 experts, so 20 of their 50 uses hit
     p = project_decode(TOY, 100, BW, "offload", tiers=BankTiers(pinned=0.5, pageable=0.25))
+    assert p.hits_per_token == pytest.approx(20) and p.misses_per_token == pytest.approx(180)
     lanes = {t.name: t.seconds / MS for t in p.parallel}
-    pinned = 0.9 / 50  # read in place over PCIe: 18 ms, beside its host reads (0.9 / 80)
-    pageable = 0.45 * (1 / 50 + 2 / 80)  # the host copies (a read and a write), then PCIe: 20.25 ms in a chain
-    disk = 0.45 * (1 / 3 + 2 / 80 + 1 / 50)  # a 3 GB/s page-in before that: 170.25 ms
+    pinned = 1.0 / 50  # 100 misses, 1 GB read in place over PCIe: 20 ms, beside its host reads (1.0 / 80)
+    pageable = 0.5 * (1 / 50 + 2 / 80)  # 50: the host copies (a read and a write), then PCIe: 22.5 ms in a chain
+    disk = 0.3 * (1 / 3 + 2 / 80 + 1 / 50)  # 30: a 3 GB/s page-in before that: 113.5 ms
     assert lanes["PCIe copies"] == pytest.approx(pinned * 1e3) and lanes["staged copies"] == pytest.approx(
         (pageable + disk) * 1e3
     )
-    assert lanes["host memory"] == pytest.approx((0.9 * 1 + 0.45 * 3 + 0.45 * 4) / 80 * 1e3)
+    assert lanes["host memory"] == pytest.approx((1.0 * 1 + 0.5 * 3 + 0.3 * 4) / 80 * 1e3)
     assert p.moe_seconds == pytest.approx(pinned + pageable + disk)  # each class waits for its slowest lane
     assert p.step_seconds / MS == pytest.approx(11 + LAUNCH_MS + (pinned + pageable + disk) * 1e3)
     assert p.bound_by == "staged copies"
 
 
+def test_slots_go_to_the_costliest_misses_first():
+    """decode_lanes.class_hit_rates: the slot fraction fills classes by miss cost, equal costs alike."""
+    classes = [("pinned", 0.5, True), ("pageable", 0.2, False), ("disk", 0.3, False)]
+    assert class_hit_rates(classes, 0.1, [1.0, 2.0, 9.0]) == pytest.approx([0.0, 0.0, 1 / 3])
+    assert class_hit_rates(classes, 0.4, [1.0, 2.0, 9.0]) == pytest.approx([0.0, 0.5, 1.0])
+    assert class_hit_rates(classes, 0.5, [1.0, 9.0, 9.0]) == pytest.approx([0.0, 1.0, 1.0])
+    assert class_hit_rates(classes, 0.2, [1.0, 1.0, 1.0]) == pytest.approx([0.2, 0.2, 0.2])  # uniform: slots / experts
+    assert class_hit_rates(classes, 1.0, [3.0, 2.0, 1.0]) == pytest.approx([1.0, 1.0, 1.0])
+    # the weights the slot cache takes at the assumed bandwidths: disk misses ~19 pinned ones, pageable ~2.25
+    w = ds.miss_cost_weights()
+    assert w["pinned"] == 1.0 and w["pageable"] == pytest.approx(1 + (2 / 80) / (1 / 50))
+    assert w["disk"] == pytest.approx((1 / 50 + 2 / 80 + 1 / 3) / (1 / 50))
+
+
 def test_hybrid_sends_a_disk_layer_s_misses_to_the_cpu_where_kt_kernel_holds_it():
-    # every layer on disk, kt-kernel holds half of them: the other half fetch every miss through a page-in
+    # every layer on disk, kt-kernel holds half of them: the other half fetch every miss through a page-in, so
+    # the 100 slots go to it (its misses cost the most): 20 of its 100 uses hit
     p = project_decode(TOY, 100, BW, "hybrid", tiers=BankTiers(pinned=0.0, pageable=0.0, cpu_layers=0.5))
-    chain = 0.9 * (1 / 3 + 2 / 80 + 1 / 50)  # 0.9 GB of misses in each half: 340.5 ms fetched
-    f = chain / (chain + 0.9 / 40)  # the held half: the CPU (40 GB/s) and the fetch chain finish together
-    assert p.cpu_fraction == pytest.approx(0.5 * f)
-    assert p.moe_seconds == pytest.approx(chain + f * 0.9 / 40)
+    per_gb = 1 / 3 + 2 / 80 + 1 / 50  # the page-in, the staging copy, PCIe
+    chain = 0.8 * per_gb  # 80 misses, 0.8 GB: 302.7 ms fetched
+    held = 1.0 * per_gb  # the held half's 100 misses if fetched: 378.3 ms
+    f = held / (held + 1.0 / 40)  # there the CPU (40 GB/s) and the fetch chain finish together
+    assert p.hits_per_token == pytest.approx(20)
+    assert p.cpu_fraction == pytest.approx(100 * f / 180)
+    assert p.moe_seconds == pytest.approx(chain + f * 1.0 / 40)
     assert {t.name: t.seconds / MS for t in p.serial}["CPU handoffs"] == pytest.approx(HANDOFF_MS / 2)
 
 
@@ -244,8 +264,9 @@ def test_a_32gb_card_s_backends_as_the_worker_runs_them(real):
     small = backends(128)
     assert small["offload"][1].disk == pytest.approx(1 - 120 / 137) and small["offload"][2] is not None
     assert small["hybrid"][1].pinned == 0 and small["hybrid"][1].cpu_layers == pytest.approx(28 / 43)
-    assert faster_backend(small) == "offload" and small["offload"][0].tokens_per_second < 5
-    assert "offload 3.8 vs hybrid 1.9" in (offload_faster(small) or "")
+    assert faster_backend(small) == "offload" and small["offload"][0].tokens_per_second < 7
+    # the slots hold disk layers' experts first (3.8 tokens/s when they held every layer's alike)
+    assert "offload 6.0 vs hybrid 2.2" in (offload_faster(small) or "")
     big = backends(384)
     assert big["offload"][2] is None and big["hybrid"][2] is None  # both all pinned: graphs
     assert faster_backend(big) == "hybrid" and offload_faster(big) is None

@@ -96,6 +96,38 @@ def test_initial_fill_gives_every_layer_an_equal_share():
     assert cache.stats.h2d_bytes == 0  # the fill at load is not counted
 
 
+def test_misses_are_weighed_by_what_they_cost_where_the_bank_holds_them():
+    """A disk-tier layer's experts fill the slots first and out-score RAM layers' experts of the same use; a RAM
+    layer's expert used often enough still wins a slot (the weighted scores, residency.py)."""
+    # 3 rows of 2 experts (key = row * 2 + expert): row 1 (9.0) whole, then row 2 (2.0), then row 0
+    assert initial_keys(5, 3, 2, [1.0, 9.0, 2.0]) == [2, 3, 4, 5, 0]
+    assert initial_keys(4, 3, 8, [1.0] * 3) == initial_keys(4, 3, 8)
+    weights = torch.tensor([1.0] * 8 + [10.0] * 8, dtype=torch.float64)  # row 1 on disk
+    slot_keys = torch.tensor([8, 9], dtype=torch.int64)
+    scores = torch.zeros(16, dtype=torch.float64)
+    scores[[0, 10]] = 1.0  # one use each: the disk expert (1,2) outscores (0,0), and both out-score idle residents
+    policy = PromotionPolicy(margin=0.5)
+    assert [p.key for p in plan_promotions(scores, slot_keys, policy, weights)] == [10, 0]
+    scores[[8, 9]] = 0.2  # residents used a little: x10 = 2.0, beyond (0,0)'s 1.0 + margin; (1,2) still wins
+    assert [(p.key, p.evicted) for p in plan_promotions(scores, slot_keys, policy, weights)] == [(10, 8)]
+    scores[0], scores[10] = 5.0, 0.3  # a hot RAM expert (5.0) goes before a lukewarm disk one (3.0)
+    assert plan_promotions(scores, slot_keys, policy, weights) == [Promotion(0, 0, 8), Promotion(1, 10, 9)]
+    bank = make_bank(mapped_layers=(1,))
+    cache = ExpertSlotCache(bank, 10, CPU, miss_weights={"pinned": 1.0, "pageable": 2.0, "disk": 10.0})
+    assert cache.row_tiers == ["pinned", "disk", "pinned"]
+    assert {layer for layer, _ in cache.resident} == {0, 1, 2} and sum(lay == 1 for lay, _ in cache.resident) == 8
+    assert_consistent(cache)
+    assert [cache.miss_weight(layer) for layer in LAYERS] == [1.0, 10.0, 1.0]
+    for held in (False, True):  # 8 slots, all layer 1's; kt-kernel holds layer 1 or not
+        cache = ExpertSlotCache(bank, 8, CPU, miss_weights={"pinned": 1.0, "pageable": 2.0, "disk": 10.0})
+        if held:
+            cache.weigh_layers({1: 0.5})  # its misses split with the CPU: cheaper than a RAM layer's fetch
+        step(cache, {1: list(range(8))})
+        step(cache, {0: [7]})
+        step(cache, {})  # (0,7) at 1.0 against residents at 0.8 x 10 = 8 (no), or 0.8 x 0.5 = 0.4 (+ margin 0.5: yes)
+        assert ((0, 7) in cache.resident) == held
+
+
 def test_lagged_usage_promotes_at_the_next_boundary_with_counted_copies():
     cache = ExpertSlotCache(make_bank(), 4, CPU)
     step(cache, {0: [1, 5], 1: [5], 2: [3]})  # boundary at layer 0 first: nothing known yet
@@ -145,7 +177,9 @@ def test_kernel_sources_read_ram_layers_in_place_and_stage_mapped_ones():
     assert all(t is bank.layers[0][p] for t, p in zip(src.bank, PART_ORDER))  # read in place
     assert src.slot_of_expert.tolist() == cache.slot_of_expert[0].tolist() and src.usage.shape == (N_EXPERTS + 1,)
     assert cache.stats.stalls == 0
-    # layer 2 is in the shards: its routed experts outside the slots are staged; (2,0) is in slot 2
+    # layer 2 is in the shards: its routed experts outside the slots are staged; its misses cost the most, so the
+    # fresh cache gave it every slot: (2,0) .. (2,3)
+    assert cache.resident == {(2, 0): 0, (2, 1): 1, (2, 2): 2, (2, 3): 3}
     reads = bank.source.reads
     staged = cache.kernel_sources(2, torch.tensor([[0, 4], [4, 7]]))
     assert bank.source.reads - reads == 2 * len(SHAPES)  # experts 4 and 7, not 0

@@ -143,6 +143,19 @@ def test_decode_computes_misses_on_the_cpu_and_prefill_fetches_them():
     assert split_misses(prefill, EXPERT, False, slow_link, on_disk=True) == set(prefill)
 
 
+def test_a_miss_in_a_layer_kt_kernel_holds_weighs_the_fetch_and_the_cpu_in_parallel():
+    """The slot cache's weight of such a miss (residency.py), in pinned fetches: fetch 0.25 ms (12 MiB at 50 GB/s)
+    against 1.9 ms of CPU at one token: 1 / (1 + 0.25 / 1.9) pinned fetches; a disk layer (20 fetches) much less
+    than its own 20; nothing on a CPU device."""
+    from dsv4serve.experts.miss_split import held_miss_weight
+
+    fetch = EXPERT / 50e9
+    assert held_miss_weight(1.0, COSTS, EXPERT) == pytest.approx(1 / (1 + fetch / 1.9e-3))
+    assert held_miss_weight(20.0, COSTS, EXPERT) == pytest.approx(1 / (1 / 20 + fetch / 1.9e-3))
+    assert held_miss_weight(20.0, COSTS, EXPERT) < 20 * held_miss_weight(1.0, COSTS, EXPERT)
+    assert held_miss_weight(1.0, SplitCosts(CpuExpertCost(1e-3, 0), None, None), EXPERT) is None
+
+
 def test_the_host_plan_counts_kt_kernel_s_copy_first():
     bank = 137 * GIB
     decisions, warnings = [], []
