@@ -157,9 +157,9 @@ def _shadowed_run(model: Transformer, backends: KernelBackends) -> dict[str, flo
             note(f"attention pool, layer {self.layer_id}", _gap(g, w))
         return want
 
-    def moe(self, x, token_ids, ref_num):
-        want = moe_forward(self, x, token_ids, ref_num)
-        note(f"moe out, layer {self.layer_id}", _gap(moe_forward(self, x, token_ids, num), want))
+    def moe(self, x, token_ids, ref_num, route_rows=None):
+        want = moe_forward(self, x, token_ids, ref_num, route_rows)
+        note(f"moe out, layer {self.layer_id}", _gap(moe_forward(self, x, token_ids, num, route_rows), want))
         return want
 
     def hc(name: str):  # the mHC functions as Block.forward and Transformer.logits call them: numerics last
