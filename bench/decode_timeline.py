@@ -9,9 +9,9 @@ the tokens/s over a grid of host bandwidths and efficiencies, what it takes to r
 (>= 30 tok/s), and the model run on FreeToken's published setup as a cross-check.
 
 The timeline and the target's analysis assume the bank pinned in host RAM beside kt-kernel's copy (about 330 GiB)
-and hybrid steps captured as CUDA graphs (not built: they sync per layer). `as run` then projects both backends
-as the worker runs them on the 128 GB host itself (memory/decode_choice.py): the bank (137 GiB) does not fit it,
-the rest stays on disk, and the steps that wait for the host run eager.
+and hybrid steps captured as CUDA graphs (experts/hybrid_graph.py). `as run` then projects both backends as the
+worker runs them on the 128 GB host itself (memory/decode_choice.py): the bank (137 GiB) does not fit it, the rest
+stays on disk, and the decode graphs are cut where the host stages those layers (experts/graph_cuts.py).
 
     python bench/decode_timeline.py [--host-bandwidth 80] [--h2d-bandwidth 50] [--cpu-efficiency 0.5] [--json PATH]
 """
@@ -149,7 +149,7 @@ def report(r: dict, ns: argparse.Namespace) -> str:
     run_on = r["as_run_on_128_gib"]
     lines += [
         "",
-        "as run on the 128 GiB host (the bank's tiers from the host memory plan, eager where a step waits): "
+        "as run on the 128 GiB host (the bank's tiers from the host memory plan; graphs cut where the host stages): "
         + "; ".join(
             f"{k} {v['tokens_per_second']:.1f} tokens/s ({100 * v['tiers']['disk']:.0f}% of the bank on disk, "
             f"{'eager: ' + v['eager'] if v['eager'] else 'CUDA graphs'})"

@@ -1,9 +1,9 @@
 """The engine state behind bench/gpu_cases/decode_step.py: one model, KV pool and set of prefilled rows that
-every case shares, and the two homes of the routed experts.
+every case shares, and the homes of the routed experts.
 
     bench = DecodeBench(device, args, rows, context_tokens, extra_tokens)   # builds nothing yet
     bench.setup()                        # random model, pool, prefill, slot cache (once; a failure sticks)
-    bench.use("resident" | "slots")      # where the MoE layers read the routed experts
+    bench.use("resident" | "slots" | "staged" | "hybrid")   # where the MoE layers read the routed experts
     bench.eager_step(n) / bench.graph_step(mode, n)    # one decode step of rows 0..n-1 -> logits [n, vocab]
     bench.snapshot(n); ...; bench.restore()            # rows 0..n-1 back to where they were
 
@@ -48,6 +48,7 @@ class DecodeBench:
         self.n_slots = max(args.n_activated_experts, round(SLOT_SHARE * self.n_experts))
         self.mode = "resident"
         self.hybrid = None  # HybridExperts, made by the first use("hybrid")
+        self.staged = None  # a slot cache whose bank holds the last layer pageable: made by the first use("staged")
         self.graphs: dict[str, object] = {}  # mode -> DecodeGraphs, built at first use
         self.graph_errors: dict[str, str] = {}  # mode -> why its DecodeGraphs could not be built
         self.ready = False
@@ -128,24 +129,28 @@ class DecodeBench:
             for r in batch:
                 rows.pos[r] = self.context
 
-    def _slot_cache(self):
+    def _slot_cache(self, unpinned: int = 0):
         """An ExpertSlotCache over a bank holding the model's packed experts in host memory (pinned on CUDA,
-        so the FP4 kernel reads the experts outside the slots in place)."""
+        so the FP4 kernel reads the experts outside the slots in place); `unpinned`: the last layers held pageable
+        instead, as beyond a pin budget (on CUDA the host stages their misses: the decode graphs are cut there)."""
         from dsv4serve.experts.bank import BankReport, ExpertBank
         from dsv4serve.experts.pinning import PinBudget
         from dsv4serve.experts.slot_cache import ExpertSlotCache
 
-        pin = self.device.type == "cuda"
-        layers = {}
-        for moe, (_, stacks) in zip(self.moes, self.resident):
+        cuda = self.device.type == "cuda"
+        layers, pinned = {}, []
+        for i, (moe, (_, stacks)) in enumerate(zip(self.moes, self.resident)):
+            pin = cuda and i < len(self.moes) - unpinned
             src = {part: stacks[f"{part[:2]}_fp4{part[2:]}"] for part in FP4_PARTS}  # w1_scale <- w1_fp4_scale
             layers[moe.layer_id] = {
                 part: torch.empty(t.shape, dtype=t.dtype, pin_memory=pin).copy_(t) for part, t in src.items()
             }
+            pinned += [moe.layer_id] if pin else []
         shapes = {part: (tuple(t.shape[1:]), t.dtype) for part, t in next(iter(layers.values())).items()}
         total = sum(t.numel() * t.element_size() for parts in layers.values() for t in parts.values())
-        budget = PinBudget(total if pin else 0, "native", "decode_step bench: the random model's packed experts")
-        report = BankReport(total if pin else 0, 0 if pin else total, 0, budget)
+        held = total * len(pinned) // len(layers)
+        budget = PinBudget(held, "native", "decode_step bench: the random model's packed experts")
+        report = BankReport(held, total - held, 0, budget)
         n_experts = self.args.n_routed_experts
         bank = ExpertBank(
             layers,
@@ -155,9 +160,15 @@ class DecodeBench:
             n_experts,
             total // (len(layers) * n_experts),
             report,
-            frozenset(layers) if pin else frozenset(),
+            frozenset(pinned),
         )
         return ExpertSlotCache(bank, self.n_slots, self.device, first_layer=self.moes[0].layer_id)
+
+    def staged_cache(self):
+        """The "staged" home's slot cache (the last layer pageable), made at first use."""
+        if self.staged is None:
+            self.staged = self._slot_cache(unpinned=1)
+        return self.staged
 
     # ------------------------------------------------------------------ expert homes and graphs
 
@@ -174,8 +185,8 @@ class DecodeBench:
             self.hybrid = attach_cpu_experts(self.model, self.cache, self.device)
         for moe, (experts, stacks) in zip(self.moes, self.resident):
             moe.cpu_experts = self.hybrid if mode == "hybrid" else None
-            if mode in ("slots", "hybrid"):
-                moe.use_expert_cache(self.cache)
+            if mode in ("slots", "hybrid", "staged"):
+                moe.use_expert_cache(self.staged_cache() if mode == "staged" else self.cache)
             else:
                 moe.expert_source = None
                 moe.experts = experts
@@ -201,12 +212,29 @@ class DecodeBench:
                     self.pool.num_slots - 1,
                     self.pool.num_pages - 1,
                     capture=self.device.type == "cuda",
-                    expert_cache=self.cache if mode in ("slots", "hybrid") else None,
+                    expert_cache=self.cache_of(mode),
                 )
             except Exception as exc:
                 self.graph_errors[mode] = error_line(exc)
                 raise
         return self.graphs[mode]
+
+    def cache_of(self, mode: str):
+        return self.staged_cache() if mode == "staged" else self.cache if mode in ("slots", "hybrid") else None
+
+    def cut_check_line(self) -> str:
+        """The worker's start-up check of a graph cut at the staging path (experts/cut_check.py), on the staged
+        home's pageable layer."""
+        from dsv4serve.experts.cut_check import check_cut_graph
+
+        self.use("staged")
+        cache = self.staged_cache()
+        staged = cache.staged_layers
+        if not staged:
+            return "cut check: no staged layer (the CPU reads every bank layer in place)"
+        moe = next(m for m in self.moes if m.layer_id == staged[0])
+        why = check_cut_graph(moe, cache, self.num, self.device, self.args.dim, self.args.vocab_size)
+        return f"cut check on layer {staged[0]}: {'passed' if why is None else why}"
 
     # ------------------------------------------------------------------ steps
 
@@ -258,11 +286,12 @@ class DecodeBench:
             self.pool.copy_slot(self.n_rows + r, r)
         self.rows.pos[:n] = pos
 
-    def cache_line(self) -> str:
-        self.cache.collect_usage()
-        s = self.cache.stats
+    def cache_line(self, mode: str = "slots") -> str:
+        cache = self.cache_of(mode)
+        cache.collect_usage()
+        s = cache.stats
         rate = f" ({100 * s.hits / s.queries:.0f}%)" if s.queries else ""
         return (
             f"slot cache so far: {s.hits} hits of {s.queries} expert uses{rate} (counts arrive a step or two "
-            f"late), {s.prefetches} promoted, {s.stalls} stalls"
+            f"late), {s.prefetches} promoted, {s.stalls} stalls, {s.staged_layers} layers staged"
         )

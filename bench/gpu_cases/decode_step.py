@@ -6,9 +6,12 @@ CUDA, no batch invariance), at batch 1, 8 and 64. Two ways to run a step:
   eager:  build_layout (one pinned upload) + Transformer.run, what --enforce-eager runs;
   graphs: worker/graphs.DecodeGraphs with capture=True (every bucket 1, 2, 4, ..., 64 captured when the
           first graphs case of an expert home runs), one replay per step.
-and three homes for the routed experts: all resident (the stacked MXFP4 copies); an ExpertSlotCache whose
+and these homes for the routed experts: all resident (the stacked MXFP4 copies); an ExpertSlotCache whose
 bank is the model's packed experts copied to host memory (pinned on CUDA) and whose device slots hold half
-of them (its initial fill: an equal share per layer; promotions follow the routing); and, when kt-kernel is
+of them (its initial fill: an equal share per layer; promotions follow the routing); "staged", the same with the
+last layer's bank pageable, as beyond a pin budget (on CUDA the host stages its misses mid-step: the decode
+graphs are cut there, experts/graph_cuts.py, after the worker's start-up check of a cut, whose verdict the
+first staged graphs case notes; the replay is checked against the eager step bit for bit); and, when kt-kernel is
 installed, --moe-backend hybrid over that cache (experts/attach.attach_cpu_experts: kt-kernel's copy of the
 bank, the split's costs measured, the misses it gives the CPU computed there), eager steps at batch <= 8
 checked against the device path layer by layer: each MoE layer rerun on the slot cache's path on the input it
@@ -116,6 +119,8 @@ class StepProbe:
         self.first = False
         b.setup()
         if self.replay and self.mode not in b.graphs:
+            if self.mode == "staged":  # the worker's start-up check of a cut graph, before the capture
+                self.lines.append(b.cut_check_line())
             self.lines.append(f"built {b.decode_graphs(self.mode).report.describe()}")
         b.snapshot(self.n)
         if not (self.replay and b.device.type == "cuda"):
@@ -197,8 +202,8 @@ class StepProbe:
 
     def notes(self, name: str) -> list[str]:
         lines = [f"{name}: {line}" for line in self.lines]
-        if self.replay and self.mode == "slots" and self.bench.ready:
-            lines.append(f"{name}: {self.bench.cache_line()}")
+        if self.replay and self.mode in ("slots", "staged") and self.bench.ready:
+            lines.append(f"{name}: {self.bench.cache_line(self.mode)}")
         return lines
 
 
@@ -229,6 +234,8 @@ def build(device: torch.device, args, batch_sizes: tuple[int, ...], context_toke
     bench = DecodeBench(device, args, max(batch_sizes), context_tokens, extra_tokens)
     label = "triton" if default_backends(device).uses_triton() else "torch"
     homes = {"resident": "resident", "slots": f"slot cache {bench.n_slots}/{bench.n_experts}"}
+    # the last layer's bank pageable (beyond a pin budget): the host stages its misses, the graphs are cut there
+    homes["staged"] = f"slot cache {bench.n_slots}/{bench.n_experts}, last layer pageable"
     if kt_kernel_available()[0]:  # --moe-backend hybrid: eager (the per-step split) and replays (the fixed one)
         homes["hybrid"] = f"hybrid: slot cache {bench.n_slots}/{bench.n_experts}, misses on kt-kernel"
     cases = []

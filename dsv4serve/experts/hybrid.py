@@ -65,15 +65,20 @@ class HybridExperts:
         held = {layer: cache.miss_weight(layer) for layer in cache.layers if kt.holds(layer)}
         weights = {layer: held_miss_weight(w, costs, cache.bank.expert_bytes) for layer, w in held.items()}
         cache.weigh_layers({layer: w for layer, w in weights.items() if w is not None})
-        self.graph = GraphSplit(kt, cache, decode_cpu_share(costs, cache.bank.expert_bytes), cache.device)
+        eb = cache.bank.expert_bytes
+        tiers = dict(zip(cache.layers, cache.row_tiers))  # a staged layer's misses cost more to fetch
+        shares = {layer: decode_cpu_share(costs, eb, tier) for layer, tier in tiers.items() if tier != "pinned"}
+        self.graph = GraphSplit(kt, cache, decode_cpu_share(costs, eb), cache.device, shares)
 
     def describe(self) -> str:
         """For the start-up report: kt-kernel's build and threads, the layers it holds, the measured costs, and
         the CPU's share of a decode graph step's misses that follows from them."""
         bank = self.cache.bank
+        staged = sum(share != self.graph.cpu_share for share in self.graph.shares)
         return (
             f"{self.kt.describe}; measured {self.costs.describe(bank.expert_bytes)}; decode graph steps: "
             f"{100 * self.graph.cpu_share:.0f}% of each layer's expected misses on the CPU"
+            + (f" ({staged} unpinned layers more: their fetches are staged)" if staged else "")
         )
 
     def submit(

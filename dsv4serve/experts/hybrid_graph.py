@@ -8,8 +8,9 @@ host, which only an eager step can do: prefill chunks and mixed steps keep it).
 
 A layer's CPU set: its experts outside the device slots, coldest first by the slot cache's decayed-frequency
 scores, until their expected share of the layer's misses (scores as use rates, an unseen expert counted as the
-mean) reaches `cpu_share`. `cpu_share` is the decode split at one token per expert (`decode_cpu_share`): the
-copy of an expert and kt-kernel's work on it finish together. Routes to the set get weight 0 and a stand-in
+mean) reaches its share: the decode split at one token per expert (`decode_cpu_share`), where the copy of an
+expert and kt-kernel's work on it finish together (a copy from pageable memory takes longer; a layer the bank left
+on disk sends all of its misses to the CPU). Routes to the set get weight 0 and a stand-in
 slot expert on the device (an exact 0); kt-kernel skips every other expert (its live mask). The device copies
 x / ids / weights into pinned buffers, kt-kernel runs on the stream (kt_experts.run_on_stream), the stream
 waits for it and copies its sum back: host nodes and copies a graph holds. The CPU's uses are added to the slot
@@ -30,11 +31,13 @@ from dsv4serve.experts.slot_cache import ExpertSlotCache
 REFRESH_STEPS = 16  # steps a CPU set is kept while the slot map stands still (the residency scores drift slowly)
 
 
-def decode_cpu_share(costs: SplitCosts, expert_bytes: int) -> float:
+def decode_cpu_share(costs: SplitCosts, expert_bytes: int, tier: str = "pinned") -> float:
     """The share of a decode step's misses kt-kernel takes: fetch / (fetch + CPU) at one token per expert (both
-    lanes then finish together); 1 where nothing can be fetched (the device is the CPU)."""
-    fetch = costs.fetch_seconds(expert_bytes, True)
-    if fetch is None:
+    lanes then finish together), the fetch from the layer's `tier` of the bank (pinned, or pageable: staged by the
+    host); 1 where nothing can be fetched (the device is the CPU) or a fetch would page in from disk first (as
+    miss_split.split_misses sends a disk layer's misses)."""
+    fetch = costs.fetch_seconds(expert_bytes, tier == "pinned")
+    if fetch is None or tier == "disk":
         return 1.0
     cpu = costs.cpu.seconds(1)
     return fetch / (fetch + cpu)
@@ -91,9 +94,18 @@ class GraphJob:
 
 
 class GraphSplit:
-    def __init__(self, kt: KtExperts, cache: ExpertSlotCache, cpu_share: float, device: torch.device):
+    def __init__(
+        self,
+        kt: KtExperts,
+        cache: ExpertSlotCache,
+        cpu_share: float,
+        device: torch.device,
+        layer_shares: dict[int, float] | None = None,
+    ):
+        """`cpu_share`: a layer's, unless `layer_shares` gives its own (a layer the bank does not pin)."""
         self.kt, self.cache, self.cpu_share, self.device = kt, cache, cpu_share, device
         self.layers = [layer for layer in cache.layers if kt.holds(layer)]
+        self.shares = [(layer_shares or {}).get(layer, cpu_share) for layer in self.layers]
         self._row = {layer: i for i, layer in enumerate(self.layers)}
         n, e = len(self.layers), cache.bank.n_experts
         pin = device.type == "cuda"
@@ -130,7 +142,7 @@ class GraphSplit:
             rows, self._age = torch.nonzero((free != self._free).any(1)).flatten().tolist(), self._age + 1
         if rows:
             for i in rows:
-                self._host_mask[i] = ~cpu_set(free[i], self.cache.expert_scores(self.layers[i]), self.cpu_share)
+                self._host_mask[i] = ~cpu_set(free[i], self.cache.expert_scores(self.layers[i]), self.shares[i])
             in_slot, on_cpu = ~free, ~self._host_mask
             first_cpu = torch.where(on_cpu.any(1), on_cpu.int().argmax(1), 0)
             self._host_stand_in.copy_(torch.where(in_slot.any(1), in_slot.int().argmax(1), first_cpu))

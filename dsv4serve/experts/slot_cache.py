@@ -23,7 +23,8 @@ on that one event before the step's first MoE layer. On the CPU the same logic r
 A fresh cache fills every slot at once, each layer an equal share (residency.initial_keys).
 
 A layer whose bank tensors the device cannot read in place (pageable or mapped on CUDA, mapped on the
-CPU) takes the staging path (staging.py), the one host sync, counted.
+CPU) takes the staging path (staging.py), the one host sync, counted; in a decode graph the capture is cut there
+and the staging runs between the segments (graph_cuts.py).
 
 Stats (ExpertCacheStats; the worker exports the first six): `queries` the (step, layer, expert)
 uses, `hits` those read from a slot, and `cpu_uses` those kt-kernel computed (hybrid), all from the usage
@@ -38,11 +39,14 @@ an expert. The initial fill at load is not counted.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
+from dsv4serve.experts import graph_cuts
 from dsv4serve.experts.bank import ExpertBank
 from dsv4serve.experts.residency import PromotionPolicy, decayed, initial_keys, plan_promotions
 from dsv4serve.experts.staging import LayerStaging
@@ -155,10 +159,16 @@ class ExpertSlotCache:
         if self.bank.device_readable(layer, self.device):
             bank = self.bank.layers[layer]
         else:
-            bank = self._staging.layer_parts(layer, ids, self._map_host[row] >= 0)
-            self.stats.stalls += 1
-            self.stats.staged_layers += 1
-            self.stats.staged_bytes = self._staging.staged_bytes
+
+            def stage() -> None:  # the host's part: now, or between two segments of a cut graph (graph_cuts.py)
+                self._staging.layer_parts(layer, ids, self._map_host[row] >= 0)
+                self.stats.stalls += 1
+                self.stats.staged_layers += 1
+                self.stats.staged_bytes = self._staging.staged_bytes
+
+            if not graph_cuts.cut(stage):
+                stage()
+            bank = self._staging.area()
         return KernelSources(
             tuple(bank[p] for p in PART_ORDER),
             tuple(self.slots[p] for p in PART_ORDER),
@@ -258,6 +268,18 @@ class ExpertSlotCache:
         """The step began with `begin_step` ran without the layers' Python hooks (a CUDA graph's replay): the
         next eager step's first MoE layer is a boundary again."""
         self._begun = False
+
+    @contextlib.contextmanager
+    def detached(self) -> Iterator[None]:
+        """Run layers through the cache without a step: no boundary, and the usage counters and stats as they were
+        afterwards (a start-up check's forwards are no requests' uses)."""
+        usage, stats, begun = self.usage.clone(), dataclasses.replace(self.stats), self._begun
+        self._begun = True
+        try:
+            yield
+        finally:
+            self.usage.copy_(usage)
+            self.stats, self._begun = stats, begun
 
     def collect_usage(self) -> None:
         """Fold the usage counts that have arrived into the stats and scores (no promotion, no wait)."""

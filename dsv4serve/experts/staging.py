@@ -17,7 +17,8 @@ before it (the previous staged layer's readers). The cache counts each use as a 
 bank never takes this path (on the CPU: a bank without mapped layers).
 
 The area remembers which (layer, expert)s it holds, so a layer staged twice in a row copies only
-what is new.
+what is new. In a decode graph the staging runs between two segments of the captured step (graph_cuts.py): the
+kernels read the same area tensors (`area`) every replay.
 """
 
 from __future__ import annotations
@@ -35,31 +36,49 @@ class LayerStaging:
         self._layer: int | None = None
         self._held: set[int] = set()  # experts of self._layer in the area
         self.staged_bytes = 0  # host bytes copied into the area (stats)
+        self._ids_host: dict[tuple, torch.Tensor] = {}  # pinned copies of the routing, per shape
 
     def layer_parts(self, layer: int, ids: torch.Tensor, in_slot: torch.Tensor) -> dict[str, torch.Tensor]:
         """ids [T, k] on the device, in_slot [E] bool on the host -> the staging area's [E, ...] parts
         holding every routed expert of `layer` that is in no slot (host sync: module doc)."""
         routed = self._routed(ids)
-        if self._parts is None:
-            self._parts = {
-                part: torch.empty((self.bank.n_experts, *shape), dtype=dtype, pin_memory=self._cuda)
-                for part, (shape, dtype) in self.bank.part_shapes.items()
-            }
+        parts = self.area()
         if layer != self._layer:
             self._layer, self._held = layer, set()
         for e in routed:
             if e in self._held or bool(in_slot[e]):
                 continue
             for part, t in self.bank.expert(layer, e).items():
-                self._parts[part][e].copy_(t)
+                parts[part][e].copy_(t)
             self._held.add(e)
             self.staged_bytes += self.bank.expert_bytes
+        return parts
+
+    def area(self) -> dict[str, torch.Tensor]:
+        """The staging area's [E, ...] parts (pinned on CUDA), made on first use: the same tensors for every staged
+        layer, so a captured kernel reads them at fixed addresses."""
+        if self._parts is None:
+            self._parts = {
+                part: torch.empty((self.bank.n_experts, *shape), dtype=dtype, pin_memory=self._cuda)
+                for part, (shape, dtype) in self.bank.part_shapes.items()
+            }
         return self._parts
+
+    def forget(self) -> None:
+        """Hold nothing: the next staging of any layer copies every expert it routes to (a check's clean start)."""
+        self._layer, self._held = None, set()
+        if self._parts is not None:
+            with torch.inference_mode():  # the area is made inside a forward, under inference mode
+                for t in self._parts.values():
+                    t.zero_()
 
     def _routed(self, ids: torch.Tensor) -> list[int]:
         """The experts in ids, read on the host: on CUDA after a non-blocking copy and its event."""
         if self._cuda:
-            host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+            key = (tuple(ids.shape), ids.dtype)
+            host = self._ids_host.get(key)
+            if host is None:  # one pinned buffer per shape: pinning is slow, a decode step's shapes are few
+                host = self._ids_host[key] = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
             host.copy_(ids, non_blocking=True)
             done = torch.cuda.Event()
             done.record()

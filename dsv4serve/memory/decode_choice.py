@@ -43,13 +43,12 @@ def split_tiers(split: HostSplit, cpu_experts: bool, n_moe_layers: int) -> BankT
 
 def eager_reason(enforce_eager: bool, backend: str, tiers: BankTiers, speculative: bool = False) -> str | None:
     """Why this backend's decode steps run eager (worker/engine_setup.eager_reason), or None: CUDA graphs (hybrid
-    too: its decode steps take the CPU split fixed between steps, experts/hybrid_graph.py)."""
+    too: its decode steps take the CPU split fixed between steps, experts/hybrid_graph.py; a bank not all pinned
+    too: its staged layers cut the graphs, experts/graph_cuts.py). `tiers` stays for the callers' symmetry."""
     if enforce_eager:
         return "--enforce-eager"
     if backend == "hybrid" and speculative:
         return "hybrid CPU experts sync per MoE layer in the speculative verify steps"
-    if tiers.pinned < 1.0:
-        return "the bank is not all pinned: the host stages those layers' misses mid-step"
     return None
 
 

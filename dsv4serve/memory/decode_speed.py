@@ -87,6 +87,9 @@ EAGER_LAUNCH_SECONDS = 33e-6
 # assumed per MoE layer and hybrid step: the hidden state to the host, kt-kernel's submit / sync, the result
 # back (two small copies at ~10 us latency each, plus the CPU pool's wake-up)
 HANDOFF_SECONDS = 25e-6
+# assumed per staged layer in a cut decode graph (experts/graph_cuts.py): the host's wait for the segment's routing
+# (a stream sync, ~10 us once the device drains), the hook's Python, and the next segment's launch (~10 us)
+CUT_SECONDS = 40e-6
 DEFAULT_CONTEXT_TOKENS = 32768  # the KV read is priced at this context (users.md: agent prompts 20K-300K)
 
 DENSE_GROUPS = ("attention", "compressor", "indexer", "router", "hc_norm")  # read before / at routing
@@ -252,9 +255,12 @@ def expected_hits(b: DecodeBytes, slots: int) -> float:
     return b.expert_uses * min(slots, b.n_experts) / b.n_experts
 
 
-def _serial_terms(b: DecodeBytes, gpu_bps: float, cuda_graphs: bool, handoff_s: float) -> tuple[Term, ...]:
-    """The GPU stream's own work, one term after another."""
+def _serial_terms(
+    b: DecodeBytes, gpu_bps: float, cuda_graphs: bool, handoff_s: float, cut_layers: float = 0.0
+) -> tuple[Term, ...]:
+    """The GPU stream's own work, one term after another; `cut_layers`: staged layers cutting a graph step."""
     launch_s = GRAPH_LAUNCH_SECONDS if cuda_graphs else EAGER_LAUNCH_SECONDS
+    cuts = cut_layers if cuda_graphs else 0.0
     mb = 1e6
     return (
         Term(
@@ -271,6 +277,13 @@ def _serial_terms(b: DecodeBytes, gpu_bps: float, cuda_graphs: bool, handoff_s: 
             "CPU handoffs",
             handoff_s,
             f"{b.n_moe_layers} layers x {HANDOFF_SECONDS * 1e6:g} us" if handoff_s else "none",
+        ),
+        Term(
+            "graph cuts",
+            cuts * CUT_SECONDS,
+            f"{cuts:.1f} staged layers x {CUT_SECONDS * 1e6:g} us (the host stages between graph segments)"
+            if cuts
+            else "none",
         ),
     )
 
@@ -372,7 +385,8 @@ def project_decode(
             f"CPU, {misses * b.expert_bytes / GB:.2f} GB a token at {bw.host_gbps:g} GB/s whichever lane takes it; "
             "only more slot hits (more slots, skewed routing) or a faster host memory (more channels) raise it"
         )
-    serial = _serial_terms(b, rates.gpu, cuda_graphs, handoff_s)
+    cut_layers = (1.0 - tiers.pinned) * b.n_moe_layers if misses else 0.0  # every staged layer cuts the graph
+    serial = _serial_terms(b, rates.gpu, cuda_graphs, handoff_s, cut_layers)
     return DecodeProjection(
         backend, cuda_graphs, hits, misses, cpu_misses / misses if misses else 0.0, serial, parallel, moe_s,
         binding[1], tuple(notes),

@@ -267,6 +267,12 @@ def plan_memory(
         if why is not None:
             decisions.append(f"decode graphs: none after all ({why}); their {_g(graphs)} go to activations")
             graphs = 0
+        elif tiers.pinned < 1.0:
+            cuts = round((1.0 - tiers.pinned) * args.n_layers)
+            decisions.append(
+                f"decode graphs: cut at about {cuts} of {args.n_layers} MoE layers, whose experts are not pinned (the "
+                "host stages their misses between graph segments: experts/graph_cuts.py)"
+            )
     free = budget - resident - graphs - slots * weights.expert_bytes - kvb - r.seq_bytes
     geometry, chunk = final_chunk(args, machine, s, free, kv_tok, max_len)
     warnings += [chunk.warning] if chunk.warning else []

@@ -93,7 +93,7 @@ def build_engine(launch: WorkerLaunch) -> EngineParts:
     # graph); the static buffers with collectives are checked over gloo on the CPU (tests/unit/test_tp_forward.py),
     # the capture over NCCL only by bench/gpu_cases/multi_gpu.py on a multi-GPU run
     n_spec = launch.speculative_tokens.value
-    eager = eager_reason(device, launch.enforce_eager.value, hybrid is not None and n_spec > 0, expert_cache)
+    eager = eager_reason(device, launch.enforce_eager.value, hybrid is not None and n_spec > 0)
     if eager is None and hybrid is not None and hybrid.graph.layers:  # its stream forward, replayed, must be right
         from dsv4serve.experts.kt_stream_check import check_stream_graph
 
@@ -101,6 +101,8 @@ def build_engine(launch: WorkerLaunch) -> EngineParts:
         if why is not None:
             log.warning("hybrid decode steps stay eager: %s", why)
             eager = f"off (--moe-backend hybrid: {why})"
+    if eager is None:  # layers the host stages mid-step cut the graphs: a cut graph, replayed, must be right
+        eager = _cut_graph_reason(model, expert_cache, numerics, device)
     capture = eager is None
     graph_reserve = (
         decode_graph_bytes(args, launch.max_num_seqs.value, launch.max_model_len.value, n_spec) if capture else 0
@@ -294,28 +296,40 @@ def _speculative_note(n_tokens: int, graphs: DecodeGraphs | None, spec_graphs: S
     return f"; --speculative-tokens {n_tokens}: MTP drafts verified per step{how}"
 
 
-def eager_reason(
-    device: torch.device, enforce_eager: bool, hybrid_speculating: bool, expert_cache: ExpertSlotCache | None
-) -> str | None:
+def eager_reason(device: torch.device, enforce_eager: bool, hybrid_speculating: bool) -> str | None:
     """Why decode steps run eager (the start-up report's decode-graphs line), or None: captured as CUDA graphs.
-    A step that makes the host wait mid-way cannot be captured (the capture would fail and stop the start):
-    every layer whose experts the host must stage (a bank beyond the pin budget: WSL2's pin cap, or a host RAM
-    smaller than the bank, the rest on disk), and hybrid CPU experts in the speculative steps' graphs (decode
-    graphs take hybrid_graph.py's split; the verify steps have no such split yet)."""
+    A step that makes the host wait mid-way cannot be one graph: hybrid CPU experts in the speculative steps'
+    graphs (decode graphs take hybrid_graph.py's split; the verify steps have no such split yet). Layers whose
+    experts the host must stage (a bank beyond the pin budget: WSL2's pin cap, or a host RAM smaller than the
+    bank, the rest on disk) cut the graphs instead (experts/graph_cuts.py), once `_cut_graph_reason` passes."""
     if device.type != "cuda":
         return "off (CPU: every step eager)"
     if enforce_eager:
         return "off (--enforce-eager)"
     if hybrid_speculating:
         return HYBRID_EAGER
-    staged = expert_cache.staged_layers if expert_cache is not None else []
-    if expert_cache is not None and staged:
-        return (
-            f"off ({len(staged)} of {len(expert_cache.layers)} MoE layers' experts are not pinned (pageable or on "
-            "disk): the host stages their misses mid-step, which a CUDA graph cannot hold; more pinnable host "
-            "memory captures them)"
-        )
     return None
+
+
+def _cut_graph_reason(
+    model: Transformer, expert_cache: ExpertSlotCache | None, numerics: Numerics, device: torch.device
+) -> str | None:
+    """With staged layers: None when a staged layer's cut graph replays as its eager forward (cut_check.py), else
+    why the decode steps stay eager; None without staged layers (nothing cuts the graphs)."""
+    staged = [layer for layer in (expert_cache.staged_layers if expert_cache else []) if layer < len(model.layers)]
+    if expert_cache is None or not staged:
+        return None
+    from dsv4serve.experts.cut_check import check_cut_graph
+
+    moe = model.layers[staged[0]].ffn
+    why = check_cut_graph(moe, expert_cache, numerics, device, model.args.dim, model.args.vocab_size)  # type: ignore[arg-type]
+    if why is None:
+        return None
+    log.warning("decode steps with staged expert layers stay eager: %s", why)
+    return (
+        f"off ({len(expert_cache.staged_layers)} of {len(expert_cache.layers)} MoE layers' experts are not pinned "
+        f"and their cut graphs failed the start-up check: {why})"
+    )
 
 
 def _graphs_line(graphs: DecodeGraphs | None, planned: int) -> str:

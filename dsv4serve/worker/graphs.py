@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from dsv4serve.experts import graph_cuts
 from dsv4serve.experts.attach import cpu_experts_of
 from dsv4serve.experts.hybrid_graph import GraphSplit
 from dsv4serve.experts.slot_cache import ExpertSlotCache
@@ -50,7 +51,7 @@ class _Bucket:
     host: torch.Tensor  # [n] int32, pinned on CUDA: this bucket's metadata, filled by the host each step
     device: torch.Tensor  # [n] int32: the static device copy the layout views
     layout: BatchLayout
-    graph: Any = None  # torch.cuda.CUDAGraph once captured
+    graph: graph_cuts.CutGraph | None = None  # once captured
     logits: torch.Tensor | None = None  # the captured forward's output [rows, vocab] fp32
 
 
@@ -60,9 +61,12 @@ class GraphReport:
     captured: bool  # CUDA graphs (else the static buffers run eagerly)
     capture_s: float
     graph_bytes: int  # device memory the captured graphs hold (their private pool)
+    cuts: int = 0  # host points a step's graph is cut at (unpinned layers staged between segments)
 
     def describe(self) -> str:
         how = "CUDA graphs" if self.captured else "eager (static buffers, no graphs)"
+        if self.cuts:
+            how += f" cut in {self.cuts + 1} segments (the host stages {self.cuts} unpinned layers' experts between)"
         sizes = ", ".join(map(str, self.buckets))
         return (
             f"{how} for decode batch sizes {sizes}; capture {self.capture_s:.1f} s, {self.graph_bytes / 2**20:.0f} MiB"
@@ -91,6 +95,8 @@ class DecodeGraphs:
         self.device = model.embed.weight.device
         self.width = -(-max_model_len // pool.page_tokens)
         self.max_end, self.pad_slot, self.pad_page = max_model_len, pad_slot, pad_page
+        # layers whose experts the host stages mid-step: their graphs are cut there (experts/graph_cuts.py)
+        self.cuts = expert_cache is not None and bool(expert_cache.staged_layers)
         self.buckets = {n: self._bucket(n) for n in (sizes or bucket_sizes(max_rows))}
         self.report = self._capture(mempool) if capture else GraphReport(tuple(self.buckets), False, 0.0, 0)
 
@@ -204,15 +210,20 @@ class DecodeGraphs:
                     self.model.run(dataclasses.replace(b.layout), self.pool, self.numerics)
                 self._end_step()
             torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
             self._begin_step()  # the boundary (host decisions, copies) stays outside the graph
-            with torch.cuda.graph(graph, pool=mempool), self._steps():  # a fresh layout: its int64 views too
+            # a fresh layout: its int64 views are captured too; cut where the host stages unpinned layers' experts
+            with graph_cuts.capture(mempool, cuts=self.cuts) as graph, self._steps():
                 out = self.model.run(dataclasses.replace(b.layout), self.pool, self.numerics)
             self._end_step()
             b.graph, b.logits = graph, out.last_logits
         torch.cuda.synchronize(self.device)
+        cuts = max(b.graph.cuts for b in self.buckets.values() if b.graph is not None)
         report = GraphReport(
-            tuple(sorted(self.buckets)), True, time.monotonic() - t0, torch.cuda.memory_allocated(self.device) - before
+            tuple(sorted(self.buckets)),
+            True,
+            time.monotonic() - t0,
+            torch.cuda.memory_allocated(self.device) - before,
+            cuts,
         )
         log.info("decode graphs: %s", report.describe())
         return report

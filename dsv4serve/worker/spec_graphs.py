@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from dsv4serve.experts import graph_cuts
 from dsv4serve.experts.slot_cache import ExpertSlotCache
 from dsv4serve.model.batch import BatchLayout, RowSpan
 from dsv4serve.model.kv_pool import KvPool
@@ -51,7 +52,7 @@ class StaticRows:
     device: torch.Tensor  # [n] int32, the layout's views
     layout: BatchLayout
     advance: torch.Tensor  # positions and start positions, contiguous: the chain adds 1 per application
-    graph: Any = None  # torch.cuda.CUDAGraph once captured
+    graph: graph_cuts.CutGraph | None = None  # once captured
     outputs: Any = None  # the captured forward's outputs
 
 
@@ -120,10 +121,10 @@ def capture(
     with torch.cuda.stream(stream):
         forward(dataclasses.replace(b.layout))
     torch.cuda.current_stream(device).wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
     if expert_cache is not None:
         expert_cache.begin_step()
-    with torch.cuda.graph(graph, pool=mempool):  # a fresh layout: its int64 views are captured too
+    cuts = expert_cache is not None and bool(expert_cache.staged_layers)  # staged layers cut it (graph_cuts.py)
+    with graph_cuts.capture(mempool, cuts) as graph:  # a fresh layout: its int64 views are captured too
         outputs = forward(dataclasses.replace(b.layout))
     if expert_cache is not None:
         expert_cache.end_step()
@@ -131,6 +132,7 @@ def capture(
 
 
 def replay(b: StaticRows, expert_cache: ExpertSlotCache | None) -> Any:
+    assert b.graph is not None, "captured first"
     if expert_cache is not None:  # the layers' hooks do not run in a replay: the boundary is here
         expert_cache.begin_step()
     b.graph.replay()

@@ -217,7 +217,9 @@ def test_unpinned_misses_wait_for_the_host_to_stage_them_and_disk_ones_for_a_pag
     )
     assert lanes["host memory"] == pytest.approx((1.0 * 1 + 0.5 * 3 + 0.3 * 4) / 80 * 1e3)
     assert p.moe_seconds == pytest.approx(pinned + pageable + disk)  # each class waits for its slowest lane
-    assert p.step_seconds / MS == pytest.approx(11 + LAUNCH_MS + (pinned + pageable + disk) * 1e3)
+    cuts_ms = 0.5 * 40 * ds.CUT_SECONDS / MS  # the 20 unpinned layers cut the decode graph (graph_cuts.py)
+    assert {t.name: t.seconds / MS for t in p.serial}["graph cuts"] == pytest.approx(cuts_ms)
+    assert p.step_seconds / MS == pytest.approx(11 + LAUNCH_MS + cuts_ms + (pinned + pageable + disk) * 1e3)
     assert p.bound_by == "staged copies"
 
 
@@ -250,8 +252,8 @@ def test_hybrid_sends_a_disk_layer_s_misses_to_the_cpu_where_kt_kernel_holds_it(
 
 
 def test_a_32gb_card_s_backends_as_the_worker_runs_them(real):
-    """On 128 GiB of RAM the bank (137 GiB) does not fit: offload stages 12% from disk, eager; hybrid's kt-kernel
-    copy (1.3x) leaves the bank on disk. With the whole bank pinned beside that copy (384 GiB) both replay graphs
+    """On 128 GiB of RAM the bank (137 GiB) does not fit: offload stages 12% from disk, its graphs cut at those
+    layers; hybrid's kt-kernel copy (1.3x) leaves the bank on disk. With the whole bank pinned beside that copy (384 GiB) both replay graphs
     (hybrid with its CPU split fixed between steps) and hybrid's CPU share pays off; with --speculative-tokens
     hybrid's verify steps sync, so it runs eager and offload wins."""
     _, _, _, b = real
@@ -262,11 +264,12 @@ def test_a_32gb_card_s_backends_as_the_worker_runs_them(real):
         return project_backends(b, slots, bank, machine, Bandwidths(), eager, ("offload", "hybrid"), speculative)
 
     small = backends(128)
-    assert small["offload"][1].disk == pytest.approx(1 - 120 / 137) and small["offload"][2] is not None
+    assert small["offload"][1].disk == pytest.approx(1 - 120 / 137) and small["offload"][2] is None  # cut graphs
     assert small["hybrid"][1].pinned == 0 and small["hybrid"][1].cpu_layers == pytest.approx(28 / 43)
-    assert faster_backend(small) == "offload" and small["offload"][0].tokens_per_second < 7
-    # the slots hold disk layers' experts first (3.8 tokens/s when they held every layer's alike)
-    assert "offload 6.0 vs hybrid 2.2" in (offload_faster(small) or "")
+    assert faster_backend(small) == "offload" and small["offload"][0].tokens_per_second < 9
+    # the slots hold disk layers' experts first, the graphs cut at the staged layers (3.8 tokens/s when the slots
+    # held every layer's alike and those steps ran eager; 6.0 eager with the slots weighed)
+    assert "offload 8.5 vs hybrid 2.5" in (offload_faster(small) or "")
     big = backends(384)
     assert big["offload"][2] is None and big["hybrid"][2] is None  # both all pinned: graphs
     assert faster_backend(big) == "hybrid" and offload_faster(big) is None

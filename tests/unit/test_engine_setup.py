@@ -156,22 +156,41 @@ def test_batch_invariance_is_opt_in_and_a_bf16_checkpoint_keeps_fp8_kernels_off(
         worker_numerics(bf16, "fp8_gemm=triton", cuda)
 
 
-def test_decode_graphs_are_captured_only_where_no_step_makes_the_host_wait():
-    """A capture of a step that syncs fails and stops the start: a layer whose experts are not pinned is staged by
-    the host mid-step (WSL2's pin cap, or a bank larger than host RAM); hybrid CPU experts sync per layer in the
-    speculative verify steps (decode steps take the split fixed between steps: experts/hybrid_graph.py)."""
+def test_decode_graphs_are_captured_unless_a_step_makes_the_host_wait_in_a_way_no_cut_holds():
+    """Hybrid CPU experts sync per layer in the speculative verify steps (decode steps take the split fixed between
+    steps: experts/hybrid_graph.py): those run eager. A layer whose experts are not pinned is staged by the host
+    mid-step (WSL2's pin cap, or a bank larger than host RAM): its graphs are cut there (experts/graph_cuts.py),
+    once a cut graph passes its start-up check; a failed check keeps them eager and says why."""
     from types import SimpleNamespace
 
+    from dsv4serve.worker import engine_setup
+
     cuda = torch.device("cuda")
+    assert eager_reason(cuda, False, False) is None
+    assert eager_reason(CPU, False, False) == "off (CPU: every step eager)"
+    assert eager_reason(cuda, True, False) == "off (--enforce-eager)"
+    assert "--speculative-tokens" in (eager_reason(cuda, False, True) or "")
+    model = SimpleNamespace(layers=[SimpleNamespace(ffn="moe0"), SimpleNamespace(ffn="moe1")], args=ARGS)
     pinned = SimpleNamespace(layers=[0, 1, 2], staged_layers=[])
-    partly = SimpleNamespace(layers=[0, 1, 2], staged_layers=[1, 2])
-    assert eager_reason(cuda, False, False, None) is None
-    assert eager_reason(cuda, False, False, pinned) is None  # type: ignore[arg-type]
-    assert eager_reason(CPU, False, False, None) == "off (CPU: every step eager)"
-    assert eager_reason(cuda, True, False, pinned) == "off (--enforce-eager)"  # type: ignore[arg-type]
-    assert "--speculative-tokens" in eager_reason(cuda, False, True, pinned)  # type: ignore[arg-type, operator]
-    why = eager_reason(cuda, False, False, partly)  # type: ignore[arg-type]
+    partly = SimpleNamespace(layers=[0, 1, 2], staged_layers=[1, 2])  # 2: the MTP layer's, not checked
+    checked = []
+
+    def check(moe, cache, numerics, device, dim, vocab):
+        checked.append(moe)
+        return verdict
+
+    verdict = None
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("dsv4serve.experts.cut_check.check_cut_graph", check)
+        assert engine_setup._cut_graph_reason(model, None, None, cuda) is None  # type: ignore[arg-type]
+        assert engine_setup._cut_graph_reason(model, pinned, None, cuda) is None  # type: ignore[arg-type]
+        assert checked == []  # nothing cut: nothing to check
+        assert engine_setup._cut_graph_reason(model, partly, None, cuda) is None  # type: ignore[arg-type]
+        assert checked == ["moe1"]
+        verdict = "a replayed cut graph differed from the eager layer (max |diff| 0.5)"
+        why = engine_setup._cut_graph_reason(model, partly, None, cuda)  # type: ignore[arg-type]
     assert why is not None and why.startswith("off (2 of 3 MoE layers' experts are not pinned")
+    assert verdict in why
 
 
 def test_auto_on_a_cuda_worker_projects_both_offloaded_backends_with_this_host_s_ram(real_model_dir, monkeypatch):
@@ -193,6 +212,6 @@ def test_auto_on_a_cuda_worker_projects_both_offloaded_backends_with_this_host_s
     free = 128 * 2**30
     monkeypatch.setattr(model_load, "host_snapshot", lambda: MemorySnapshot(free, free, "native"))
     line = model_load._offload_faster(ckpt, launch, KernelBackends.every("triton"), False)  # type: ignore[arg-type]
-    assert line is not None and line.startswith("projected batch-1 decode offload 3.8 vs hybrid 1.9 tokens/s")
+    assert line is not None and line.startswith("projected batch-1 decode offload 8.4 vs hybrid 2.5 tokens/s")
     free = 1024 * 2**30  # room for the bank and kt-kernel's copy: both replay graphs, hybrid is the faster
     assert model_load._offload_faster(ckpt, launch, KernelBackends.every("triton"), False) is None

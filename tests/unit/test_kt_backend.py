@@ -193,6 +193,10 @@ def test_a_graph_step_s_cpu_set_is_the_coldest_free_experts_up_to_the_cpu_share(
     fetch = EXPERT / 50e9
     assert decode_cpu_share(COSTS, EXPERT) == pytest.approx(fetch / (fetch + 1.9e-3))
     assert decode_cpu_share(SplitCosts(CpuExpertCost(1e-3, 0), None, None), EXPERT) == 1.0  # CPU device
+    # a pageable layer's fetch (8 GB/s: staged by the host) takes longer, so the CPU takes more; a disk layer all
+    staged = EXPERT / 8e9
+    assert decode_cpu_share(COSTS, EXPERT, "pageable") == pytest.approx(staged / (staged + 1.9e-3))
+    assert decode_cpu_share(COSTS, EXPERT, "disk") == 1.0
 
 
 def test_a_graph_split_keeps_its_cpu_sets_while_the_slot_map_stands_and_rewrites_kt_kernel_s_masks():
