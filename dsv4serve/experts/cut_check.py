@@ -8,7 +8,8 @@ segment reads it, that the hook's wait for the routing orders it after the first
 segment's kernels read the staging area as the hook left it. So: one staged MoE layer (router, the cut, the routed
 experts' kernels, the shared expert) captured with its cut, replayed on two inputs, the staging area emptied before
 each, and each output equal to the eager layer's on the same input, bit for bit. The check's forwards count as no
-uses of the slot cache (`ExpertSlotCache.detached`).
+uses of the slot cache (`ExpertSlotCache.detached`); hybrid CPU experts are left out of it (their stream forward
+has its own check, kt_stream_check.py).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ def check_cut_graph(
         raise ValueError(f"layer {moe.layer_id} is not staged: nothing would cut its graph")
     src = [_inputs(moe, dim, vocab, numerics, device, seed) for seed in (1, 2)]
     x, tokens = (torch.empty_like(t) for t in src[0])  # the graph's inputs
+    cpu_experts, moe.cpu_experts = moe.cpu_experts, None  # the cut alone: hybrid's eager split syncs, kt_stream_check
     try:
         with torch.inference_mode(), cache.detached():  # as a forward runs (the area is made in it)
             x.copy_(src[0][0])
@@ -61,4 +63,6 @@ def check_cut_graph(
                     return f"a replayed cut graph differed from the eager layer (max |diff| {diff:.3g})"
     except RuntimeError as exc:
         return f"capturing a graph cut at the staging path failed: {str(exc).splitlines()[0]}"
+    finally:
+        moe.cpu_experts = cpu_experts
     return None

@@ -62,6 +62,8 @@ class CutGraph:
 def capture(pool: Any, cuts: bool) -> Iterator[CutGraph]:
     """Capture what the block runs into a CutGraph, on a side stream; `cuts`: host points may cut it (`cut`),
     else it is one torch.cuda.graph capture (a host point then fails the capture, as it always did)."""
+    if pool is None:  # the segments share one pool: a later segment reads what an earlier one wrote
+        pool = torch.cuda.graph_pool_handle()
     graph = CutGraph(pool)
     if not cuts:
         whole = torch.cuda.CUDAGraph()
