@@ -14,6 +14,9 @@ has its own check, kt_stream_check.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from dsv4serve.experts import graph_cuts
@@ -31,11 +34,25 @@ def _inputs(moe: MoE, dim: int, vocab: int, numerics: Numerics, device: torch.de
     return x.to(device), tokens.to(device)
 
 
+def capture_cut(forward: Callable[[], torch.Tensor]) -> tuple[graph_cuts.CutGraph, torch.Tensor]:
+    """`forward` captured with cuts (graph_cuts.capture) -> (the graph, its output tensor)."""
+    with graph_cuts.capture(None, cuts=True) as graph:
+        out = forward()
+    return graph, out
+
+
 def check_cut_graph(
-    moe: MoE, cache: ExpertSlotCache, numerics: Numerics, device: torch.device, dim: int, vocab: int
+    moe: MoE,
+    cache: ExpertSlotCache,
+    numerics: Numerics,
+    device: torch.device,
+    dim: int,
+    vocab: int,
+    capture_forward: Callable[[Callable[[], torch.Tensor]], tuple[Any, torch.Tensor]] = capture_cut,
 ) -> str | None:
     """None when two replays of the layer's cut graph equal its eager forward; else the reason. `moe` must be a layer
-    the cache stages (ExpertSlotCache.staged_layers)."""
+    the cache stages (ExpertSlotCache.staged_layers); `capture_forward`: how the forward is captured (a CPU test's
+    stand-in replays it eagerly)."""
     if moe.layer_id not in cache.staged_layers:
         raise ValueError(f"layer {moe.layer_id} is not staged: nothing would cut its graph")
     src = [_inputs(moe, dim, vocab, numerics, device, seed) for seed in (1, 2)]
@@ -46,8 +63,7 @@ def check_cut_graph(
             x.copy_(src[0][0])
             tokens.copy_(src[0][1])
             moe(x, tokens, numerics)  # warm-up: compiles and lazy buffers stay out of the capture
-            with graph_cuts.capture(None, cuts=True) as graph:
-                out = moe(x, tokens, numerics)
+            graph, out = capture_forward(lambda: moe(x, tokens, numerics))
             if graph.cuts != 1:
                 return f"the layer's capture was cut {graph.cuts} times, not once"
             for inputs in src:

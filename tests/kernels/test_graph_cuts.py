@@ -6,7 +6,8 @@ segment ends, stages its own layer's routed experts from the routing that segmen
 with their hooks between them computes the eager step, bit for bit. The stand-in "captures" by running the ops
 eagerly, and "ends a segment" by running the hook just kept: what a replay does, in the order a replay does it.
 What needs a GPU (one pool across segments, the hook's wait ordered after its segment) the worker checks at start-up
-(experts/cut_check.py) and bench/gpu_cases/decode_step.py times.
+(experts/cut_check.py, whose own logic is checked here with an eager stand-in for the replay: it passes a replay that
+stages and fails one that does not) and bench/gpu_cases/decode_step.py times.
 """
 
 from __future__ import annotations
@@ -123,3 +124,48 @@ def test_a_step_is_cut_once_per_staged_layer_and_its_segments_with_their_hooks_a
                 assert torch.equal(area[part][e], t), (layer, e, part)
         staged_any += len(held)
     assert staged_any and set(PART_ORDER) == set(area)
+
+
+class EagerReplay:
+    """A captured forward stood in for on the CPU: `replay` runs it again, its cuts' hooks run where a replay runs
+    them (or, `broken`, never: a replay that leaves the staging area as it was), the result into the output."""
+
+    def __init__(self, forward, out: torch.Tensor, broken: bool):
+        self.forward, self.out, self.broken, self.cuts = forward, out, broken, 0
+
+    def replay(self) -> None:
+        graph = StandIn(replaying=not self.broken)
+        with graph_cuts.taking_cuts(graph):
+            self.out.copy_(self.forward())
+        self.cuts = graph.cuts
+
+
+def test_the_start_up_check_passes_a_replay_that_stages_and_fails_one_that_does_not(offloaded, monkeypatch):
+    """cut_check.check_cut_graph's own logic (inputs, the emptied staging area, the comparison) on the CPU, with
+    EagerReplay for the CUDA capture."""
+    from dsv4serve.experts.cut_check import check_cut_graph
+
+    model, cache = offloaded
+    layer = next(layer for layer in cache.staged_layers if layer < len(model.layers))
+    moe = model.layers[layer].ffn
+    monkeypatch.setattr(graph_cuts, "cut", _cut)
+    args = (moe, cache, NUM, CPU, model.args.dim, model.args.vocab_size)
+    usage, stats = cache.usage.clone(), dataclasses.replace(cache.stats)
+
+    def stand_in(broken: bool):
+        def capture_forward(forward):
+            graph = StandIn(replaying=False)  # a capture: the hooks kept, not run
+            with graph_cuts.taking_cuts(graph):
+                out = forward()
+            replay = EagerReplay(forward, out, broken)
+            replay.cuts = graph.cuts
+            return replay, out
+
+        return capture_forward
+
+    assert check_cut_graph(*args, capture_forward=stand_in(broken=False)) is None
+    why = check_cut_graph(*args, capture_forward=stand_in(broken=True))
+    assert why is not None and why.startswith("a replayed cut graph differed from the eager layer"), why
+    assert torch.equal(cache.usage, usage) and cache.stats == stats  # the check's forwards are no requests' uses
+    with pytest.raises(ValueError, match="not staged"):
+        check_cut_graph(model.layers[0].ffn, cache, NUM, CPU, model.args.dim, model.args.vocab_size)
