@@ -259,7 +259,7 @@ def format_memory_plan(p, device: str = "cuda") -> str:
         lines.append(
             f"host memory: expert bank {gib(h.bank_bytes)} (host RAM {gib(p.machine.host_bytes)}, margin "
             f"{gib(h.margin_bytes)}): {gib(h.ram_bytes)} in RAM, {gib(h.disk_bytes)} on disk (mmap); "
-            f"pin budget about {gib(h.pin_estimate_bytes)} (measured at startup)"
+            f"about {gib(h.pin_estimate_bytes)} of it pinned (the pin budget is measured at startup)"
         )
     elif h is not None:
         lines.append(f"host memory: expert bank {gib(h.bank_bytes)} (host RAM unknown: give --host-memory)")

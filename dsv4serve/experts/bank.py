@@ -16,7 +16,7 @@ On CUDA the FP4 kernel reads an expert outside the device slots in place from it
 tensors (experts/slot_cache.py). A layer outside the pinned tier must be staged into a pinned
 one-layer area first (experts/staging.py); when the bank does not fit the pin budget whole, one
 layer's bytes of the budget are kept for that area (`BankReport.staging_bytes`) and the pinned tier
-gets the rest.
+gets the rest; the area is RAM too, so it comes out of `ram_bytes` as well (memory/host_plan.py plans the same).
 """
 
 from __future__ import annotations
@@ -158,11 +158,12 @@ def load_expert_bank(
     layer_sizes = [sum(s.nbytes for s in layer_specs) for layer_specs in specs.values()]
     staging = 0 if sum(layer_sizes) <= pin.budget_bytes or not torch.cuda.is_available() else max(layer_sizes)
     pin_room = max(0, pin.budget_bytes - staging)
+    ram_room = None if ram_bytes is None else max(0, ram_bytes - staging)  # the staging area is RAM too
     pinned = pageable = left = 0
     pinned_layers = []
     for layer, layer_specs in specs.items():
         size = sum(s.nbytes for s in layer_specs)
-        in_ram = ram_bytes is None or pinned + pageable + size <= ram_bytes
+        in_ram = ram_room is None or pinned + pageable + size <= ram_room
         if in_ram and torch.cuda.is_available() and pinned + size <= pin_room:
             pinned, pin_it = pinned + size, True
             pinned_layers.append(layer)

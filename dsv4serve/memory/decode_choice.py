@@ -26,7 +26,8 @@ def bank_tiers(bank_bytes: int, machine: Machine | None, cpu_experts: bool, n_mo
     all pinned (and every layer held by kt-kernel) when there is no bank or host memory is not known."""
     if not bank_bytes or machine is None or machine.host_bytes is None:
         return ds.ALL_PINNED
-    return split_tiers(host_split(bank_bytes, machine, [], [], cpu_experts), cpu_experts, n_moe_layers)
+    split = host_split(bank_bytes, machine, [], [], cpu_experts, bank_bytes // n_moe_layers)
+    return split_tiers(split, cpu_experts, n_moe_layers)
 
 
 def split_tiers(split: HostSplit, cpu_experts: bool, n_moe_layers: int) -> BankTiers:

@@ -43,7 +43,8 @@ class HostSplit:
     margin_bytes: int
     ram_bytes: int | None  # None: host memory not given
     disk_bytes: int | None
-    pin_estimate_bytes: int | None  # measured at startup (experts/pinning.py); this is the expectation
+    pin_estimate_bytes: int | None  # the bank's pinned part expected (the budget, less a staging area, is measured
+    # at startup: experts/pinning.py)
     kt_copy_bytes: int = 0  # hybrid: kt-kernel's own copy of the experts, resident RAM
 
 
@@ -61,13 +62,25 @@ def kt_copy_bytes(bank: int) -> int:
     return int(bank * KT_COPY_FACTOR)
 
 
+def staging_bytes(bank: int, room: int, cap: int, layer_bytes: int) -> int:
+    """The staging area experts/bank.py keeps when the bank is not all pinned: one layer's bytes, pinned, out of
+    the pin budget and of the RAM beside the bank (0 when every layer of the bank is pinned)."""
+    return layer_bytes if bank > min(room, cap) else 0
+
+
 def host_split(
-    bank: int, machine: Machine, decisions: list[str], warnings: list[str], cpu_experts: bool = False
+    bank: int,
+    machine: Machine,
+    decisions: list[str],
+    warnings: list[str],
+    cpu_experts: bool = False,
+    layer_bytes: int = 0,
 ) -> HostSplit:
     """Item 5 of the plan: the bank against host RAM minus the margin, and the expected pin budget;
-    with `cpu_experts` (hybrid) kt-kernel's copy first (`_kt_copy`)."""
+    with `cpu_experts` (hybrid) kt-kernel's copy first (`_kt_copy`). `layer_bytes`: one MoE layer's experts, the
+    staging area a bank beyond the pin budget keeps pinned (experts/bank.py)."""
     if cpu_experts:
-        return _kt_copy(bank, machine, decisions, warnings)
+        return _kt_copy(bank, machine, decisions, warnings, layer_bytes)
     if machine.host_bytes is None:
         decisions.append(
             f"expert bank {_g(bank)} in host memory (give --host-memory to check it fits; the pin "
@@ -75,12 +88,15 @@ def host_split(
         )
         return HostSplit(bank, HOST_MARGIN_BYTES, None, None, None)
     room = max(0, machine.host_bytes - HOST_MARGIN_BYTES)
-    ram = min(bank, room)
     cap = int(machine.host_bytes * WSL2_PIN_FRACTION) if machine.platform == "wsl2" else room
-    pin = min(ram, cap)
+    staging = staging_bytes(bank, room, cap, layer_bytes)
+    ram = min(bank, max(0, room - staging))
+    pin = min(ram, max(0, cap - staging))
     decisions.append(
         f"expert bank {_g(bank)} in host memory: {_g(ram)} in RAM ({_g(machine.host_bytes)} minus the "
-        f"{_g(HOST_MARGIN_BYTES)} margin), about {_g(pin)} of it pinned"
+        f"{_g(HOST_MARGIN_BYTES)} margin"
+        + (f" and a {_g(staging)} pinned staging area for the unpinned layers" if staging else "")
+        + f"), about {_g(pin)} of it pinned"
         + (" (WSL2 caps pinning near half of RAM, less inside Docker)" if machine.platform == "wsl2" else "")
         + "; the real pin budget is measured at startup, pageable staging beyond it"
     )
@@ -93,7 +109,7 @@ def host_split(
     return HostSplit(bank, HOST_MARGIN_BYTES, ram, bank - ram, pin)
 
 
-def _kt_copy(bank: int, machine: Machine, decisions: list[str], warnings: list[str]) -> HostSplit:
+def _kt_copy(bank: int, machine: Machine, decisions: list[str], warnings: list[str], layer_bytes: int) -> HostSplit:
     """Hybrid: kt-kernel's copy (resident) planned before the bank; the bank's RAM part is what is left."""
     kt = kt_copy_bytes(bank)
     if machine.host_bytes is None:
@@ -104,9 +120,10 @@ def _kt_copy(bank: int, machine: Machine, decisions: list[str], warnings: list[s
         return HostSplit(bank, HOST_MARGIN_BYTES, None, None, None, kt)
     room = max(0, machine.host_bytes - HOST_MARGIN_BYTES)
     kt_held = min(kt, room)
-    ram = min(bank, room - kt_held)
     cap = int(machine.host_bytes * WSL2_PIN_FRACTION) if machine.platform == "wsl2" else room
-    pin = min(ram, cap)
+    staging = staging_bytes(bank, room - kt_held, cap, layer_bytes)
+    ram = min(bank, max(0, room - kt_held - staging))
+    pin = min(ram, max(0, cap - staging))
     decisions.append(
         f"hybrid experts: kt-kernel's copy {_g(kt)} ({KT_COPY_FACTOR}x the {_g(bank)} packed bank) in RAM first, "
         f"then {_g(ram)} of the bank beside it (about {_g(pin)} pinned for the slots), {_g(bank - ram)} left in "

@@ -260,7 +260,8 @@ def plan_memory(
     )
     host = 0 if resident_all else weights.routed_expert_bytes
     warnings: list[str] = []
-    split = host_split(host, machine, decisions, warnings, s.cpu_experts) if host else None
+    layer_bytes = host // args.n_layers
+    split = host_split(host, machine, decisions, warnings, s.cpu_experts, layer_bytes) if host else None
     if split is not None and graphs:  # as engine_setup.eager_reason decides from the pin budget it measures
         tiers = split_tiers(split, s.cpu_experts, args.n_layers)
         why = eager_reason(False, "hybrid" if s.cpu_experts else "offload", tiers, s.speculative_tokens > 0)

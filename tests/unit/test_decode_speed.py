@@ -264,12 +264,13 @@ def test_a_32gb_card_s_backends_as_the_worker_runs_them(real):
         return project_backends(b, slots, bank, machine, Bandwidths(), eager, ("offload", "hybrid"), speculative)
 
     small = backends(128)
-    assert small["offload"][1].disk == pytest.approx(1 - 120 / 137) and small["offload"][2] is None  # cut graphs
+    # 120 GiB of RAM less one layer's staging area; the staged layers cut the graphs
+    assert small["offload"][1].disk == pytest.approx(1 - (120 - 137 / 43) / 137) and small["offload"][2] is None
     assert small["hybrid"][1].pinned == 0 and small["hybrid"][1].cpu_layers == pytest.approx(28 / 43)
-    assert faster_backend(small) == "offload" and small["offload"][0].tokens_per_second < 9
+    assert faster_backend(small) == "offload" and small["offload"][0].tokens_per_second < 8
     # the slots hold disk layers' experts first, the graphs cut at the staged layers (3.8 tokens/s when the slots
-    # held every layer's alike and those steps ran eager; 6.0 eager with the slots weighed)
-    assert "offload 8.5 vs hybrid 2.5" in (offload_faster(small) or "")
+    # held every layer's alike, those steps ran eager and the staging area's RAM went uncounted)
+    assert "offload 6.8 vs hybrid 2.5" in (offload_faster(small) or "")
     big = backends(384)
     assert big["offload"][2] is None and big["hybrid"][2] is None  # both all pinned: graphs
     assert faster_backend(big) == "hybrid" and offload_faster(big) is None
