@@ -234,8 +234,9 @@ def build(device: torch.device, args, batch_sizes: tuple[int, ...], context_toke
     bench = DecodeBench(device, args, max(batch_sizes), context_tokens, extra_tokens)
     label = "triton" if default_backends(device).uses_triton() else "torch"
     homes = {"resident": "resident", "slots": f"slot cache {bench.n_slots}/{bench.n_experts}"}
-    # the last layer's bank pageable (beyond a pin budget): the host stages its misses, the graphs are cut there
-    homes["staged"] = f"slot cache {bench.n_slots}/{bench.n_experts}, last layer pageable"
+    if device.type == "cuda":  # the last layer's bank pageable (beyond a pin budget): the host stages its misses, the
+        # graphs are cut there; a CPU reads every bank layer in place (nothing staged: the slots home again)
+        homes["staged"] = f"slot cache {bench.n_slots}/{bench.n_experts}, last layer pageable"
     if kt_kernel_available()[0]:  # --moe-backend hybrid: eager (the per-step split) and replays (the fixed one)
         homes["hybrid"] = f"hybrid: slot cache {bench.n_slots}/{bench.n_experts}, misses on kt-kernel"
     cases = []
