@@ -7,6 +7,7 @@ Only the JSON headers are read up front; tensor data is read memory-mapped, tens
 from __future__ import annotations
 
 import json
+import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,8 @@ class TensorInfo:
     dtype: str  # safetensors dtype name, e.g. "F8_E4M3"
     shape: tuple[int, ...]
     file: str  # shard file name inside the folder
+    begin: int = 0  # the tensor's bytes in the file, [begin, end) (0, 0: not known, e.g. a tensor list)
+    end: int = 0
 
 
 def read_header(path: Path) -> dict[str, TensorInfo]:
@@ -39,8 +42,9 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
             header = json.loads(f.read(n))
     except (OSError, struct.error, json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from exc
+    data = 8 + n  # the data section follows the length and the header
     return {
-        name: TensorInfo(meta["dtype"], tuple(meta["shape"]), path.name)
+        name: TensorInfo(meta["dtype"], tuple(meta["shape"]), path.name, *(data + o for o in meta["data_offsets"]))
         for name, meta in header.items()
         if name != "__metadata__"
     }
@@ -62,6 +66,7 @@ class SafetensorsFolder:
                 self.infos[name] = info
         self._check_index()
         self._handles: dict[str, object] = {}
+        self._maps: dict[str, mmap.mmap] = {}
 
     def _shard_files(self) -> list[str]:
         index = self.folder / INDEX_FILE
@@ -107,5 +112,17 @@ class SafetensorsFolder:
             return handle.get_tensor(name)  # type: ignore[attr-defined]
         return handle.get_slice(name)[cut]  # type: ignore[attr-defined]
 
+    def view(self, name: str) -> torch.Tensor:
+        """One tensor's bytes, uint8 [nbytes], a view of its memory-mapped shard: no copy is made, the pages come
+        in as the view is read (a copy out of it pages them in on whatever thread runs it). Read it, never write:
+        the map is private, so a write would only change this process's copy of the page."""
+        info = self.infos[name]
+        mapped = self._maps.get(info.file)
+        if mapped is None:
+            with open(self.folder / info.file, "rb") as f:
+                mapped = self._maps[info.file] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        return torch.frombuffer(mapped, dtype=torch.uint8, count=info.end - info.begin, offset=info.begin)
+
     def close(self) -> None:
         self._handles.clear()
+        self._maps.clear()  # the views still alive keep their maps open

@@ -92,13 +92,15 @@ class ExpertBank:
         return layer in self.pinned if device.type == "cuda" else layer in self.layers
 
     def expert(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
-        """One expert's six packed parts: views into RAM, or read from the mapped shard."""
+        """One expert's six packed parts: views into RAM, or into the mapped shard (no copy: its pages come in as
+        the caller copies them out)."""
         if layer in self.layers:
             return {part: t[expert] for part, t in self.layers[layer].items()}
         assert self.source is not None  # a bank with mapped layers keeps its source
         names = self.mapped[layer]
         return {
-            part: self.source.read(names[(expert, part)]).view(dtype) for part, (_, dtype) in self.part_shapes.items()
+            part: self.source.view(names[(expert, part)]).view(dtype).view(shape)
+            for part, (shape, dtype) in self.part_shapes.items()
         }
 
 

@@ -17,15 +17,25 @@ before it (the previous staged layer's readers). The cache counts each use as a 
 bank never takes this path (on the CPU: a bank without mapped layers).
 
 The area remembers which (layer, expert)s it holds, so a layer staged twice in a row copies only
-what is new. In a decode graph the staging runs between two segments of the captured step (graph_cuts.py): the
-kernels read the same area tensors (`area`) every replay.
+what is new. A layer's experts are staged by STAGE_THREADS threads at once, each copying an expert straight
+out of RAM or out of a view of its mapped shard (no intermediate copy). In a decode graph the staging runs
+between two segments of the captured step (graph_cuts.py): the kernels read the same area tensors (`area`)
+every replay.
 """
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
+
 import torch
 
 from dsv4serve.experts.bank import ExpertBank
+
+# experts staged at once: their page-ins from disk queue together (an SSD serves several reads in parallel; a
+# memory-mapped page-in on one thread waits for each of its read-ahead windows in turn), and their copies out of
+# pageable RAM share the memory bus; doctor_disk.py measures the disk with as many threads
+STAGE_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 
 class LayerStaging:
@@ -37,6 +47,7 @@ class LayerStaging:
         self._held: set[int] = set()  # experts of self._layer in the area
         self.staged_bytes = 0  # host bytes copied into the area (stats)
         self._ids_host: dict[tuple, torch.Tensor] = {}  # pinned copies of the routing, per shape
+        self._threads: ThreadPoolExecutor | None = None  # made at the first layer with two experts to stage
 
     def layer_parts(self, layer: int, ids: torch.Tensor, in_slot: torch.Tensor) -> dict[str, torch.Tensor]:
         """ids [T, k] on the device, in_slot [E] bool on the host -> the staging area's [E, ...] parts
@@ -45,14 +56,25 @@ class LayerStaging:
         parts = self.area()
         if layer != self._layer:
             self._layer, self._held = layer, set()
-        for e in routed:
-            if e in self._held or bool(in_slot[e]):
-                continue
-            for part, t in self.bank.expert(layer, e).items():
-                parts[part][e].copy_(t)
-            self._held.add(e)
-            self.staged_bytes += self.bank.expert_bytes
+        todo = [e for e in routed if e not in self._held and not bool(in_slot[e])]
+
+        def stage(e: int) -> None:  # torch's copy releases the GIL: the experts' page-ins and copies overlap
+            with torch.inference_mode():  # thread-local: the area is made inside a forward, under it
+                for part, t in self.bank.expert(layer, e).items():
+                    parts[part][e].copy_(t)
+
+        if len(todo) > 1:
+            list(self._pool().map(stage, todo))
+        elif todo:
+            stage(todo[0])
+        self._held.update(todo)
+        self.staged_bytes += len(todo) * self.bank.expert_bytes
         return parts
+
+    def _pool(self) -> ThreadPoolExecutor:
+        if self._threads is None:
+            self._threads = ThreadPoolExecutor(STAGE_THREADS, thread_name_prefix="dsv4serve-staging")
+        return self._threads
 
     def area(self) -> dict[str, torch.Tensor]:
         """The staging area's [E, ...] parts (pinned on CUDA), made on first use: the same tensors for every staged

@@ -19,7 +19,7 @@ CPU = torch.device("cpu")
 
 
 class ShardReader:
-    """Stands in for the checkpoint's SafetensorsFolder: `read(name)` of a mapped expert's part."""
+    """Stands in for the checkpoint's SafetensorsFolder: `read(name)` / `view(name)` of a mapped expert's part."""
 
     def __init__(self, tensors: dict[str, torch.Tensor]):
         self.tensors, self.reads = tensors, 0
@@ -27,6 +27,11 @@ class ShardReader:
     def read(self, name: str) -> torch.Tensor:
         self.reads += 1
         return self.tensors[name]
+
+    def view(self, name: str) -> torch.Tensor:
+        """As SafetensorsFolder.view: the tensor's bytes, uint8 [nbytes], no copy."""
+        self.reads += 1
+        return self.tensors[name].contiguous().view(torch.uint8).flatten()
 
 
 def make_bank(mapped_layers: tuple[int, ...] = ()) -> ExpertBank:

@@ -32,6 +32,21 @@ def test_official_layout_loads_and_dequantizes(tiny_dir):
     assert state["layers.0.hc_attn_fn"].dtype == torch.float32
 
 
+def test_a_view_of_a_mapped_tensor_holds_the_bytes_a_read_copies(tiny_dir):
+    """SafetensorsFolder.view (the expert bank's disk tier reads experts through it, no copy) against read: the
+    same bytes for every tensor, in each dtype the checkpoint stores (FP8, FP4 packed, e8m0 scales, fp32, int64)."""
+    source = open_checkpoint(tiny_dir).source
+    dtypes = set()
+    for name, info in source.infos.items():
+        want = source.read(name)
+        got = source.view(name)
+        assert got.dtype == torch.uint8 and got.numel() == want.numel() * want.element_size(), name
+        assert torch.equal(got, want.contiguous().view(torch.uint8).flatten()), name
+        dtypes.add(info.dtype)
+    assert {"F8_E4M3", "F32", "I64"} <= dtypes, dtypes
+    source.close()
+
+
 def _copy(tiny_dir, tmp_path):
     dst = tmp_path / "ckpt"
     shutil.copytree(tiny_dir, dst)
