@@ -48,7 +48,7 @@ def test_spec_steps_have_one_op_sequence_per_bucket_and_the_chain_reads_once(mod
     watch(e)
     steps = 0
     with stand_ins(), mock.patch("dsv4serve.worker.runner.accepted_drafts", forced):
-        for _ in range(8):
+        for _ in range(6):  # a prefill, then 5 verify steps: 4 compared after the first (about 25 s a step)
             plan = e.scheduler.schedule(4096)
             steps += steady(plan, n_spec, batch)
             run(e, plan)
@@ -56,7 +56,7 @@ def test_spec_steps_have_one_op_sequence_per_bucket_and_the_chain_reads_once(mod
     # the first forward on the real path builds per-process caches (the compressors' fused weights): a capture
     # warms up once before it records, so the op sequences compared are the later ones
     verifies = e.pieces.get(key, [])[1:]
-    assert steps >= 5 and len(verifies) >= 4, (steps, sorted(e.pieces))
+    assert steps >= 4 and len(verifies) >= 4, (steps, sorted(e.pieces))
     prints = {fingerprint(s)[1] for s in verifies}
     assert len(prints) == 1, "the verify forward's op sequence changed within its bucket"
     assert all(not s.syncs for s in verifies)  # nothing in the forward reads the host: capturable
