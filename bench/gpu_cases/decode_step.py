@@ -8,7 +8,8 @@ CUDA, no batch invariance), at batch 1, 8 and 64. Two ways to run a step:
           first graphs case of an expert home runs), one replay per step.
 and these homes for the routed experts: all resident (the stacked MXFP4 copies); an ExpertSlotCache whose
 bank is the model's packed experts copied to host memory (pinned on CUDA) and whose device slots hold half
-of them (its initial fill: an equal share per layer; promotions follow the routing); "staged", the same with the
+of them (its initial fill: the costliest misses' layers first, else an equal share per layer; promotions follow the
+routing); "staged", the same with the
 last layer's bank pageable, as beyond a pin budget (on CUDA the host stages its misses mid-step: the decode
 graphs are cut there, experts/graph_cuts.py, after the worker's start-up check of a cut, whose verdict the
 first staged graphs case notes; the replay is checked against the eager step bit for bit); and, when kt-kernel is

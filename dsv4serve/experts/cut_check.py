@@ -27,7 +27,7 @@ from dsv4serve.model.numerics import Numerics
 ROWS = 2  # tokens of the checked forward
 
 
-def _inputs(moe: MoE, dim: int, vocab: int, numerics: Numerics, device: torch.device, seed: int):
+def _inputs(dim: int, vocab: int, numerics: Numerics, device: torch.device, seed: int):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(ROWS, dim, generator=g).to(numerics.compute_dtype)
     tokens = torch.randint(0, vocab, (ROWS,), generator=g, dtype=torch.int32)
@@ -55,7 +55,7 @@ def check_cut_graph(
     stand-in replays it eagerly)."""
     if moe.layer_id not in cache.staged_layers:
         raise ValueError(f"layer {moe.layer_id} is not staged: nothing would cut its graph")
-    src = [_inputs(moe, dim, vocab, numerics, device, seed) for seed in (1, 2)]
+    src = [_inputs(dim, vocab, numerics, device, seed) for seed in (1, 2)]
     x, tokens = (torch.empty_like(t) for t in src[0])  # the graph's inputs
     cpu_experts, moe.cpu_experts = moe.cpu_experts, None  # the cut alone: hybrid's eager split syncs, kt_stream_check
     try:

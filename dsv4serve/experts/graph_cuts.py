@@ -105,7 +105,3 @@ def cut(hook: Callable[[], None]) -> bool:
     graph.hooks.append(hook)
     graph._begin()
     return True
-
-
-def capturing_cuts() -> bool:
-    return bool(_ACTIVE)

@@ -20,7 +20,8 @@ without a wait (transfers.LaggedCounts); their growth feeds decayed-frequency sc
 (residency.py), which pick the experts to promote; a side stream copies them into their slots behind
 the compute already queued, then the slot map (transfers.SlotCopier), and the compute stream waits
 on that one event before the step's first MoE layer. On the CPU the same logic runs synchronously.
-A fresh cache fills every slot at once, each layer an equal share (residency.initial_keys).
+A fresh cache fills every slot at once, the layers of the costliest misses first and an equal share each
+among layers of one cost (residency.initial_keys).
 
 A layer whose bank tensors the device cannot read in place (pageable or mapped on CUDA, mapped on the
 CPU) takes the staging path (staging.py), the one host sync, counted; in a decode graph the capture is cut there
@@ -147,7 +148,7 @@ class ExpertSlotCache:
     def staged_layers(self) -> list[int]:
         """The MoE layers whose bank tensors the device cannot read in place (kernel_sources' staging path):
         a step through one of them makes the host wait for its routing, so it cannot be a CUDA graph."""
-        return [layer for layer in self.layers if not self.bank.device_readable(layer, self.device)]
+        return [layer for layer, tier in zip(self.layers, self.row_tiers) if tier != "pinned"]
 
     # ------------------------------------------------------------------ what the MoE layer calls
 
@@ -244,9 +245,9 @@ class ExpertSlotCache:
     def record_cpu_uses(self, layer: int, experts: list[int]) -> None:
         """Count uses of `experts` computed outside the device path (kt-kernel, --moe-backend hybrid): uses,
         not hits, so the residency scores still see them and promote the hot ones; and CPU uses."""
-        row, n = self._row[layer], self.bank.n_experts
-        self.usage[row, torch.tensor(experts, dtype=torch.long, device=self.usage.device)] += 1
-        self.usage[row, n + 1] += len(experts)
+        used = torch.zeros(self.bank.n_experts, dtype=torch.bool, device=self.usage.device)
+        used[torch.tensor(experts, dtype=torch.long, device=self.usage.device)] = True
+        self.record_cpu_mask(layer, used)
 
     def record_cpu_mask(self, layer: int, used: torch.Tensor) -> None:
         """`record_cpu_uses` on the device: used bool [E], the experts of the step the CPU computed (a graph

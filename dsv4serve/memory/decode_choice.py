@@ -2,16 +2,16 @@
 
     tiers = bank_tiers(bank_bytes, machine, cpu_experts, n_moe_layers)   # the host memory plan's split, as shares
     tiers = split_tiers(split, cpu_experts, n_moe_layers)                 # the same, from a split already made
-    why = eager_reason(enforce_eager, backend, tiers)                    # None: decode steps replay CUDA graphs
+    why = eager_reason(enforce_eager, backend)                           # None: decode steps replay CUDA graphs
     projections = project_backends(b, slots, bank_bytes, machine, bw, enforce_eager, backends)
     faster = faster_backend(projections)                                 # "offload" or "hybrid"
 
 `dsv4serve plan` prints the projections (its memory plan reserves decode graphs by `eager_reason`); the worker's
 --moe-backend auto asks `faster_backend` before it hands the experts to kt-kernel (experts/moe_backend.py), so that
 installing kt-kernel never makes decode slower. Each backend is projected as the worker would run it: the bank's
-tiers from host_plan.py (hybrid: kt-kernel's copy planned first, whole layers), and eager where a step makes the
-host wait (engine_setup.eager_reason: layers outside the pinned tier, or hybrid CPU experts in speculative verify
-steps).
+tiers from host_plan.py (hybrid: kt-kernel's copy planned first, whole layers), its staged layers cutting the decode
+graphs (experts/graph_cuts.py), and eager where a step makes the host wait in a way no cut holds
+(engine_setup.eager_reason: hybrid CPU experts in speculative verify steps).
 """
 
 from __future__ import annotations
@@ -42,10 +42,10 @@ def split_tiers(split: HostSplit, cpu_experts: bool, n_moe_layers: int) -> BankT
     return BankTiers(split.pin_estimate_bytes / bank, (split.ram_bytes - split.pin_estimate_bytes) / bank, held)
 
 
-def eager_reason(enforce_eager: bool, backend: str, tiers: BankTiers, speculative: bool = False) -> str | None:
+def eager_reason(enforce_eager: bool, backend: str, speculative: bool = False) -> str | None:
     """Why this backend's decode steps run eager (worker/engine_setup.eager_reason), or None: CUDA graphs (hybrid
     too: its decode steps take the CPU split fixed between steps, experts/hybrid_graph.py; a bank not all pinned
-    too: its staged layers cut the graphs, experts/graph_cuts.py). `tiers` stays for the callers' symmetry."""
+    too: its staged layers cut the graphs, experts/graph_cuts.py)."""
     if enforce_eager:
         return "--enforce-eager"
     if backend == "hybrid" and speculative:
@@ -69,7 +69,7 @@ def project_backends(
     out = {}
     for backend in backends:
         tiers = bank_tiers(bank_bytes, machine, backend == "hybrid", b.n_moe_layers)
-        why = eager_reason(enforce_eager, backend, tiers, speculative)
+        why = eager_reason(enforce_eager, backend, speculative)
         projection = ds.project_decode(b, slots, bw, backend, why is None, hit_rate, tiers)
         out[backend] = (projection, tiers, why)
     return out

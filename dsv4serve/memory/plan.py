@@ -264,7 +264,7 @@ def plan_memory(
     split = host_split(host, machine, decisions, warnings, s.cpu_experts, layer_bytes) if host else None
     if split is not None and graphs:  # as engine_setup.eager_reason decides from the pin budget it measures
         tiers = split_tiers(split, s.cpu_experts, args.n_layers)
-        why = eager_reason(False, "hybrid" if s.cpu_experts else "offload", tiers, s.speculative_tokens > 0)
+        why = eager_reason(False, "hybrid" if s.cpu_experts else "offload", s.speculative_tokens > 0)
         if why is not None:
             decisions.append(f"decode graphs: none after all ({why}); their {_g(graphs)} go to activations")
             graphs = 0

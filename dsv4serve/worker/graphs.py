@@ -40,6 +40,11 @@ from dsv4serve.model.transformer import Transformer
 log = logging.getLogger("dsv4serve.worker")
 
 
+def takes_cuts(expert_cache: ExpertSlotCache | None) -> bool:
+    """Whether a captured step is cut (experts/graph_cuts.py): where the host stages some layers' experts mid-step."""
+    return expert_cache is not None and bool(expert_cache.staged_layers)
+
+
 def bucket_sizes(max_rows: int) -> tuple[int, ...]:
     """1, 2, 4, 8, ... below max_rows, then max_rows itself (the list the graph memory plan sums over)."""
     return tuple(batch_buckets(max_rows))
@@ -95,8 +100,7 @@ class DecodeGraphs:
         self.device = model.embed.weight.device
         self.width = -(-max_model_len // pool.page_tokens)
         self.max_end, self.pad_slot, self.pad_page = max_model_len, pad_slot, pad_page
-        # layers whose experts the host stages mid-step: their graphs are cut there (experts/graph_cuts.py)
-        self.cuts = expert_cache is not None and bool(expert_cache.staged_layers)
+        self.cut = takes_cuts(expert_cache)
         self.buckets = {n: self._bucket(n) for n in (sizes or bucket_sizes(max_rows))}
         self.report = self._capture(mempool) if capture else GraphReport(tuple(self.buckets), False, 0.0, 0)
 
@@ -212,7 +216,7 @@ class DecodeGraphs:
             torch.cuda.current_stream(self.device).wait_stream(stream)
             self._begin_step()  # the boundary (host decisions, copies) stays outside the graph
             # a fresh layout: its int64 views are captured too; cut where the host stages unpinned layers' experts
-            with graph_cuts.capture(mempool, cuts=self.cuts) as graph, self._steps():
+            with graph_cuts.capture(mempool, cuts=self.cut) as graph, self._steps():
                 out = self.model.run(dataclasses.replace(b.layout), self.pool, self.numerics)
             self._end_step()
             b.graph, b.logits = graph, out.last_logits

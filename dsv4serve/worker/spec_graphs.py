@@ -35,7 +35,7 @@ from dsv4serve.model.batch import BatchLayout, RowSpan
 from dsv4serve.model.kv_pool import KvPool
 from dsv4serve.model.numerics import Numerics
 from dsv4serve.model.transformer import Transformer
-from dsv4serve.worker.graphs import bucket_sizes
+from dsv4serve.worker.graphs import bucket_sizes, takes_cuts
 
 log = logging.getLogger("dsv4serve.worker")
 
@@ -123,8 +123,8 @@ def capture(
     torch.cuda.current_stream(device).wait_stream(stream)
     if expert_cache is not None:
         expert_cache.begin_step()
-    cuts = expert_cache is not None and bool(expert_cache.staged_layers)  # staged layers cut it (graph_cuts.py)
-    with graph_cuts.capture(mempool, cuts) as graph:  # a fresh layout: its int64 views are captured too
+    # a fresh layout: its int64 views are captured too; cut where the host stages unpinned layers' experts
+    with graph_cuts.capture(mempool, takes_cuts(expert_cache)) as graph:
         outputs = forward(dataclasses.replace(b.layout))
     if expert_cache is not None:
         expert_cache.end_step()

@@ -4,7 +4,7 @@ What a CPU can show: a step through layers the host stages calls `cut` once per 
 takes no staging then (the captured kernels read the staging area the hook will fill); each hook, run where its
 segment ends, stages its own layer's routed experts from the routing that segment wrote, so running the segments
 with their hooks between them computes the eager step, bit for bit. The stand-in "captures" by running the ops
-eagerly, and "ends a segment" by running the hook just kept: what a replay does, in the order a replay does it.
+eagerly, and begins the segment after a cut by running the hook just kept: what a replay does, in its order.
 What needs a GPU (one pool across segments, the hook's wait ordered after its segment) the worker checks at start-up
 (experts/cut_check.py, whose own logic is checked here with an eager stand-in for the replay: it passes a replay that
 stages and fails one that does not) and bench/gpu_cases/decode_step.py times.
@@ -31,34 +31,20 @@ NUM = dataclasses.replace(NUMERICS_ON, backends=KernelBackends(fp4_moe="triton")
 
 
 class StandIn(graph_cuts.CutGraph):
-    """Records segment boundaries; `replaying`: a segment's end runs its hook at once (a replay's order)."""
+    """Records segment boundaries; `replaying`: a segment begun after a cut runs the hook just kept first (a
+    replay's order), so graph_cuts.cut itself drives it."""
 
     def __init__(self, replaying: bool):
         super().__init__(None)
         self.replaying, self.events = replaying, []
 
     def _begin(self) -> None:
+        if self.replaying and self.hooks:
+            self.hooks[-1]()
         self.events.append("begin")
 
     def _end(self) -> None:
         self.events.append("end")
-
-    def take_hook(self) -> None:
-        if self.replaying:
-            self.hooks[-1]()
-
-
-def _cut(hook):
-    """graph_cuts.cut, with the stand-in running the hook where a replay would."""
-    if not graph_cuts._ACTIVE:
-        return False
-    graph = graph_cuts._ACTIVE[-1]
-    graph._end()
-    graph.hooks.append(hook)
-    assert isinstance(graph, StandIn)
-    graph.take_hook()
-    graph._begin()
-    return True
 
 
 @pytest.fixture(scope="module")
@@ -83,11 +69,11 @@ def _step(model, state, token: int) -> torch.Tensor:
 
 
 def test_cut_outside_a_capture_leaves_the_host_work_to_the_caller():
-    assert graph_cuts.cut(lambda: None) is False and not graph_cuts.capturing_cuts()
+    assert graph_cuts.cut(lambda: None) is False and not graph_cuts._ACTIVE
 
 
 def test_a_step_is_cut_once_per_staged_layer_and_its_segments_with_their_hooks_are_the_eager_step(
-    offloaded, monkeypatch
+    offloaded,
 ):
     model, cache = offloaded
     prompt = torch.arange(5, 9)
@@ -98,7 +84,6 @@ def test_a_step_is_cut_once_per_staged_layer_and_its_segments_with_their_hooks_a
     staged_main = [layer for layer in cache.staged_layers if layer < len(model.layers)]
     want = _step(model, states[0], 40)  # eager: each staged layer stages when it reaches the staging path
 
-    monkeypatch.setattr(graph_cuts, "cut", _cut)
     replaying = StandIn(replaying=True)
     with graph_cuts.taking_cuts(replaying):
         got = _step(model, states[1], 40)
@@ -140,7 +125,7 @@ class EagerReplay:
         self.cuts = graph.cuts
 
 
-def test_the_start_up_check_passes_a_replay_that_stages_and_fails_one_that_does_not(offloaded, monkeypatch):
+def test_the_start_up_check_passes_a_replay_that_stages_and_fails_one_that_does_not(offloaded):
     """cut_check.check_cut_graph's own logic (inputs, the emptied staging area, the comparison) on the CPU, with
     EagerReplay for the CUDA capture."""
     from dsv4serve.experts.cut_check import check_cut_graph
@@ -148,7 +133,6 @@ def test_the_start_up_check_passes_a_replay_that_stages_and_fails_one_that_does_
     model, cache = offloaded
     layer = next(layer for layer in cache.staged_layers if layer < len(model.layers))
     moe = model.layers[layer].ffn
-    monkeypatch.setattr(graph_cuts, "cut", _cut)
     args = (moe, cache, NUM, CPU, model.args.dim, model.args.vocab_size)
     usage, stats = cache.usage.clone(), dataclasses.replace(cache.stats)
 
