@@ -215,7 +215,7 @@ def _decode_speed(ns, cfg, args, specs, target: PlanTarget, memory, backends) ->
         return None, "projected decode speed: none for the CPU worker (the projection models a GPU with its host)"
     from dsv4serve.memory.decode_speed import decode_bytes
 
-    return decode_plan(ns, cfg, memory, decode_bytes(specs, args, backends))
+    return decode_plan(ns, cfg, memory, decode_bytes(specs, args, backends), args.n_activated_experts)
 
 
 def format_memory_plan(p, device: str = "cuda") -> str:
@@ -226,6 +226,7 @@ def format_memory_plan(p, device: str = "cuda") -> str:
     rows = [
         ("non-expert weights", p.resident_weight_bytes),
         ("routed experts (all)" if p.experts_resident else f"expert slots ({p.expert_slots})", e),
+        *((("prefill expert stream", p.stream_area_bytes),) if p.stream_area_bytes else ()),
         (f"KV cache ({p.kv_tokens:,} tokens)", p.kv_cache_bytes),
         (f"sequence states ({p.max_running})", p.seq_state_bytes),
         ("decode CUDA graphs", p.decode_graph_bytes),

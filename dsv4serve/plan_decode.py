@@ -13,6 +13,7 @@ from typing import Any
 from dsv4serve.memory import decode_speed as ds
 from dsv4serve.memory.decode_choice import faster_backend, project_backends
 from dsv4serve.memory.decode_lanes import BankTiers
+from dsv4serve.memory.prefill_speed import prefill_lines, project_prefill
 from dsv4serve.report import format_table
 
 # flag -> (Bandwidths field, default, where the default comes from, what it is); every default is an assumption
@@ -99,10 +100,12 @@ def bandwidths(ns: argparse.Namespace) -> tuple[ds.Bandwidths, dict[str, Any]]:
 
 
 def decode_plan(
-    ns: argparse.Namespace, cfg: Any, memory: Any, decode_bytes: ds.DecodeBytes
+    ns: argparse.Namespace, cfg: Any, memory: Any, decode_bytes: ds.DecodeBytes, topk: int
 ) -> tuple[dict[str, Any], str]:
     """Projections for the MoE backends this plan can run: gpu when every expert is resident, else offload
-    (misses over PCIe) and hybrid (misses over PCIe or on the CPU, best split); as JSON and as text."""
+    (misses over PCIe) and hybrid (misses over PCIe or on the CPU, best split); as JSON and as text. With the
+    experts offloaded, also a cold prefill chunk's expert transfers (memory/prefill_speed.py; `topk`: experts a
+    token routes to in a layer)."""
     bw, sources = bandwidths(ns)
     backends = ("gpu",) if memory.experts_resident else ("offload", "hybrid")
     bank = memory.host.bank_bytes if memory.host is not None else 0
@@ -117,6 +120,10 @@ def decode_plan(
     projections = {k: v[0] for k, v in full.items()}
     today = dataclasses.replace(bw, kernel_efficiency=ds.MEASURED_KERNEL_EFFICIENCY)
     measured = {k: v[0] for k, v in project(today).items()}
+    prefill = None
+    if not memory.experts_resident:
+        tiers = full["offload"][1]
+        prefill = project_prefill(decode_bytes, memory.expert_slots, memory.chunk.effective_tokens, topk, tiers, bw)
     data = {
         "bandwidths": sources,
         "device_read_efficiency": ds.DEVICE_READ_EFFICIENCY,
@@ -134,8 +141,12 @@ def decode_plan(
         "faster": faster_backend(full) if len(full) > 1 else backends[0],
         "expert_hit_rate": {"value": hits, "source": "--expert-hit-rate"} if hits is not None else None,
         "host_memory_given": memory.host is None or memory.host.ram_bytes is not None,
+        "cold_prefill": prefill.to_json() if prefill is not None else None,
     }
-    return data, format_decode_plan(data, projections)
+    text = format_decode_plan(data, projections)
+    if prefill is not None:
+        text += "\n\n" + "\n".join(prefill_lines(prefill, sources["h2d_gbps"]["source"]))
+    return data, text
 
 
 def format_decode_plan(data: dict[str, Any], projections: dict[str, ds.DecodeProjection]) -> str:

@@ -17,6 +17,12 @@ device slots and in a pinned host bank, and a slot map that sends 0%, 50% or 100
 to the bank: the kernel then reads those in place over PCIe (zero-copy, unified virtual addressing).
 The rate is the GB/s of expert weights read (slots from HBM, misses over PCIe: expect the PCIe link's
 ~50 GB/s to dominate as soon as one expert misses); the result must equal the reference as above.
+
+The prefill stream's cases (`stream_cases`, dsv4serve/experts/prefill_stream.py): a prefill chunk (T = 2048 and
+4096) with every expert in the pinned host bank, streamed into device memory 16 experts at a time (copies on a side
+stream overlapped with the previous range's GEMMs): its output must be the in-place read's bit for bit (the
+reference), and the baseline is that in-place read (each expert read over PCIe once per 64-route block). The rate
+is the expert bytes that crossed PCIe (each expert once) per second.
 """
 
 from __future__ import annotations
@@ -173,12 +179,68 @@ def slot_cases(
     return out
 
 
+def stream_cases(device: torch.device, d: MoeDims, tokens: tuple[int, ...], group: int) -> list[GpuCase]:
+    """A prefill chunk's experts streamed from the pinned bank `group` at a time, against the kernel reading the
+    bank in place (module doc)."""
+    from dsv4_kernels.fp4_moe_layer import ExpertGroups, ExpertSlots, fp4_moe
+    from dsv4serve.experts.prefill_stream import BUFFERS, ExpertStream
+
+    gen = torch.Generator(device=device).manual_seed(2)
+    w1, s1 = random_fp4(d.experts, d.inter, d.dim, 118, device, gen)
+    w3, s3 = random_fp4(d.experts, d.inter, d.dim, 118, device, gen)
+    w2, s2 = random_fp4(d.experts, d.dim, d.inter, 121, device, gen)
+    parts = ("w1", "w1_scale", "w3", "w3_scale", "w2", "w2_scale")
+    bank = tuple(t.cpu().pin_memory() if device.type == "cuda" else t.clone() for t in (w1, s1, w3, s3, w2, s2))
+    expert_bytes = sum(t[0].numel() for t in bank)
+    del w1, s1, w3, s3, w2, s2
+    area = {p: torch.empty((BUFFERS * group, *t.shape[1:]), dtype=t.dtype, device=device) for p, t in zip(parts, bank)}
+    stream = ExpertStream(area, 0, group, d.experts, device)
+    none = torch.full((d.experts,), -1, dtype=torch.int32, device=device)  # no expert in a slot: all from the bank
+    in_place_slots = ExpertSlots(none, tuple(area.values()))
+    in_slot = torch.zeros(d.experts, dtype=torch.bool)  # its host mirror
+    out = []
+    for t in tokens:
+        x = (2 * torch.randn(t, d.dim, device=device, generator=gen)).to(torch.bfloat16)
+        ids = torch.rand(t, d.experts, device=device, generator=gen).argsort(dim=1)[:, : d.topk].contiguous()
+        weights = 2.5 * torch.rand(t, d.topk, device=device, generator=gen)
+        args = (x, *bank, weights, ids, d.limit)
+
+        def streamed(args=args) -> torch.Tensor:
+            layer = stream.layer(dict(zip(parts, bank)), none, in_slot)
+            groups = ExpertGroups(ExpertSlots(layer.slot_of_expert, tuple(area.values())), layer.ranges())
+            return fp4_moe(*args, slots=in_place_slots, groups=groups)
+
+        in_place = partial(fp4_moe, *args, slots=in_place_slots)
+        out.append(
+            GpuCase(
+                f"fp4_moe prefill T={t} streamed {group} at a time (PCIe copies) vs in place",
+                streamed,
+                in_place,
+                atol=0.0,
+                rtol=0.0,  # the same tiles: bit for bit
+                bytes_moved=d.experts * expert_bytes,  # every expert crosses PCIe once
+                bound="memory",
+                baseline=in_place,
+                baseline_name="read in place over PCIe",
+            )
+        )
+    return out
+
+
 def cases(device: torch.device) -> list[GpuCase]:
     dims = real_dims()
-    return build(device, dims, (1, 2048)) + slot_cases(device, dims, (1, 8), (0.0, 0.5, 1.0))
+    return (
+        build(device, dims, (1, 2048))
+        + slot_cases(device, dims, (1, 8), (0.0, 0.5, 1.0))
+        + stream_cases(device, dims, (2048, 4096), 16)
+    )
 
 
 def smoke_cases(device: torch.device) -> list[GpuCase]:
     """Tiny shapes for the CPU interpreter: 8 experts, top-2, D=128, I=64."""
     dims = MoeDims(128, 64, 8, 2, 10.0)
-    return build(device, dims, (1, 24)) + slot_cases(device, dims, (1,), (0.0, 0.5, 1.0))
+    return (
+        build(device, dims, (1, 24))
+        + slot_cases(device, dims, (1,), (0.0, 0.5, 1.0))
+        + stream_cases(device, dims, (24,), 3)
+    )

@@ -90,7 +90,7 @@ EXPERT_CACHE_COUNTERS = (
     ("expert_cache_queries", "Routed-expert uses (step, layer, expert) with the GPU expert-slot cache."),
     ("expert_cache_hits", "Routed-expert uses read from a GPU slot (the rest read the host bank in place)."),
     ("expert_cache_cpu_uses", "Routed-expert uses computed on the CPU by kt-kernel (--moe-backend hybrid)."),
-    ("expert_cache_h2d_bytes", "Expert weight bytes copied host -> device into slots (promotions)."),
+    ("expert_cache_h2d_bytes", "Expert weight bytes copied host -> device (slot promotions, streamed prefill)."),
     ("expert_cache_stalls", "Times the compute waited for expert copies or staged an unpinned layer."),
     ("expert_cache_prefetches", "Experts promoted into GPU slots between steps."),
 )

@@ -28,6 +28,7 @@ from dsv4serve.experts.kt_backend import KtGeometry, kt_threads
 from dsv4serve.experts.pinning import PinBudget, measure_pin_budget
 from dsv4serve.experts.slot_cache import ExpertSlotCache
 from dsv4serve.memory.host_plan import HOST_MARGIN_BYTES, KT_COPY_FACTOR, kt_copy_bytes
+from dsv4serve.memory.prefill_speed import planned_stream_group
 from dsv4serve.memory.probe import host_snapshot
 from dsv4serve.model.moe import MoE
 from dsv4serve.model.transformer import Transformer
@@ -48,10 +49,13 @@ def attach_expert_cache(
     pin: PinBudget | None = None,
     ram_bytes: int | None = None,
     progress: bool = True,
+    stream_group: int | None = None,
 ) -> ExpertSlotCache | None:
     """Offload the routed experts to a host bank behind `slots` device slots, or None when `slots`
     is None or covers every routed expert. `pin`: a budget measured already (else measured here);
-    `ram_bytes`: host RAM the bank may fill (else MemAvailable minus HOST_MARGIN_BYTES)."""
+    `ram_bytes`: host RAM the bank may fill (else MemAvailable minus HOST_MARGIN_BYTES); `stream_group`: the
+    prefill stream's range (prefill_stream.py; default: on CUDA the plan's `stream_group`, on the CPU none,
+    whose kernels read RAM in place anyway)."""
     moes = moe_layers(model)
     total = sum(m.n_routed_experts for m in moes)
     if slots is None or slots >= total:
@@ -65,15 +69,18 @@ def attach_expert_cache(
     if pin is None:  # never probe past the RAM the bank may fill
         pin = measure_pin_budget(min(bank_bytes(expert_specs(ckpt, layers)), ram_bytes))
     bank = load_expert_bank(ckpt, layers, pin, ram_bytes, progress)
-    cache = ExpertSlotCache(bank, slots, device, first_layer=moes[0].layer_id)  # a step starts at layer 0
+    if stream_group is None:
+        stream_group = planned_stream_group(bank.n_experts) if device.type == "cuda" else 0
+    cache = ExpertSlotCache(bank, slots, device, first_layer=moes[0].layer_id, stream_group=stream_group)
     for m in moes:
         m.use_expert_cache(cache)
     log.info(
-        "expert-slot cache: %d slots x %.2f MiB on %s for %d routed experts",
+        "expert-slot cache: %d slots x %.2f MiB on %s for %d routed experts%s",
         slots,
         bank.expert_bytes / 2**20,
         device,
         total,
+        f"; prefill chunks stream their experts in 2 x {stream_group} more" if stream_group else "",
     )
     return cache
 

@@ -10,9 +10,11 @@ the two partial sums are added (dsv4serve/model/moe.py, `MoE.forward`).
 
 The slot cache still decides residency: the experts computed on the CPU are counted as uses (not
 hits), so the hot ones get promoted into slots. A step with this split syncs the host once per layer (the
-routing must reach kt-kernel): prefill chunks and mixed steps. Decode steps replayed as CUDA graphs take
-`graph` instead (hybrid_graph.py: a CPU set per layer fixed between steps, no sync), inside `graph.steps()`;
-`stats` counts the eager split's work only.
+routing must reach kt-kernel): prefill chunks and mixed steps. A step whose experts the cache streams
+(prefill_stream.py: a chunk) fetches every miss, the stream copying the whole layer anyway, except in a layer left
+on disk, whose misses kt-kernel computes from its own copy (and then the layer is not streamed: moe.py). Decode
+steps replayed as CUDA graphs take `graph` instead (hybrid_graph.py: a CPU set per layer fixed between steps, no
+sync), inside `graph.steps()`; `stats` counts the eager split's work only.
 """
 
 from __future__ import annotations
@@ -91,6 +93,8 @@ class HybridExperts:
         if self.graph.active:  # a decode graph's step: the CPU set fixed before it, no sync
             return self.graph.submit(layer, x, ids, weights)
         bank = self.cache.bank
+        if self.cache.streams(ids.numel()) and layer not in bank.mapped:
+            return None  # a prefill chunk streams every expert of the layer anyway (prefill_stream.py): all fetched
         slot_of = self.cache.host_slot_map(layer)  # [E] int32, -1: not in a slot
         ids_host = ids.to("cpu")  # the one host sync of the layer
         counts = torch.bincount(ids_host.flatten(), minlength=bank.n_experts)

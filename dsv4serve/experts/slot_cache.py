@@ -23,6 +23,10 @@ on that one event before the step's first MoE layer. On the CPU the same logic r
 A fresh cache fills every slot at once, the layers of the costliest misses first and an equal share each
 among layers of one cost (residency.initial_keys).
 
+A step with many routes per expert (a prefill chunk) takes its misses another way: each layer's experts are
+copied into device memory a range at a time, overlapped with the previous range's GEMMs (prefill_stream.py),
+when the cache was made with a `stream_group`: 2 x that many slot rows past the n_slots of the cache.
+
 A layer whose bank tensors the device cannot read in place (pageable or mapped on CUDA, mapped on the
 CPU) takes the staging path (staging.py), the one host sync, counted; in a decode graph the capture is cut there
 and the staging runs between the segments (graph_cuts.py).
@@ -30,7 +34,7 @@ and the staging runs between the segments (graph_cuts.py).
 Stats (ExpertCacheStats; the worker exports the first six): `queries` the (step, layer, expert)
 uses, `hits` those read from a slot, and `cpu_uses` those kt-kernel computed (hybrid), all from the usage
 counters, so on CUDA a step or two late;
-`h2d_bytes` expert bytes copied host -> device (promotions; the torch path's bank reads on CUDA), not
+`h2d_bytes` expert bytes copied host -> device (promotions; streamed layers; the torch path's bank reads on CUDA), not
 the zero-copy reads of the bank by the kernel ((queries - hits) x expert_bytes at most); `stalls` the
 waits: step boundaries whose promotion copies were still running when the compute reached them (CPU:
 every boundary with copies, which run synchronously) plus every staging-path sync; `prefetches` the
@@ -49,12 +53,17 @@ import torch
 
 from dsv4serve.experts import graph_cuts
 from dsv4serve.experts.bank import ExpertBank
+from dsv4serve.experts.prefill_stream import BUFFERS, ExpertStream, StreamedLayer, streams
 from dsv4serve.experts.residency import PromotionPolicy, decayed, initial_keys, plan_promotions
 from dsv4serve.experts.staging import LayerStaging
 from dsv4serve.experts.transfers import LaggedCounts, Parts, SlotCopier
 from dsv4serve.memory.decode_speed import miss_cost_weights
 
 PART_ORDER = ("w1", "w1_scale", "w3", "w3_scale", "w2", "w2_scale")  # the FP4 kernel's argument order
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 @dataclass
@@ -68,6 +77,7 @@ class ExpertCacheStats:
     cpu_uses: int = 0  # uses kt-kernel computed on the CPU (--moe-backend hybrid)
     staged_layers: int = 0  # staging-path syncs (each also a stall)
     staged_bytes: int = 0  # expert bytes copied on the host into the staging area
+    streamed_layers: int = 0  # layers whose experts a step streamed into device memory (prefill_stream.py)
 
     def stats_fields(self) -> dict[str, int]:
         """The fields of ipc.messages.Stats these counters fill."""
@@ -89,6 +99,7 @@ class KernelSources:
     slots: tuple[torch.Tensor, ...]  # [S, ...]
     slot_of_expert: torch.Tensor  # [E] int32 on the device
     usage: torch.Tensor  # [E + 1] int64 on the device: the layer's usage row
+    stream: StreamedLayer | None = None  # the step's experts streamed into device memory a range at a time
 
 
 class ExpertSlotCache:
@@ -100,9 +111,11 @@ class ExpertSlotCache:
         first_layer: int | None = None,
         policy: PromotionPolicy | None = None,
         miss_weights: dict[str, float] | None = None,
+        stream_group: int = 0,
     ):
         """`miss_weights`: tier -> a miss's cost relative to a pinned one (residency.py; default
-        decode_speed.miss_cost_weights at its assumed bandwidths)."""
+        decode_speed.miss_cost_weights at its assumed bandwidths); `stream_group` > 0: prefill chunks stream their
+        experts in ranges of that many (prefill_stream.py), in 2 x `stream_group` more slot rows."""
         if n_slots < 1:
             raise ValueError(f"an expert-slot cache needs at least one slot, got {n_slots}")
         self.bank, self.n_slots, self.device = bank, n_slots, device
@@ -111,10 +124,12 @@ class ExpertSlotCache:
         self._row = {layer: i for i, layer in enumerate(self.layers)}
         self._first_layer = self.layers[0] if first_layer is None else first_layer
         n_rows, n_experts = len(self.layers), bank.n_experts
+        rows = n_slots + BUFFERS * stream_group
         self.slots = {
-            part: torch.empty((n_slots, *shape), dtype=dtype, device=device)
+            part: torch.empty((rows, *shape), dtype=dtype, device=device)
             for part, (shape, dtype) in bank.part_shapes.items()
-        }  # part -> [S, ...]
+        }  # part -> [S (+ the stream's rows), ...]
+        self.stream = ExpertStream(self.slots, n_slots, stream_group, n_experts, device) if stream_group else None
         self.slot_of_expert = torch.full((n_rows, n_experts), -1, dtype=torch.int32, device=device)
         self.usage = torch.zeros((n_rows, n_experts + 2), dtype=torch.int64, device=device)
         self._map_host = torch.full((n_rows, n_experts), -1, dtype=torch.int32, pin_memory=device.type == "cuda")
@@ -152,9 +167,13 @@ class ExpertSlotCache:
 
     # ------------------------------------------------------------------ what the MoE layer calls
 
-    def kernel_sources(self, layer: int, ids: torch.Tensor) -> KernelSources:
+    def streams(self, num_routes: int) -> bool:
+        """Whether a step of `num_routes` routes a layer streams its experts (prefill_stream.py) in kernel_sources."""
+        return self.stream is not None and streams(num_routes, self.bank.n_experts) and not _capturing(self.device)
+
+    def kernel_sources(self, layer: int, ids: torch.Tensor, stream: bool = True) -> KernelSources:
         """The FP4 kernel's weight sources for `layer`, whose routing is ids [T, k] (read only on the
-        staging path)."""
+        staging path); `stream` False: no streaming whatever the step (hybrid's CPU takes the layer's misses)."""
         self._enter(layer)
         row = self._row[layer]
         if self.bank.device_readable(layer, self.device):
@@ -170,11 +189,18 @@ class ExpertSlotCache:
             if not graph_cuts.cut(stage):
                 stage()
             bank = self._staging.area()
+        streamed = None
+        if stream and self.streams(ids.numel()):
+            assert self.stream is not None
+            streamed = self.stream.layer(bank, self.slot_of_expert[row], self._map_host[row] >= 0)
+            self.stats.h2d_bytes += streamed.copied_experts * self.bank.expert_bytes  # each crosses once
+            self.stats.streamed_layers += 1
         return KernelSources(
             tuple(bank[p] for p in PART_ORDER),
             tuple(self.slots[p] for p in PART_ORDER),
             self.slot_of_expert[row],
             self.usage_row(layer),
+            streamed,
         )
 
     def layer_experts(self, layer: int, experts: list[int]) -> Iterator[tuple[int, Parts]]:

@@ -112,7 +112,7 @@ class Stats(msgspec.Struct, frozen=True, tag="stats", forbid_unknown_fields=True
     expert_cache_queries_total: int = 0  # routed-expert uses (step, layer, expert)
     expert_cache_hits_total: int = 0  # uses read from a slot (the rest read the host bank in place)
     expert_cache_cpu_uses_total: int = 0  # uses computed on the CPU by kt-kernel (--moe-backend hybrid)
-    expert_cache_h2d_bytes_total: int = 0  # expert bytes copied host -> device into slots (promotions)
+    expert_cache_h2d_bytes_total: int = 0  # expert bytes copied host -> device (promotions, streamed prefill)
     expert_cache_stalls_total: int = 0  # waits for promotion copies, and staging syncs (slot_cache.py)
     expert_cache_prefetches_total: int = 0  # experts promoted into slots between steps
     # speculative decoding (worker/spec_sampling.SpecDecodeStats, vLLM's meanings); all 0 with --speculative-tokens 0

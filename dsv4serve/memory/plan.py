@@ -12,7 +12,8 @@ never planned. From the rest, in this priority order:
    w1+w3+w2 with scales, of any layer) with the whole expert bank in host memory; the cache gets
    what is left after the KV target (OFFLOAD_KV_TOKENS) and an OFFLOAD_CHUNK_TARGET chunk. When that
    is below the minimum (n_activated_experts: one token's experts of one layer) the KV and chunk
-   targets shrink to their floors (KV_FLOOR_TOKENS, one window page) and the plan says so.
+   targets shrink to their floors (KV_FLOOR_TOKENS, one window page) and the plan says so. Offloaded experts
+   also get the prefill stream's area (two ranges of experts: memory/prefill_speed.py) before the slots.
 3. KV capacity: bf16 cache bytes per token from the geometry (kv_geometry.py, dsv4-model.md §2.11: one compressed
    entry per ratio tokens in every CSA/HCA layer, plus CSA indexer keys), and the fixed per-sequence
    state (a window of window_size keys per layer, fp32 compressor rings) x max_num_seqs. Offloaded:
@@ -55,12 +56,16 @@ from dsv4serve.memory.decode_choice import eager_reason, split_tiers
 from dsv4serve.memory.graph_memory import decode_graph_bytes
 from dsv4serve.memory.host_plan import HostSplit, host_split, plans_cpu_experts
 from dsv4serve.memory.kv_geometry import KvGeometry, kv_bytes, kv_geometry, kv_tokens_for
+from dsv4serve.memory.prefill_speed import stream_area_bytes
 from dsv4serve.memory.weights import WeightBytes
 from dsv4serve.model.args import ModelArgs
 from dsv4serve.resolve import who
 
 GIB = 1024**3
-OFFLOAD_CHUNK_TARGET = 4096  # experts offloaded: slots matter for decode; ds4 saw 1K->8K = +24% prefill
+# experts offloaded: slots matter for decode; ds4 saw 1K->8K = +24% prefill. A streamed cold prefill's tokens/s grow
+# with the chunk (memory/prefill_speed.py), but 8,192 here takes slots the disk tier's misses need: on a 32 GB card
+# and 128 GiB host, decode 6.6 -> 5.2 tokens/s for prefill 416 -> 803 (the plan prints both; --max-prefill-length picks)
+OFFLOAD_CHUNK_TARGET = 4096
 RESIDENT_CHUNK_TARGET = 16384  # all resident: memory is plentiful, bigger chunks prefill faster
 OFFLOAD_KV_TOKENS = 262144  # users.md: agent prompts of 20K-300K tokens
 KV_FLOOR_TOKENS = 32768  # below this an auto plan would be useless: shrink slots instead
@@ -142,6 +147,7 @@ class MemoryPlan:
     warnings: tuple[str, ...]
     host: HostSplit | None = None  # where the expert bank lives in host memory; None: all resident
     decode_graph_bytes: int = 0  # the decode CUDA graphs' pool (memory/graph_memory.py); 0 with --enforce-eager
+    stream_area_bytes: int = 0  # the prefill stream's two ranges of experts (memory/prefill_speed.py); 0: resident
 
     @property
     def gpu_used_bytes(self) -> int:
@@ -149,6 +155,7 @@ class MemoryPlan:
             self.resident_weight_bytes
             + self.decode_graph_bytes
             + self.expert_slots * self.expert_slot_bytes
+            + self.stream_area_bytes
             + self.kv_cache_bytes
             + self.seq_state_bytes
         )
@@ -167,6 +174,7 @@ class MemoryPlan:
                 "slot_bytes": self.expert_slot_bytes,
                 "total": self.n_experts,
                 "gpu_bytes": self.expert_slots * self.expert_slot_bytes,
+                "prefill_stream_bytes": self.stream_area_bytes,
                 "host_bytes": self.host_expert_bytes,
                 "host_memory": dataclasses.asdict(self.host) if self.host else None,
             },
@@ -248,8 +256,10 @@ def plan_memory(
                 f"(the largest cap the plan can reserve is {r.largest_reservable_chunk(weights.expert_bytes):,})"
             )
         )
-    slots, resident_all, kv_target, act_target = _experts(r, weights, s, decisions)
-    rest = avail - slots * weights.expert_bytes - r.seq_bytes  # for KV + activations
+    stream = stream_area_bytes(weights.n_experts // args.n_layers, weights.expert_bytes)  # if offloaded
+    slots, resident_all, kv_target, act_target = _experts(r, weights, s, decisions, stream)
+    stream = 0 if resident_all else stream
+    rest = avail - slots * weights.expert_bytes - stream - r.seq_bytes  # for KV + activations
     kv_tok = _kv_tokens(r, s, rest, kv_target, act_target)
     kvb = kv_bytes(r.kv, kv_tok)
     max_len = model_len if s.max_model_len.source.explicit else min(model_len, kv_tok)
@@ -274,7 +284,7 @@ def plan_memory(
                 f"decode graphs: cut at about {cuts} of {args.n_layers} MoE layers, whose experts are not pinned (the "
                 "host stages their misses between graph segments: experts/graph_cuts.py)"
             )
-    free = budget - resident - graphs - slots * weights.expert_bytes - kvb - r.seq_bytes
+    free = budget - resident - graphs - slots * weights.expert_bytes - stream - kvb - r.seq_bytes
     geometry, chunk = final_chunk(args, machine, s, free, kv_tok, max_len)
     warnings += [chunk.warning] if chunk.warning else []
     return MemoryPlan(
@@ -300,6 +310,7 @@ def plan_memory(
         tuple(warnings),
         split,
         graphs,
+        stream,
     )
 
 
@@ -401,8 +412,11 @@ class _Reservations:
         )
 
 
-def _experts(r: _Reservations, w: WeightBytes, s: PlanSettings, decisions: list[str]) -> tuple[int, bool, int, int]:
-    """(slots, all resident, KV target tokens, activation target bytes)."""
+def _experts(
+    r: _Reservations, w: WeightBytes, s: PlanSettings, decisions: list[str], stream: int
+) -> tuple[int, bool, int, int]:
+    """(slots, all resident, KV target tokens, activation target bytes); `stream`: the prefill stream's area, which
+    offloaded experts need beside their slots."""
     model_len, seqs, slot = s.max_model_len.value, s.max_num_seqs.value, w.expert_bytes
     kv_target = r.kv_floor if s.num_tokens.source.explicit else max(r.kv_floor, min(model_len, OFFLOAD_KV_TOKENS))
     res_target = r.act(r.cap if r.cap is not None else min(RESIDENT_CHUNK_TARGET, model_len))
@@ -415,6 +429,8 @@ def _experts(r: _Reservations, w: WeightBytes, s: PlanSettings, decisions: list[
             f"expert slots: {slots} ({who('moe_cache_size', s.moe_cache_size)}, honoured), {_g(slots * slot)}"
         )
         resident = slots == w.n_experts
+        if not resident:
+            decisions.append(_stream_decision(stream, w))
         return slots, resident, (model_len * seqs if resident else kv_target), (res_target if resident else off_target)
     if all_bytes + r.seq_bytes + kv_bytes(r.kv, r.kv_floor) + off_target <= r.avail:
         # resident: a chunk of the offload target, then the KV target, then a chunk of up to the
@@ -424,7 +440,7 @@ def _experts(r: _Reservations, w: WeightBytes, s: PlanSettings, decisions: list[
         act_target = max(off_target, min(res_target, left - kv_bytes(r.kv, kv_first)))
         decisions.append(f"routed experts: all {w.n_experts} resident ({_g(all_bytes)})")
         return w.n_experts, True, model_len * seqs, act_target
-    left = r.avail - r.seq_bytes - kv_bytes(r.kv, kv_target) - off_target
+    left = r.avail - r.seq_bytes - kv_bytes(r.kv, kv_target) - off_target - stream
     slots = min(max(left, 0) // slot, w.n_experts - 1)
     why = (
         f"after the KV target ({kv_target:,} tokens) and a {r.cap or min(OFFLOAD_CHUNK_TARGET, model_len)}-token chunk"
@@ -440,7 +456,16 @@ def _experts(r: _Reservations, w: WeightBytes, s: PlanSettings, decisions: list[
         f"{slot / 2**20:.2f} MiB = {_g(slots * slot)} ({100 * slots / w.n_experts:.1f}% of "
         f"{w.n_experts}), {why}; the expert bank stays in host memory"
     )
+    decisions.append(_stream_decision(stream, w))
     return slots, False, kv_target, off_target
+
+
+def _stream_decision(stream: int, w: WeightBytes) -> str:
+    return (
+        f"prefill expert stream: {_g(stream)} ({stream // w.expert_bytes} experts' room, two ranges) beside the slots: "
+        "a prefill chunk's experts cross PCIe once each, as copies, instead of being read in place once per block of "
+        "64 routes (experts/prefill_stream.py)"
+    )
 
 
 def _kv_tokens(r: _Reservations, s: PlanSettings, rest: int, kv_target: int, act_target: int) -> int:

@@ -47,8 +47,9 @@ class ExpertSource(Protocol):
         stores them), valid until the next one is asked for."""
         ...
 
-    def kernel_sources(self, layer: int, ids: torch.Tensor):
-        """The kernel path: a KernelSources (slots, slot map, bank tensors, usage row) for the layer."""
+    def kernel_sources(self, layer: int, ids: torch.Tensor, stream: bool = True):
+        """The kernel path: a KernelSources (slots, slot map, bank tensors, usage row, and for a prefill chunk unless
+        `stream` is False the experts streamed into device memory) for the layer."""
         ...
 
 
@@ -265,7 +266,8 @@ class MoE(nn.Module):
             if self.not_owned:
                 dev_ids, dev_weights = self._owned_routes(dev_ids, dev_weights, job is not None)
             # quantizes x in its K loop; one rank: the per-route outputs, summed below with what the layer adds
-            y = self._routed_kernel(x, dev_weights, dev_ids, reduce=self.tp is not None)
+            # with CPU experts in the step (hybrid), no streaming: the CPU computes what a stream would copy
+            y = self._routed_kernel(x, dev_weights, dev_ids, reduce=self.tp is not None, stream=job is None)
         elif self.expert_source is None and not len(self.experts):
             raise RuntimeError(
                 f"layer {self.layer_id}: the routed experts were loaded packed for fp4_moe=triton; "
@@ -332,15 +334,18 @@ class MoE(nn.Module):
         return torch.where(owned, local, 0), torch.where(owned, weights, 0.0)
 
     def _routed_kernel(
-        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, reduce: bool = True
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, reduce: bool = True, stream: bool = True
     ) -> torch.Tensor:
         """The routed experts' sum [N, D] fp32 by the grouped MXFP4 kernel (resident or cached experts); with
-        `reduce` False each route's output [N, k, D] (the kernel's store dtype), for `moe_combine`."""
-        from dsv4_kernels.fp4_moe_layer import ExpertSlots, fp4_moe  # lazy: kernel modules build kernels on import
+        `reduce` False each route's output [N, k, D] (the kernel's store dtype), for `moe_combine`; `stream`
+        False: a cache never streams this call's experts (ExpertSource.kernel_sources)."""
+        from dsv4_kernels.fp4_moe_layer import ExpertGroups, ExpertSlots, fp4_moe  # lazy: kernels build on import
 
         if self.expert_source is not None:
-            src = self.expert_source.kernel_sources(self.layer_id, ids)
+            src = self.expert_source.kernel_sources(self.layer_id, ids, stream)
             slots = ExpertSlots(src.slot_of_expert, src.slots)
+            on = src.stream  # a prefill chunk: the GEMMs read the experts streamed into device memory
+            groups = None if on is None else ExpertGroups(ExpertSlots(on.slot_of_expert, src.slots), on.ranges())
             w1, w1_s, w3, w3_s, w2, w2_s = src.bank
             return fp4_moe(
                 x,
@@ -356,6 +361,7 @@ class MoE(nn.Module):
                 slots=slots,
                 usage=src.usage,
                 reduce=reduce,
+                groups=groups,
             )
         if self.w1_fp4 is None:
             raise RuntimeError("fp4_moe=triton needs packed MXFP4 experts: call Transformer.use_kernels first")

@@ -101,3 +101,29 @@ def test_a_graph_step_on_the_kernel_path_is_the_graph_step_on_the_torch_one(tiny
     bound = 2.0**-6 * per_route.float().abs().view(*ids.shape, -1).sum(1) + 2.0**-7 * by_torch.abs()
     assert bool(((by_kernel - by_torch).abs() <= bound).all()) and by_kernel.abs().sum() > 0
     ckpt.source.close()
+
+
+def test_a_streamed_chunk_fetches_every_miss_but_a_disk_layer_keeps_its_misses_on_the_cpu(tiny_dir):
+    """A chunk whose experts the cache streams (24 tokens x top-2 over 8 experts: past 4 routes an expert) sends no
+    miss to kt-kernel in a layer in RAM (the stream copies the whole layer anyway: the layer is the offload path's, bit
+    for bit); a layer left in the shards sends its misses to kt-kernel's own copy and is not streamed."""
+    ckpt = open_checkpoint(tiny_dir)
+    layer_bytes = sum(s.nbytes for s in ckpt.specs if s.group == "routed_experts" and s.layer == 0)
+    model = Transformer(ckpt.args, include_mtp=True).eval()
+    cache = attach_expert_cache(model, ckpt, 3, CPU, ram_bytes=3 * layer_bytes, progress=False, stream_group=3)
+    model.load_state_dict(dict(iter_resident_dense(ckpt, progress=False)), strict=True)
+    hybrid = attach_cpu_experts(model, cache, CPU, room_bytes=2**30)
+    assert 3 in cache.bank.mapped and 0 in cache.bank.layers and hybrid.kt.holds(3)
+    num = dataclasses.replace(NUMERICS_ON, backends=KernelBackends(fp4_moe="triton"))
+    x = torch.randn(24, ckpt.args.dim, generator=torch.Generator().manual_seed(4)).bfloat16()
+    tokens = torch.arange(24)
+    with torch.no_grad(), cache.detached():
+        moe = model.layers[0].ffn
+        hybrid_out = moe(x, tokens, num)
+        assert (hybrid.stats.cpu_experts, cache.stats.streamed_layers) == (0, 1)
+        moe.cpu_experts = None
+        assert torch.equal(hybrid_out, moe(x, tokens, num))  # the offload path's streamed layer
+        moe.cpu_experts = hybrid
+        model.layers[3].ffn(x, tokens, num)
+        assert hybrid.stats.cpu_experts > 0 and cache.stats.streamed_layers == 2  # only layer 0's second run
+    ckpt.source.close()

@@ -155,12 +155,14 @@ def test_expert_slots_go_through_the_slot_cache(ckpt, dense, backends):
     assert estimate.routed_expert_bytes == 0 and _nbytes(model) == estimate.total_bytes
 
 
-def _offloaded(ckpt, slots: int, ram_layers: int) -> tuple[Transformer, ExpertSlotCache]:
+def _offloaded(ckpt, slots: int, ram_layers: int, stream_group: int = 0) -> tuple[Transformer, ExpertSlotCache]:
     """The dense loader's model with its experts behind `slots` slots and only `ram_layers` layers of
     them in RAM: the rest stays in the mapped shards, which the kernel reads through the staging area."""
     layer_bytes = sum(s.nbytes for s in ckpt.specs if s.group == "routed_experts" and s.layer == 0)
     model = Transformer(ckpt.args, include_mtp=True).eval()
-    cache = attach_expert_cache(model, ckpt, slots, CPU, ram_bytes=ram_layers * layer_bytes, progress=False)
+    cache = attach_expert_cache(
+        model, ckpt, slots, CPU, ram_bytes=ram_layers * layer_bytes, progress=False, stream_group=stream_group
+    )
     model.load_state_dict(dict(iter_resident_dense(ckpt, progress=False)), strict=True)
     # prepared as the dense reference is: its head held in bf16 (exact) and read in one layout, so the two heads
     # compute alike (a torch head on the CPU is otherwise held K-major, whose GEMV rounds otherwise at 1-2 rows)
@@ -203,6 +205,39 @@ def test_triton_and_torch_slot_cache_paths_agree_per_layer(ckpt):
         )
         bound = 2.0**-6 * per_route.float().abs().view(*ids.shape, -1).sum(1) + 2.0**-8 * torch_path.abs()
         assert bool(((kernel - torch_path).abs() <= bound).all()), layer
+
+
+def test_prefill_streamed_experts_give_the_in_place_bits(ckpt):
+    """Each MoE layer's routed sum on a 24-token prefill input (48 routes over 8 experts: past the 4 an expert that
+    stream), its experts streamed into the slot tensors in ranges of 3 (buffers 0, 1, 0) and read from there, equals
+    the same kernels reading the bank in place bit for bit (the same tiles), a RAM layer and a layer in the shards
+    (staged, then streamed) alike; the usage and hit counts are the same."""
+    model, cache = _offloaded(ckpt, 3, ram_layers=2, stream_group=3)
+    stream = cache.stream
+    assert stream is not None
+    num = dataclasses.replace(NUMERICS_ON, backends=MIXED)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(PROMPT_TOKENS, ckpt.args.dim, generator=g).to(torch.bfloat16)
+    token_ids = torch.randint(0, ckpt.args.vocab_size, (PROMPT_TOKENS,), generator=g)
+
+    def routed(moe, weights, ids) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The kernel's sum, the usage counts it added, the layers it streamed (no step boundary: no promotion)."""
+        with cache.detached():
+            before = cache.usage.clone()
+            out = moe._routed_kernel(x, weights, ids)
+            return out, cache.usage - before, cache.stats.streamed_layers
+
+    for layer in (0, ckpt.args.n_layers - 1):  # in RAM; in the shards
+        moe = model.layers[layer].ffn
+        weights, ids = moe.gate(x, token_ids, num)
+        streamed, counted, n = routed(moe, weights, ids)
+        cache.stream = None
+        in_place, counted_in_place, n_in_place = routed(moe, weights, ids)
+        cache.stream = stream
+        assert torch.equal(streamed, in_place), layer
+        assert torch.equal(counted, counted_in_place) and int(counted.sum()) > 0
+        assert (n, n_in_place) == (1, 0)
+    assert cache.bank.mapped and ckpt.args.n_layers - 1 in cache.staged_layers
 
 
 def test_real_checkpoint_device_bytes(real_model_dir):

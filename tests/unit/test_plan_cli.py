@@ -111,6 +111,14 @@ def test_a_32gb_plan_projects_decode_term_by_term_with_the_given_bandwidths(real
     assert today["tokens_per_second"]["hybrid"] < hybrid["tokens_per_second"]
     assert f"hybrid {today['tokens_per_second']['hybrid']:.1f} tokens/s" in text
     assert "--moe-backend auto with kt-kernel installed runs hybrid on a CUDA worker" in text
+    # a cold prefill's expert transfers: each chunk streams the experts in no slot once at the given 25 GB/s
+    cold, chunk = d["cold_prefill"], plan["prefill_chunk"]["effective"]
+    streamed = (11008 - experts["slots"]) * experts["slot_bytes"]
+    assert cold["chunk_tokens"] == chunk and cold["streamed_bytes_per_chunk"] == pytest.approx(streamed, abs=1)
+    assert cold["streamed_tokens_per_second"] == pytest.approx(chunk / (streamed / 25e9), abs=0.1)
+    assert cold["in_place_tokens_per_second"] < cold["streamed_tokens_per_second"]
+    assert f"{chunk:,}-token chunks stream" in text and "(--h2d-bandwidth)" in text.split("projected cold prefill")[1]
+    assert plan["memory_plan"]["experts"]["prefill_stream_bytes"] == 32 * experts["slot_bytes"]
     # a measured hit rate (the server's expert_cache_hits_total / expert_cache_queries_total) replaces uniform's
     ns_hits = build_parser("plan").parse_args(["--model", str(real_model_dir), *flags, "--expert-hit-rate", "0.5"])
     hits = build_plan(ns_hits, env)["decode_speed"]
@@ -122,8 +130,10 @@ def test_a_32gb_plan_projects_decode_term_by_term_with_the_given_bandwidths(real
 
 def test_a_card_that_holds_every_expert_projects_the_gpu_backend_only(tiny_cache):
     ns, env = _ns(tiny_cache, "--gpu-memory", "24GiB")
-    d = build_plan(ns, env)["decode_speed"]
+    plan = build_plan(ns, env)
+    d = plan["decode_speed"]
     assert set(d["projections"]) == {"gpu"} and d["projections"]["gpu"]["misses_per_token"] == 0
+    assert d["cold_prefill"] is None and plan["memory_plan"]["experts"]["prefill_stream_bytes"] == 0
 
 
 def test_a_bandwidth_must_be_a_positive_number(capsys):
