@@ -21,6 +21,11 @@ in its range's buffer, and the kernel, launched once per range on that range's b
 (dsv4_kernels.fp4_moe_layer.ExpertGroups), never reads the bank. On the CPU the copies are plain copies, made in
 turn: the same arithmetic, for the tests.
 
+When the next MoE layer is pinned (`Ahead`), its first two ranges are copied once this layer's last two ranges have
+their GEMMs queued: they cross PCIe during that layer's attention, which would otherwise leave the link idle. They
+are used only by that layer at the same epoch (no step boundary between: the slots, and so what was copied, are
+the same); otherwise copied again.
+
 The order of every fp32 sum is the kernel's, per tile, as in place: the streamed layer's output is bit for bit the
 in-place one. Not used while a CUDA graph is captured (a decode step has few routes per expert anyway).
 """
@@ -39,6 +44,16 @@ def streams(num_routes: int, n_experts: int) -> bool:
     """Whether a step's routes stream a layer instead of reading it in place: past 4 routes per expert, where the
     kernel's route blocks grow from 16 to 64 (fp4_moe_choices.pick_block_m) and nearly every expert is used."""
     return num_routes > 4 * n_experts
+
+
+@dataclass(frozen=True)
+class Ahead:
+    """The next MoE layer, pinned, whose first ranges are copied ahead: its key ((layer, epoch)), bank parts and the
+    host mirror of its slot map's `>= 0`."""
+
+    key: tuple[int, int]
+    bank: dict[str, torch.Tensor]
+    in_slot: torch.Tensor
 
 
 class ExpertStream:
@@ -60,17 +75,30 @@ class ExpertStream:
         self._copies = torch.cuda.Stream(device) if self._cuda else None
         self._copied = [torch.cuda.Event() for _ in range(BUFFERS)] if self._cuda else []
         self._free = [torch.cuda.Event() for _ in range(BUFFERS)] if self._cuda else []
+        self.ahead: tuple[int, int] | None = None  # the key of the layer whose first ranges the buffers hold
 
     @property
     def area_bytes(self) -> int:
         return BUFFERS * self.group * self.expert_bytes
 
-    def layer(self, bank: dict[str, torch.Tensor], slot_map: torch.Tensor, in_slot: torch.Tensor) -> StreamedLayer:
+    def layer(
+        self,
+        bank: dict[str, torch.Tensor],
+        slot_map: torch.Tensor,
+        in_slot: torch.Tensor,
+        key: tuple[int, int] | None = None,
+        after: Ahead | None = None,
+    ) -> StreamedLayer:
         """`bank`: the layer's [E, ...] parts the ranges are copied from (pinned bank or staging area: every expert
         the step uses outside the slots is there); slot_map [E] int32 on the device, -1 outside the slots, and
-        in_slot [E] bool, its host mirror (the experts not copied)."""
-        runs = [_runs(in_slot, g * self.group, min((g + 1) * self.group, self.n_experts)) for g in range(self.ranges)]
-        return StreamedLayer(self, bank, torch.where(slot_map >= 0, slot_map, self._row), runs)
+        in_slot [E] bool, its host mirror (the experts not copied); `key`: (layer, epoch), matched against the
+        ranges copied ahead; `after`: the next layer to copy ahead (module doc)."""
+        slot_of = torch.where(slot_map >= 0, slot_map, self._row)
+        return StreamedLayer(self, bank, slot_of, self.runs(in_slot), key, after)
+
+    def runs(self, in_slot: torch.Tensor) -> list[list[tuple[int, int]]]:
+        """Per range, the runs of experts a layer copies (those in no slot)."""
+        return [_runs(in_slot, g * self.group, min((g + 1) * self.group, self.n_experts)) for g in range(self.ranges)]
 
     @property
     def ranges(self) -> int:
@@ -124,6 +152,8 @@ class StreamedLayer:
     bank: dict[str, torch.Tensor]
     slot_of_expert: torch.Tensor  # [E] int32: each expert's cache slot, else its row in its range's buffer
     runs: list[list[tuple[int, int]]]  # per range, the runs of experts copied (those in no slot)
+    key: tuple[int, int] | None = None  # (layer, epoch): its first ranges may have been copied ahead
+    after: Ahead | None = None  # the next layer, whose first ranges this one copies ahead
 
     @property
     def copied_experts(self) -> int:
@@ -133,8 +163,10 @@ class StreamedLayer:
         """(lo, hi) expert id ranges in order, each copied into its buffer and waited for by the compute stream
         before it is yielded; the caller queues the range's GEMMs before asking for the next."""
         s = self.stream
-        n = s.ranges
-        for g in range(min(BUFFERS, n)):
+        n, first = s.ranges, min(BUFFERS, s.ranges)
+        ready = first if self.key is not None and s.ahead == self.key else 0
+        s.ahead = None
+        for g in range(ready, first):
             s.copy_range(self.bank, g, self.runs[g])
         for g in range(n):
             s.compute_waits(g)
@@ -142,3 +174,8 @@ class StreamedLayer:
             s.compute_done(g)
             if g + BUFFERS < n:
                 s.copy_range(self.bank, g + BUFFERS, self.runs[g + BUFFERS])
+        if self.after is not None:  # the next layer's first ranges, during its attention
+            runs = s.runs(self.after.in_slot)
+            for g in range(first):
+                s.copy_range(self.after.bank, g, runs[g])
+            s.ahead = self.after.key

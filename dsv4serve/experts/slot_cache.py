@@ -53,7 +53,7 @@ import torch
 
 from dsv4serve.experts import graph_cuts
 from dsv4serve.experts.bank import ExpertBank
-from dsv4serve.experts.prefill_stream import BUFFERS, ExpertStream, StreamedLayer, streams
+from dsv4serve.experts.prefill_stream import BUFFERS, Ahead, ExpertStream, StreamedLayer, streams
 from dsv4serve.experts.residency import PromotionPolicy, decayed, initial_keys, plan_promotions
 from dsv4serve.experts.staging import LayerStaging
 from dsv4serve.experts.transfers import LaggedCounts, Parts, SlotCopier
@@ -140,6 +140,7 @@ class ExpertSlotCache:
         self._copier = SlotCopier(self.slots, device, self.policy.max_per_step)
         self._staging = LayerStaging(bank, device)
         self._begun = False
+        self._epoch = 0  # step boundaries so far
         self.row_tiers = [self._tier(layer) for layer in self.layers]
         weights = miss_weights or miss_cost_weights()
         row_weights = [weights[t] for t in self.row_tiers]
@@ -192,7 +193,8 @@ class ExpertSlotCache:
         streamed = None
         if stream and self.streams(ids.numel()):
             assert self.stream is not None
-            streamed = self.stream.layer(bank, self.slot_of_expert[row], self._map_host[row] >= 0)
+            in_slot, key = self._map_host[row] >= 0, (layer, self._epoch)
+            streamed = self.stream.layer(bank, self.slot_of_expert[row], in_slot, key, self._ahead(row))
             self.stats.h2d_bytes += streamed.copied_experts * self.bank.expert_bytes  # each crosses once
             self.stats.streamed_layers += 1
         return KernelSources(
@@ -202,6 +204,13 @@ class ExpertSlotCache:
             self.usage_row(layer),
             streamed,
         )
+
+    def _ahead(self, row: int) -> Ahead | None:
+        """The next MoE layer, when pinned: its first streamed ranges are copied ahead (prefill_stream.py)."""
+        if row + 1 >= len(self.layers) or self.row_tiers[row + 1] != "pinned":
+            return None
+        layer = self.layers[row + 1]
+        return Ahead((layer, self._epoch), self.bank.layers[layer], self._map_host[row + 1] >= 0)
 
     def layer_experts(self, layer: int, experts: list[int]) -> Iterator[tuple[int, Parts]]:
         """(expert, its packed parts) for each of `experts` (ascending): a slot's, else the bank's (on
@@ -323,6 +332,7 @@ class ExpertSlotCache:
             self._boundary()
 
     def _boundary(self) -> None:
+        self._epoch += 1  # the slots may change here: ranges copied ahead before it are stale
         self.collect_usage()
         if self._copier.idle():
             plan = plan_promotions(self._scores, self._slot_keys, self.policy, self._key_weights)

@@ -76,3 +76,36 @@ def test_the_slot_cache_streams_prefill_steps_and_reads_decode_steps_in_place():
                 assert torch.equal(cache.slots[p][staged.stream.slot_of_expert[e]], bank.full[2][p][e]), (e, p, in_slot)
     assert cache.stats.streamed_layers == 2 and cache.stats.staged_layers == 1
     assert ExpertSlotCache(bank, SLOTS, CPU).kernel_sources(0, _prefill_ids()).stream is None  # made without one
+
+
+def _consume(cache: ExpertSlotCache, layer: int) -> None:
+    src = cache.kernel_sources(layer, _prefill_ids())
+    assert src.stream is not None
+    for _ in src.stream.ranges():
+        pass
+
+
+def test_the_next_pinned_layer_s_first_ranges_are_copied_ahead_and_used_within_the_step():
+    bank = make_bank(mapped_layers=(2,))  # layers 0 and 1 in RAM ("pinned" on the CPU), 2 in the shards
+    cache = ExpertSlotCache(bank, SLOTS, CPU, stream_group=GROUP)
+    stream = cache.stream
+    assert stream is not None
+    copied: list[tuple[int, int]] = []
+    real = stream.copy_range
+    stream.copy_range = lambda b, g, runs: (copied.append((b["w1"].data_ptr(), g)), real(b, g, runs))[1]
+    l0, l1 = bank.layers[0]["w1"].data_ptr(), bank.layers[1]["w1"].data_ptr()
+    cache.begin_step()
+    _consume(cache, 0)
+    assert copied == [(l0, 0), (l0, 1), (l0, 2), (l1, 0), (l1, 1)]  # layer 1's first two ranges, ahead
+    for e in range(2 * GROUP):  # the buffers now hold them (its experts in no slot)
+        if cache.host_slot_map(1)[e] < 0:
+            assert torch.equal(cache.slots["w1"][SLOTS + e], bank.full[1]["w1"][e])
+    _consume(cache, 1)
+    assert copied[5:] == [(l1, 2)]  # only its third; layer 2 is on disk: nothing ahead
+    assert stream.ahead is None
+    copied.clear()
+    cache.begin_step()
+    _consume(cache, 0)
+    cache.begin_step()  # a boundary: the slots may have changed since layer 1's ranges went ahead
+    _consume(cache, 1)
+    assert copied == [(l0, 0), (l0, 1), (l0, 2), (l1, 0), (l1, 1), (l1, 0), (l1, 1), (l1, 2)]
