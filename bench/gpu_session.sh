@@ -23,6 +23,9 @@
 # gpu_cases/multi_gpu.py (issue 21) splits a tiny model over 2 (and 4) GPUs over NCCL against one rank when the
 # machine has them (a note says so on one GPU); on a lent multi-GPU kind the same command runs it, and then
 # bench/bench_tp_engine.py --device cuda serves the split engine itself (rank r on cuda:r) against one rank.
+# gpu_cases/fp4_moe.py's stream cases (issue 18) time a 2,048- and a 4,096-token prefill chunk whose experts are
+# streamed from the pinned bank into device memory 16 at a time (dsv4serve/experts/prefill_stream.py) against the same
+# chunk read in place over PCIe, bit for bit.
 # SWEEPS=1 first times the decode GEMMs' K-loop forms and splits (bench/gpu_fp4_sweep.py, gpu_fp8_sweep.py: ~4 min)
 # and records the fastest in kernels/dsv4_kernels/tuned/<GPU>.json, which the cases then run with (commit the copy
 # in $OUT); PROFILE=1 ends with bench/gpu_profile.py at batch 1. The device tool returns at most 8 files from $OUT:
