@@ -37,13 +37,17 @@ from dataclasses import dataclass
 
 import torch
 
+from dsv4serve.memory.prefill_speed import ROUTE_BLOCK
 from dsv4serve.memory.prefill_speed import STREAM_BUFFERS as BUFFERS  # one range computes while the next is copied
 
 
 def streams(num_routes: int, n_experts: int) -> bool:
-    """Whether a step's routes stream a layer instead of reading it in place: past 4 routes per expert, where the
-    kernel's route blocks grow from 16 to 64 (fp4_moe_choices.pick_block_m) and nearly every expert is used."""
-    return num_routes > 4 * n_experts
+    """Whether a step's routes stream a layer instead of reading it in place: where the kernel takes its prefill route
+    blocks (fp4_moe_choices.pick_block_m: past 4 routes per expert), so that nearly every expert is used and each
+    would be read once per block."""
+    from dsv4_kernels.fp4_moe_choices import pick_block_m  # lazy: kernel modules build kernels on import
+
+    return pick_block_m(num_routes, n_experts) == ROUTE_BLOCK
 
 
 @dataclass(frozen=True)
