@@ -64,7 +64,7 @@ def label(choice: dict) -> str:
 
 
 def sweep(t: int, opts, deadline: float) -> list[dict]:
-    from bench.gpu_cases.fp4_moe import MoeDims, random_fp4, real_dims
+    from bench.gpu_cases.fp4_moe import MoeDims, random_experts, real_dims
     from dsv4_kernels.fp4_moe import LoopForm, fp4_moe_gemm
     from dsv4_kernels.fp4_moe_choices import pick_block_k, pick_block_m
     from dsv4_kernels.moe_align import moe_align
@@ -72,9 +72,7 @@ def sweep(t: int, opts, deadline: float) -> list[dict]:
     dev = torch.device("cpu" if opts.cpu_smoke else "cuda")
     d = MoeDims(256, 256, 8, 2, 10.0) if opts.cpu_smoke else real_dims()
     gen = torch.Generator(device=dev).manual_seed(0)
-    w1, s1 = random_fp4(d.experts, d.inter, d.dim, 118, dev, gen)
-    w3, s3 = random_fp4(d.experts, d.inter, d.dim, 118, dev, gen)
-    w2, s2 = random_fp4(d.experts, d.dim, d.inter, 121, dev, gen)
+    w1, s1, w3, s3, w2, s2 = random_experts(d, dev, gen)
     x = (2 * torch.randn(t, d.dim, device=dev, generator=gen)).to(torch.bfloat16)
     weights = 2.5 * torch.rand(t, d.topk, device=dev, generator=gen)
     routes = t * d.topk

@@ -63,6 +63,29 @@ def random_fp4(
     return packed, scale.view(torch.float8_e8m0fnu)
 
 
+def random_experts(d: MoeDims, device: torch.device, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """Every expert's packed parts (w1, w1 scales, w3, w3 scales, w2, w2 scales): gate/up and the output of order
+    one."""
+    w1, s1 = random_fp4(d.experts, d.inter, d.dim, 118, device, gen)
+    w3, s3 = random_fp4(d.experts, d.inter, d.dim, 118, device, gen)
+    w2, s2 = random_fp4(d.experts, d.dim, d.inter, 121, device, gen)
+    return w1, s1, w3, s3, w2, s2
+
+
+def random_routing(
+    d: MoeDims, t: int, device: torch.device, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x bf16 [t, D], a random distinct top-k [t, k], weights in [0, 2.5) [t, k])."""
+    x = (2 * torch.randn(t, d.dim, device=device, generator=gen)).to(torch.bfloat16)
+    ids = torch.rand(t, d.experts, device=device, generator=gen).argsort(dim=1)[:, : d.topk].contiguous()
+    return x, ids, 2.5 * torch.rand(t, d.topk, device=device, generator=gen)
+
+
+def host_bank(parts: tuple[torch.Tensor, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The parts in host memory as the expert bank holds them: pinned on CUDA (read in place over PCIe)."""
+    return tuple(t.cpu().pin_memory() if device.type == "cuda" else t.clone() for t in parts)
+
+
 def torch_moe(
     x: torch.Tensor,
     w1: torch.Tensor,
@@ -111,16 +134,12 @@ def build(device: torch.device, d: MoeDims, tokens: tuple[int, ...]) -> list[Gpu
     from dsv4_kernels.fp4_moe_layer import fp4_moe
 
     gen = torch.Generator(device=device).manual_seed(0)
-    w1, s1 = random_fp4(d.experts, d.inter, d.dim, 118, device, gen)  # gate/up of order one
-    w3, s3 = random_fp4(d.experts, d.inter, d.dim, 118, device, gen)
-    w2, s2 = random_fp4(d.experts, d.dim, d.inter, 121, device, gen)
+    w1, s1, w3, s3, w2, s2 = random_experts(d, device, gen)
     dq = [_dequant_all(w, s, device) for w, s in ((w1, s1), (w3, s3), (w2, s2))]
     expert_bytes = sum(w[0].numel() + s[0].numel() for w, s in ((w1, s1), (w3, s3), (w2, s2)))
     out = []
     for t in tokens:
-        x = (2 * torch.randn(t, d.dim, device=device, generator=gen)).to(torch.bfloat16)
-        ids = torch.rand(t, d.experts, device=device, generator=gen).argsort(dim=1)[:, : d.topk].contiguous()
-        weights = 2.5 * torch.rand(t, d.topk, device=device, generator=gen)
+        x, ids, weights = random_routing(d, t, device, gen)
         args = (x, w1, s1, w3, s3, w2, s2, weights, ids, d.limit)
         used = int(ids.unique().numel())
         nbytes = used * expert_bytes + 2 * t * d.dim + 4 * t * d.dim  # weights read, bf16 x in, fp32 out
@@ -149,17 +168,12 @@ def slot_cases(
     from dsv4_kernels.fp4_moe_layer import ExpertSlots, fp4_moe
 
     gen = torch.Generator(device=device).manual_seed(1)
-    w1, s1 = random_fp4(d.experts, d.inter, d.dim, 118, device, gen)
-    w3, s3 = random_fp4(d.experts, d.inter, d.dim, 118, device, gen)
-    w2, s2 = random_fp4(d.experts, d.dim, d.inter, 121, device, gen)
-    on_device = (w1, s1, w3, s3, w2, s2)  # slot e holds expert e
-    bank = tuple(t.cpu().pin_memory() if device.type == "cuda" else t.clone() for t in on_device)
+    on_device = random_experts(d, device, gen)  # slot e holds expert e
+    bank = host_bank(on_device, device)
     expert_bytes = sum(t[0].numel() for t in on_device)
     out = []
     for t in tokens:
-        x = (2 * torch.randn(t, d.dim, device=device, generator=gen)).to(torch.bfloat16)
-        ids = torch.rand(t, d.experts, device=device, generator=gen).argsort(dim=1)[:, : d.topk].contiguous()
-        weights = 2.5 * torch.rand(t, d.topk, device=device, generator=gen)
+        x, ids, weights = random_routing(d, t, device, gen)
         used = ids.unique()
         for miss in miss_fractions:
             slot_of = torch.arange(d.experts, dtype=torch.int32, device=device)
@@ -186,13 +200,9 @@ def stream_cases(device: torch.device, d: MoeDims, tokens: tuple[int, ...], grou
     from dsv4serve.experts.prefill_stream import BUFFERS, ExpertStream
 
     gen = torch.Generator(device=device).manual_seed(2)
-    w1, s1 = random_fp4(d.experts, d.inter, d.dim, 118, device, gen)
-    w3, s3 = random_fp4(d.experts, d.inter, d.dim, 118, device, gen)
-    w2, s2 = random_fp4(d.experts, d.dim, d.inter, 121, device, gen)
     parts = ("w1", "w1_scale", "w3", "w3_scale", "w2", "w2_scale")
-    bank = tuple(t.cpu().pin_memory() if device.type == "cuda" else t.clone() for t in (w1, s1, w3, s3, w2, s2))
+    bank = host_bank(random_experts(d, device, gen), device)  # the device copies go: only the bank holds them
     expert_bytes = sum(t[0].numel() for t in bank)
-    del w1, s1, w3, s3, w2, s2
     area = {p: torch.empty((BUFFERS * group, *t.shape[1:]), dtype=t.dtype, device=device) for p, t in zip(parts, bank)}
     stream = ExpertStream(area, 0, group, d.experts, device)
     none = torch.full((d.experts,), -1, dtype=torch.int32, device=device)  # no expert in a slot: all from the bank
@@ -200,9 +210,7 @@ def stream_cases(device: torch.device, d: MoeDims, tokens: tuple[int, ...], grou
     in_slot = torch.zeros(d.experts, dtype=torch.bool)  # its host mirror
     out = []
     for t in tokens:
-        x = (2 * torch.randn(t, d.dim, device=device, generator=gen)).to(torch.bfloat16)
-        ids = torch.rand(t, d.experts, device=device, generator=gen).argsort(dim=1)[:, : d.topk].contiguous()
-        weights = 2.5 * torch.rand(t, d.topk, device=device, generator=gen)
+        x, ids, weights = random_routing(d, t, device, gen)
         args = (x, *bank, weights, ids, d.limit)
 
         def streamed(args=args) -> torch.Tensor:
