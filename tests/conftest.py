@@ -12,6 +12,17 @@ REPO = Path(__file__).resolve().parents[1]
 REAL_MODEL = REPO / "tests" / "data" / "DeepSeek-V4-Flash"
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Once the test modules have set TRITON_INTERPRET (tests/kernels/conftest.py, the census tests): a @triton.jit
+    helper's call skips the interpreter's re-patch of triton.language (kernels/dsv4_kernels/interpreter_calls.py),
+    also in a process that imported dsv4_kernels before the variable was set. Not earlier: triton.language imported
+    before TRITON_INTERPRET=1 leaves tl.sum a compiled-only function that the interpreter cannot call."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        from dsv4_kernels.interpreter_calls import install
+
+        install()
+
+
 @pytest.fixture(scope="session")
 def tiny_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A cache folder holding dsv4-tiny; DSV4SERVE_TEST_CACHE reuses one across runs (local dev)."""

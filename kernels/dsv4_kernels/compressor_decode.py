@@ -156,8 +156,9 @@ def compressor_decode_kernel(
         x = _round_bf16(x)
     if ROPE_DIM > 0:  # at the window's first position: _angles rounds pos down to a multiple of RATIO
         cos, sin, rotated = _angles(
-            b, freq_ptr, freq_ptr, pos_ptr, freq_ptr, 0, RATIO, D, ROPE_DIM, BLOCK_D, True, False
-        )
+            b + tl.zeros((1,), tl.int32), freq_ptr, freq_ptr, pos_ptr, freq_ptr, 0, RATIO, D, ROPE_DIM, BLOCK_D, True,
+            False,
+        )  # fmt: skip
         x = _rotate(x, cos, sin, rotated, 1, BLOCK_D, ROUND_BF16)
     if QUANT == 1:
         x = _fp8_blocks(x, QUANT_DIM, FP8_BLOCK, 1, BLOCK_D)

@@ -58,6 +58,7 @@ MODE_PRE, MODE_HEAD, MODE_POST = 0, 1, 2
 DOT_NONE, DOT_FP32, DOT_BF16X3 = 0, 1, 2  # FMA (one token a program), fp32 tl.dot, three bf16 tl.dots
 MAX_HC = 8
 POST_BLOCK_D = 512
+POST_VALUES = 2048  # a post program's new values: [hc 4, 512 channels] at the real dims, more tokens where D is small
 NUM_WARPS = 4
 NUM_STAGES = 3
 # BLOCK_N -> (BLOCK_K of the mixes loop, BLOCK_D of the x loop): ~4K fp32 values a tile (32 a thread)
@@ -88,8 +89,8 @@ def hc_mix_kernel(
     if MODE == 2:
         _post(
             x_ptr, h_ptr, post_ptr, comb_ptr, new_ptr,
-            D, stride_hn, stride_xn, stride_pn, stride_cn, stride_cj, stride_yn, stride_yk,
-            HC, HCP, BLOCK_D, ROUND_BF16,
+            N, D, stride_hn, stride_xn, stride_pn, stride_cn, stride_cj, stride_yn, stride_yk,
+            HC, HCP, BLOCK_N, BLOCK_D, ROUND_BF16,
         )  # fmt: skip
     elif PHASE == 1:
         _partial_sums(h_ptr, fn_ptr, part_ptr, N, D, stride_hn, stride_qn, HC, HCP, MODE, BLOCK_N, _SPLIT_K, BLOCK_K)
@@ -127,6 +128,14 @@ def pick_splits(k: int, n: int, block_n: int) -> int:
     one-launch form) for the blocks of larger batches. The interpreter's blocks of 16 for small batches
     split too, so that the CPU census counts the launches a GPU makes."""
     return triton.cdiv(k, SPLIT_K) if block_n == 1 or n <= DECODE_TOKENS else 0
+
+
+def post_tile(hc: int, d: int) -> tuple[int, int]:
+    """hc_post's (tokens, channels) a program: POST_BLOCK_D channels of one token at the real dims (D = 4096: 8
+    programs a token), whole rows of several tokens where D is small (dsv4-tiny's 128: 4 tokens a program, a
+    quarter of the programs the interpreter runs one by one). Every value is its own token's alone."""
+    block_d = min(POST_BLOCK_D, triton.next_power_of_2(d))
+    return max(1, POST_VALUES // (_hcp(hc) * block_d)), block_d
 
 
 def _hcp(hc: int) -> int:
@@ -251,11 +260,12 @@ def hc_post(
     comb = comb.float() if comb.stride(-1) == 1 else comb.float().contiguous()
     new = output_buffer(new_out, (n, hc, d), h.dtype, h.device)
     if n:
-        hc_mix_kernel[(n, triton.cdiv(d, POST_BLOCK_D))](
+        block_n, block_d = post_tile(hc, d)
+        hc_mix_kernel[(triton.cdiv(n, block_n), triton.cdiv(d, block_d))](
             h, post, post, post, out, post, comb, new, post,
             n, d, h.stride(0), out.stride(0), post.stride(0), comb.stride(0), comb.stride(1),
             new.stride(0), new.stride(1), 0, 0, 1, 0.0, 0.0,
-            HC=hc, HCP=_hcp(hc), MODE=MODE_POST, BLOCK_N=1, BLOCK_K=16, BLOCK_D=POST_BLOCK_D, DOT=DOT_NONE,
+            HC=hc, HCP=_hcp(hc), MODE=MODE_POST, BLOCK_N=block_n, BLOCK_K=16, BLOCK_D=block_d, DOT=DOT_NONE,
             ROUND_BF16=interpreting() and h.dtype == torch.bfloat16, PHASE=PHASE_WHOLE, num_warps=NUM_WARPS,
             num_stages=NUM_STAGES,
         )  # fmt: skip
@@ -311,9 +321,9 @@ COMPILE_CONFIGS = (
         {
             **_REAL,
             "MODE": MODE_POST,
-            "BLOCK_N": 1,
+            "BLOCK_N": post_tile(4, 4096)[0],
             "BLOCK_K": 16,
-            "BLOCK_D": POST_BLOCK_D,
+            "BLOCK_D": post_tile(4, 4096)[1],
             "DOT": DOT_NONE,
             "PHASE": PHASE_WHOLE,
             "n_iters": 1,

@@ -191,24 +191,29 @@ def _pre_or_head(
 @triton.jit
 def _post(
     x_ptr, h_ptr, post_ptr, comb_ptr, new_ptr,
-    D, stride_hn, stride_xn, stride_pn, stride_cn, stride_cj, stride_yn, stride_yk,
-    HC, HCP, BLOCK_D: tl.constexpr, ROUND_BF16,
+    N, D, stride_hn, stride_xn, stride_pn, stride_cn, stride_cj, stride_yn, stride_yk,
+    HC, HCP, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ROUND_BF16,
 ):  # fmt: skip
-    """new[n, :, d0:d0 + BLOCK_D] for token n = program_id(0), d0 = program_id(1) * BLOCK_D."""
-    n = tl.program_id(0).to(tl.int64)
+    """new[n, :, d0:d0 + BLOCK_D] for the BLOCK_N tokens n from program_id(0) * BLOCK_N, d0 = program_id(1) *
+    BLOCK_D: a [BLOCK_N, HCP, BLOCK_D] tile, every value its own token's (elementwise: no sum across tokens)."""
+    t = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    t_ok = t < N
+    n = tl.where(t_ok, t, 0).to(tl.int64)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
     k = tl.arange(0, HCP)
     k_ok = k < HC
-    mixed = tl.zeros((HCP, BLOCK_D), dtype=tl.float32)
+    td_ok = t_ok[:, None] & d_ok[None, :]  # [BLOCK_N, BLOCK_D]
+    tk_ok = t_ok[:, None] & k_ok[None, :]  # [BLOCK_N, HCP]
+    mixed = tl.zeros((BLOCK_N, HCP, BLOCK_D), dtype=tl.float32)
     for j in tl.static_range(HC):  # comb is applied transposed: row j of comb weighs stream j
-        h_j = tl.load(h_ptr + n * stride_hn + j * D + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-        comb_j = tl.load(comb_ptr + n * stride_cn + j * stride_cj + k, mask=k_ok, other=0.0)
-        mixed += comb_j[:, None] * h_j[None, :]
-    x = tl.load(x_ptr + n * stride_xn + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-    post = tl.load(post_ptr + n * stride_pn + k, mask=k_ok, other=0.0)
-    new = post[:, None] * x[None, :] + mixed
+        h_j = tl.load(h_ptr + n[:, None] * stride_hn + j * D + offs_d[None, :], mask=td_ok, other=0.0).to(tl.float32)
+        comb_j = tl.load(comb_ptr + n[:, None] * stride_cn + j * stride_cj + k[None, :], mask=tk_ok, other=0.0)
+        mixed += comb_j[:, :, None] * h_j[:, None, :]
+    x = tl.load(x_ptr + n[:, None] * stride_xn + offs_d[None, :], mask=td_ok, other=0.0).to(tl.float32)
+    post = tl.load(post_ptr + n[:, None] * stride_pn + k[None, :], mask=tk_ok, other=0.0)
+    new = post[:, :, None] * x[:, None, :] + mixed
     if ROUND_BF16:
         new = _round_bf16(new)
-    y_ptrs = new_ptr + n * stride_yn + k[:, None] * stride_yk + offs_d[None, :]
-    tl.store(y_ptrs, new.to(new_ptr.dtype.element_ty), mask=k_ok[:, None] & d_ok[None, :])
+    y_ptrs = new_ptr + n[:, None, None] * stride_yn + k[None, :, None] * stride_yk + offs_d[None, None, :]
+    tl.store(y_ptrs, new.to(new_ptr.dtype.element_ty), mask=tk_ok[:, :, None] & d_ok[None, None, :])

@@ -31,8 +31,12 @@ in tile order, not torch's, and on a GPU the rotation's products fuse into FMAs,
 value can differ by an ulp (and an FP8 / FP4 rounding downstream then by a step).
 tests/kernels/test_token_ops.py states the tolerances.
 
-Grid: (N, cdiv(H, BLOCK_H)); a program holds BLOCK_H whole rows (~4K fp32), so decode (N = 1) and
-prefill run the same program. Shapes are static per call.
+Grid: (cdiv(N x H, BLOCK_R),); a program holds BLOCK_R whole rows (~4K fp32) of the N x H (token, head) rows in
+order, a token's heads and, where they fit, the next tokens' rows: so decode (N = 1) and prefill run the same
+program, and a prefill of narrow rows (one kv row of 512 a token) takes 8 tokens a program, not one (under the
+Triton interpreter, where each program costs its ~100 ops' Python whatever its size, a whole-model test takes
+minutes less). Every step works on one row, so a row's values do not depend on its neighbours. Shapes are static
+per call.
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ def token_rows_kernel(
     pos_ptr,
     freq_ptr,
     out_ptr,
+    n_rows,
     n_heads,
     stride_xn,
     stride_xh,
@@ -71,7 +76,7 @@ def token_rows_kernel(
     eps,
     hadamard_scale,
     D: tl.constexpr,
-    BLOCK_H: tl.constexpr,
+    BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
     NORM: tl.constexpr,
     ROPE_DIM: tl.constexpr,
@@ -82,14 +87,21 @@ def token_rows_kernel(
     FP8_BLOCK: tl.constexpr,
     HADAMARD_STAGES: tl.constexpr,
     ROUND_BF16: tl.constexpr,
+    ONE_TOKEN: tl.constexpr,
 ):
-    """out[n, h0:h0 + BLOCK_H, :D] for token n = program_id(0), heads from h0 = program_id(1) * BLOCK_H."""
-    row = tl.program_id(0)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    """out rows r0 .. r0 + BLOCK_R of the n_rows = N x n_heads rows (token r // n_heads, head r % n_heads), each
+    of D channels, r0 = program_id(0) * BLOCK_R. Every step works on a row alone (the norm's sum along the row),
+    so a row's values never depend on the rows that share its program. ONE_TOKEN: BLOCK_R divides n_heads, so a
+    program's rows are one token's heads and its cos / sin are evaluated once (a [1, BLOCK_D / 2] tile)."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = r < n_rows
+    r = tl.where(r_ok, r, 0)
+    tok = r // n_heads
+    head = r % n_heads
     chans = tl.arange(0, BLOCK_D)
-    mask = (heads < n_heads)[:, None] & (chans < D)[None, :]
-    x_ptrs = x_ptr + row.to(tl.int64) * stride_xn + heads[:, None] * stride_xh + chans[None, :]
-    x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_H, BLOCK_D], zeros outside
+    mask = r_ok[:, None] & (chans < D)[None, :]
+    x_ptrs = x_ptr + (tok.to(tl.int64) * stride_xn + head * stride_xh)[:, None] + chans[None, :]
+    x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_R, BLOCK_D], zeros outside
     if ROUND_BF16:  # the compute dtype: a no-op on bf16 input, the compressor's fp32 pooled entry rounds
         x = _round_bf16(x)
     if NORM == 1:  # RMSNorm with weight: (w * (x * r)), one rounding
@@ -102,19 +114,22 @@ def token_rows_kernel(
         x = x * inv_rms[:, None]
     if ROUND_BF16 and NORM != 0:
         x = _round_bf16(x)
-    if ROPE_DIM > 0:
+    if ROPE_DIM > 0:  # one token's angles for the whole tile when its rows are that token's heads, else a row's own
+        at = tok
+        if ONE_TOKEN:
+            at = tl.zeros((1,), tl.int32) + tl.program_id(0) * BLOCK_R // n_heads
         cos, sin, rotated = _angles(
-            row, cos_ptr, sin_ptr, pos_ptr, freq_ptr, stride_cs, window, D, ROPE_DIM, BLOCK_D, FROM_POSITIONS, INVERSE
+            at, cos_ptr, sin_ptr, pos_ptr, freq_ptr, stride_cs, window, D, ROPE_DIM, BLOCK_D, FROM_POSITIONS, INVERSE
         )
-        x = _rotate(x, cos, sin, rotated, BLOCK_H, BLOCK_D, ROUND_BF16)
+        x = _rotate(x, cos, sin, rotated, BLOCK_R, BLOCK_D, ROUND_BF16)
     if QUANT == 1:  # dequantized e4m3 values are exact in bf16: no rounding after
-        x = _fp8_blocks(x, QUANT_DIM, FP8_BLOCK, BLOCK_H, BLOCK_D)
+        x = _fp8_blocks(x, QUANT_DIM, FP8_BLOCK, BLOCK_R, BLOCK_D)
     elif QUANT == 2:
-        x = _hadamard(x, hadamard_scale, HADAMARD_STAGES, BLOCK_H, BLOCK_D)
+        x = _hadamard(x, hadamard_scale, HADAMARD_STAGES, BLOCK_R, BLOCK_D)
         if ROUND_BF16:
             x = _round_bf16(x)
-        x = _fp4_blocks(x, QUANT_DIM, BLOCK_H, BLOCK_D)
-    out_ptrs = out_ptr + row.to(tl.int64) * stride_on + heads[:, None] * stride_oh + chans[None, :]
+        x = _fp4_blocks(x, QUANT_DIM, BLOCK_R, BLOCK_D)
+    out_ptrs = out_ptr + (tok.to(tl.int64) * stride_on + head * stride_oh)[:, None] + chans[None, :]
     tl.store(out_ptrs, x.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -128,11 +143,11 @@ def _rows3(x: torch.Tensor) -> torch.Tensor:
     return x.unsqueeze(1) if x.dim() == 2 else x
 
 
-def _tile(d: int, n_heads: int, quant: int, fp8_block: int) -> tuple[int, int]:
-    """(BLOCK_H, BLOCK_D): whole rows (padded to a power of two, and to whole quantization blocks), as many
-    heads as fit TILE_ELEMENTS."""
+def _tile(d: int, n_rows: int, quant: int, fp8_block: int) -> tuple[int, int]:
+    """(BLOCK_R, BLOCK_D): whole rows (padded to a power of two, and to whole quantization blocks), as many of the
+    call's n_rows (tokens x heads) as fit TILE_ELEMENTS."""
     block_d = max(triton.next_power_of_2(d), 2, fp8_block if quant == QUANT_FP8 else 1, FP4_BLOCK if quant else 1)
-    return min(triton.next_power_of_2(n_heads), max(1, TILE_ELEMENTS // block_d)), block_d
+    return min(triton.next_power_of_2(n_rows), max(1, TILE_ELEMENTS // block_d)), block_d
 
 
 def _angle_args(angles: Angles | None, dummy: torch.Tensor) -> tuple:
@@ -180,11 +195,11 @@ def _launch(
         raise ValueError(f"the Hadamard transform needs a power-of-two dim, got {d}")
     if n_rows == 0 or n_heads == 0:
         return out
-    block_h, block_d = _tile(d, n_heads, quant, fp8_block)
+    rows = n_rows * n_heads
+    block_r, block_d = _tile(d, rows, quant, fp8_block)
     dummy = x3  # pointers a chain does not read
     cos, sin, pos, freqs, stride_cs, window = _angle_args(angles, dummy)
-    grid = (n_rows, triton.cdiv(n_heads, block_h))
-    token_rows_kernel[grid](
+    token_rows_kernel[(triton.cdiv(rows, block_r),)](
         x3,
         weight if weight is not None else dummy,
         cos,
@@ -192,6 +207,7 @@ def _launch(
         pos,
         freqs,
         out3,
+        rows,
         n_heads,
         x3.stride(0),
         x3.stride(1),
@@ -202,7 +218,7 @@ def _launch(
         eps,
         d**-0.5,
         D=d,
-        BLOCK_H=block_h,
+        BLOCK_R=block_r,
         BLOCK_D=block_d,
         NORM=norm,
         ROPE_DIM=rope_dim,
@@ -213,6 +229,7 @@ def _launch(
         FP8_BLOCK=fp8_block,
         HADAMARD_STAGES=stages if quant == QUANT_HADAMARD_FP4 else 0,
         ROUND_BF16=out_dtype == torch.bfloat16,
+        ONE_TOKEN=n_heads % block_r == 0,
     )
     return out
 
@@ -290,12 +307,15 @@ def compressed_entry(
     )  # fmt: skip
 
 
-def _config(name: str, x: str, d: int, heads: int, norm: int, rope_dim: int, quant: int, window: int = 1, **extra):
-    """(name, signature, constexprs) of the build `_launch` makes for a chain on [*, heads, d] `x` rows (bf16
-    out, fp32 norm weight, angles from int32 positions); an int argument equal to 1 is a constexpr, as the
-    launcher specializes it."""
-    block_h, block_d = _tile(d, heads, quant, KV_BLOCK)
-    ints = {"n_heads": heads, "window": window}
+def _config(
+    name: str, x: str, d: int, heads: int, norm: int, rope_dim: int, quant: int, window: int = 1, tokens: int = 64,
+    **extra,
+):  # fmt: skip
+    """(name, signature, constexprs) of the build `_launch` makes for a chain on [tokens, heads, d] `x` rows (bf16
+    out, fp32 norm weight, angles from int32 positions; 64 tokens: the largest tile of every chain); an int
+    argument equal to 1 is a constexpr, as the launcher specializes it."""
+    block_r, block_d = _tile(d, tokens * heads, quant, KV_BLOCK)
+    ints = {"n_rows": tokens * heads, "n_heads": heads, "window": window}
     signature = {
         "x_ptr": f"*{x}", "w_ptr": "*fp32" if norm == NORM_WEIGHTED else f"*{x}", "cos_ptr": f"*{x}",
         "sin_ptr": f"*{x}", "pos_ptr": "*i32" if rope_dim else f"*{x}", "freq_ptr": "*fp32" if rope_dim else f"*{x}",
@@ -305,10 +325,11 @@ def _config(name: str, x: str, d: int, heads: int, norm: int, rope_dim: int, qua
         "eps": "fp32", "hadamard_scale": "fp32",
     }  # fmt: skip
     constexprs = {
-        "D": d, "BLOCK_H": block_h, "BLOCK_D": block_d,
+        "D": d, "BLOCK_R": block_r, "BLOCK_D": block_d,
         "NORM": norm, "ROPE_DIM": rope_dim, "FROM_POSITIONS": rope_dim > 0, "INVERSE": False, "QUANT": quant,
         "QUANT_DIM": {QUANT_FP8: d - rope_dim, QUANT_HADAMARD_FP4: d}.get(quant, 0), "FP8_BLOCK": KV_BLOCK,
         "HADAMARD_STAGES": d.bit_length() - 1 if quant == QUANT_HADAMARD_FP4 else 0, "ROUND_BF16": True,
+        "ONE_TOKEN": heads % block_r == 0,
         **{k: 1 for k, v in ints.items() if v == 1}, **extra,
     }  # fmt: skip
     signature.update({k: "constexpr" for k in constexprs})

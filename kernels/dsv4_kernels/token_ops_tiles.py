@@ -38,7 +38,7 @@ def _inv_rms(x, D: tl.constexpr, eps):
 
 @triton.jit
 def _angles(
-    row,
+    rows,
     cos_ptr,
     sin_ptr,
     pos_ptr,
@@ -51,21 +51,23 @@ def _angles(
     FROM_POSITIONS: tl.constexpr,
     INVERSE: tl.constexpr,
 ):
-    """cos, sin [BLOCK_D / 2] of row `row` for pair i (channels 2i, 2i + 1), and the mask of the rotated
-    pairs: the trailing ROPE_DIM / 2 pairs of the D channels (cos 1, sin 0 elsewhere)."""
+    """cos, sin [BR, BLOCK_D / 2] of the table rows (token indices) `rows` [BR] for pair i (channels 2i, 2i + 1),
+    and the mask [BLOCK_D / 2] of the rotated pairs: the trailing ROPE_DIM / 2 pairs of the D channels (cos 1,
+    sin 0 elsewhere). Every element is its row's own: a row's values never depend on the rows beside it."""
     pair = tl.arange(0, BLOCK_D // 2)
     j = pair - (D - ROPE_DIM) // 2  # index into the rope frequencies
     rotated = (j >= 0) & (pair < D // 2)
     j = tl.where(rotated, j, 0)
     if FROM_POSITIONS:
-        pos = tl.load(pos_ptr + row)
+        pos = tl.load(pos_ptr + rows)
         pos = (pos // window) * window  # a compressor entry rotates at its window's first position
-        angle = pos.to(tl.float32) * tl.load(freq_ptr + j, mask=rotated, other=0.0)
-        cos = tl.where(rotated, tl.cos(angle), 1.0)
-        sin = tl.where(rotated, tl.sin(angle), 0.0)
+        angle = pos.to(tl.float32)[:, None] * tl.load(freq_ptr + j, mask=rotated, other=0.0)[None, :]
+        cos = tl.where(rotated[None, :], tl.cos(angle), 1.0)
+        sin = tl.where(rotated[None, :], tl.sin(angle), 0.0)
     else:
-        cos = tl.load(cos_ptr + row * stride_cs + j, mask=rotated, other=1.0)
-        sin = tl.load(sin_ptr + row * stride_cs + j, mask=rotated, other=0.0)
+        at = rows.to(tl.int64)[:, None] * stride_cs + j[None, :]
+        cos = tl.load(cos_ptr + at, mask=rotated[None, :], other=1.0)
+        sin = tl.load(sin_ptr + at, mask=rotated[None, :], other=0.0)
     if INVERSE:
         sin = -sin
     return cos, sin, rotated
@@ -73,12 +75,11 @@ def _angles(
 
 @triton.jit
 def _rotate(x, cos, sin, rotated, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, ROUND_BF16: tl.constexpr):
-    """x [BH, BD]: pairs (x[2i], x[2i+1]) with rotated[i] become (e c - o s, e s + o c), rounded to bf16 when
-    ROUND_BF16; the other pairs stay as they are (bit for bit)."""
+    """x [BH, BD]: pairs (x[2i], x[2i+1]) with rotated[i] become (e c - o s, e s + o c) (cos / sin [BH, BD / 2],
+    `_angles`), rounded to bf16 when ROUND_BF16; the other pairs stay as they are (bit for bit)."""
     even, odd = tl.split(tl.reshape(x, (BLOCK_H, BLOCK_D // 2, 2)))
-    c, s = cos[None, :], sin[None, :]
-    new_even = even * c - odd * s
-    new_odd = even * s + odd * c
+    new_even = even * cos - odd * sin
+    new_odd = even * sin + odd * cos
     if ROUND_BF16:
         new_even, new_odd = _round_bf16(new_even), _round_bf16(new_odd)
     keep = rotated[None, :]

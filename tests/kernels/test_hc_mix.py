@@ -28,7 +28,7 @@ import dataclasses
 import pytest
 import torch
 
-from dsv4_kernels.hc_mix import SPLIT_K, hc_head, hc_post, hc_pre, pick_block_n, pick_splits
+from dsv4_kernels.hc_mix import SPLIT_K, hc_head, hc_post, hc_pre, pick_block_n, pick_splits, post_tile
 from dsv4_kernels.hc_mix_ref import hc_head_ref, hc_post_ref, hc_pre_ref
 from dsv4_kernels.testing import into_poisoned
 
@@ -201,8 +201,9 @@ def _post_inputs(n: int, hc: int, d: int, dtype: torch.dtype, seed: int):
     return out, h, post, comb / comb.sum(-1, keepdim=True)
 
 
-# decode, a few tokens, D above the 512-channel block and ragged, and hc = 3
-POST_SHAPES = [(1, 4, 64), (5, 4, 128), (3, 4, 600), (2, 3, 64)]
+# decode, a few tokens (several a program at small D, the last program partial: post_tile), D above the 512-channel
+# block and ragged, and hc = 3
+POST_SHAPES = [(1, 4, 64), (5, 4, 128), (9, 4, 64), (3, 4, 600), (2, 3, 64)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -216,6 +217,9 @@ def test_post_matches_reference(n: int, hc: int, d: int, dtype: torch.dtype) -> 
     ).sum(1)
     _assert_within("new", new, new_ref, _rounded_bound(new_ref, (hc + 2) * U * magnitude, dtype))
     assert new.dtype == dtype
+    for t in range(n):  # several tokens share a program at small D: each gets the bits it gets alone
+        alone = hc_post(out[t : t + 1], h[t : t + 1], post[t : t + 1], comb[t : t + 1])
+        assert torch.equal(new[t : t + 1], alone), f"token {t} of {n}"
 
 
 def test_empty_batch_and_bad_shapes() -> None:
@@ -233,6 +237,8 @@ def test_block_choice_is_data_independent_and_invariant_when_asked() -> None:
     assert gpu == [1, 1, 16, 16, 64, 64]
     assert [pick_block_n(n, interpreter=True) for n in (1, 2, 64, 16384)] == [1, 16, 16, 16]
     assert {pick_block_n(n, batch_invariant=True, interpreter=i) for n in (1, 100, 16384) for i in (False, True)} == {1}
+    # hc_post: 512 channels of one token at the real D, whole rows of several tokens at small D (shape alone)
+    assert [post_tile(4, d) for d in (4096, 600, 128, 64)] == [(1, 512), (1, 512), (4, 128), (8, 64)]
 
 
 def test_split_k_depends_on_k_alone_and_keeps_a_token_batch_invariant() -> None:

@@ -442,3 +442,35 @@ def test_wrappers_refuse_what_they_cannot_run() -> None:
         rope(q.half(), at)
     with pytest.raises(ValueError, match="mode"):
         compressed_entry(torch.zeros(2, 96), torch.ones(96), EPS, at, "fp8")
+
+
+@pytest.mark.parametrize("tables", [True, False], ids=["tables", "positions"])
+@pytest.mark.parametrize("heads", [1, 4, 64])
+def test_a_token_in_a_many_token_program_gets_its_own_bits(heads: int, tables: bool) -> None:
+    """A program takes as many (token, head) rows as fit its tile, several tokens' when rows are narrow (one kv
+    row a token: 32 tokens a program at d = 128); every chain gives each token the bits it gets alone. 13 tokens:
+    the last program is partial; 64 heads: one token's heads fill whole programs (its angles evaluated once)."""
+    gen = torch.Generator().manual_seed(heads)
+    n, d, rope_dim = 13, 128, 64
+    q = torch.randn(n, heads, d, generator=gen).bfloat16()
+    x, w, pooled = torch.randn(n, d, generator=gen).bfloat16(), _weight(d, gen), torch.randn(n, d, generator=gen)
+    at = _angles(n, rope_dim, tables, gen)
+
+    def one(t: int) -> Angles:
+        if at.from_positions:
+            return Angles.at(at.positions[t : t + 1], at.freqs, window=at.window)
+        return Angles.tables(at.cos[t : t + 1], at.sin[t : t + 1])
+
+    chains = {
+        "rms_norm": lambda rows, a: rms_norm(x[rows], w, EPS),
+        "q_head_norm_rope": lambda rows, a: q_head_norm_rope(q[rows], a, EPS),
+        "kv_norm_rope_quant": lambda rows, a: kv_norm_rope_quant(x[rows], w, EPS, a, d - rope_dim),
+        "rope": lambda rows, a: rope(q[rows], a, inverse=True),
+        "indexer_q": lambda rows, a: indexer_q(q[rows], a),
+        "compressed_entry": lambda rows, a: compressed_entry(pooled[rows], w, EPS, a, "kv", torch.bfloat16, 64),
+    }
+    for name, call in chains.items():
+        together = call(slice(0, n), at)
+        for t in range(n):
+            alone = call(slice(t, t + 1), one(t))
+            assert torch.equal(_bits(together[t : t + 1]), _bits(alone)), f"{name}: token {t} of {n}"
