@@ -17,10 +17,11 @@ from typing import Any
 from dsv4serve.config import ConfigError
 from dsv4serve.env import Environment
 from dsv4serve.memory.capacity import CPU_KV_CAPACITY_TOKENS
+from dsv4serve.memory.host_plan import plans_cpu_experts
 from dsv4serve.memory.plan import Machine
 from dsv4serve.model.args import ModelArgs
 from dsv4serve.model.schema import TensorSpec, checkpoint_schema
-from dsv4serve.plan_decode import add_decode_options, decode_plan
+from dsv4serve.plan_decode import add_decode_options, decode_plan, kt_layers_for
 from dsv4serve.plan_ranks import format_rank_plans, plan_ranks
 from dsv4serve.report import format_table, settings_json, settings_rows
 from dsv4serve.resolve_cli import resolve_from_cli
@@ -127,6 +128,8 @@ def build_plan(ns: argparse.Namespace, env: Environment) -> dict[str, Any]:
         memory, prefill["effective"], prefill["binding"] = None, None, "none"
         prefill["reason"] = f"no memory plan: this machine cannot serve the model ({exc})"
     else:
+        if gpus == 1 and target.device == "cuda" and plans_cpu_experts(cfg.moe_backend.value):  # hybrid's RAM split
+            memory = _with_kt_layers(ns, cfg, args, specs, target, memory, backends)
         c = memory.chunk
         prefill.update(effective=c.effective_tokens, binding=c.binding, reason=c.reason, warning=c.warning)
     if gpus > 1:  # a rank's reads and the collectives between ranks are not in the projection yet
@@ -205,6 +208,23 @@ def _memory_plan(target: PlanTarget, cfg: Any, args: ModelArgs, specs: list[Tens
         ranks = plan_ranks(args, specs, target.machine, settings, backends, gpus, mtp)
         return ranks.plans[0], backends, ranks
     return plan_memory(args, weights, target.machine, settings, mtp), backends, None
+
+
+def _with_kt_layers(ns, cfg, args, specs, target: PlanTarget, memory, backends):
+    """The memory plan again with kt-kernel holding the layers the decode projection prefers (plan_decode.kt_layers_for:
+    its copy and the bank share host RAM); the GPU side does not change."""
+    import dataclasses
+
+    from dsv4serve.memory.decode_speed import decode_bytes
+    from dsv4serve.memory.plan import PlanSettings, plan_memory
+    from dsv4serve.memory.weights import include_mtp, loaded_weight_bytes
+
+    k = kt_layers_for(ns, cfg, memory, decode_bytes(specs, args, backends))
+    if k is None:
+        return memory
+    settings = dataclasses.replace(PlanSettings.from_config(cfg), kt_layers=k)
+    mtp = include_mtp(args, cfg.speculative_tokens.value)
+    return plan_memory(args, loaded_weight_bytes(specs, args, backends), target.machine, settings, mtp)
 
 
 def _decode_speed(ns, cfg, args, specs, target: PlanTarget, memory, backends) -> tuple[dict[str, Any] | None, str]:

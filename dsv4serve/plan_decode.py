@@ -11,7 +11,7 @@ import dataclasses
 from typing import Any
 
 from dsv4serve.memory import decode_speed as ds
-from dsv4serve.memory.decode_choice import faster_backend, project_backends
+from dsv4serve.memory.decode_choice import best_kt_layers, eager_reason, faster_backend, project_backends
 from dsv4serve.memory.decode_lanes import BankTiers
 from dsv4serve.memory.prefill_speed import prefill_lines, project_prefill
 from dsv4serve.report import format_table
@@ -97,6 +97,17 @@ def bandwidths(ns: argparse.Namespace) -> tuple[ds.Bandwidths, dict[str, Any]]:
         values[name] = default if given is None else given
         sources[name] = {"value": values[name], "source": f"{flag}" if given is not None else f"assumed: {source}"}
     return ds.Bandwidths(**values), sources
+
+
+def kt_layers_for(ns: argparse.Namespace, cfg: Any, memory: Any, decode_bytes: ds.DecodeBytes) -> int | None:
+    """The MoE layers kt-kernel should hold on this plan's host (memory/decode_choice.best_kt_layers), with the
+    bandwidths, graphs and hit rate `decode_plan` projects with; None without host memory or an offloaded bank."""
+    if memory.experts_resident or memory.host is None:
+        return None
+    bw, _ = bandwidths(ns)
+    graphs = eager_reason(cfg.enforce_eager.value, "hybrid", cfg.speculative_tokens.value > 0) is None
+    hits = getattr(ns, "expert_hit_rate", None)
+    return best_kt_layers(decode_bytes, memory.expert_slots, memory.host.bank_bytes, memory.machine, bw, graphs, hits)
 
 
 def decode_plan(

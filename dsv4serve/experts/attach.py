@@ -27,7 +27,7 @@ from dsv4serve.experts.hybrid import HybridExperts
 from dsv4serve.experts.kt_backend import KtGeometry, kt_threads
 from dsv4serve.experts.pinning import PinBudget, measure_pin_budget
 from dsv4serve.experts.slot_cache import ExpertSlotCache
-from dsv4serve.memory.host_plan import HOST_MARGIN_BYTES, KT_COPY_FACTOR, kt_copy_bytes
+from dsv4serve.memory.host_plan import HOST_MARGIN_BYTES, KT_COPY_FACTOR, kt_layers_copy_bytes
 from dsv4serve.memory.prefill_speed import planned_stream_group
 from dsv4serve.memory.probe import host_snapshot
 from dsv4serve.model.moe import MoE
@@ -120,11 +120,13 @@ class _LayerParts(Mapping):
         return len(self.layers)
 
 
-def bank_ram_beside_kt(specs) -> int:
+def bank_ram_beside_kt(specs, n_moe_layers: int = 0, kt_layers: int | None = None) -> int:
     """Host RAM the bank may fill with --moe-backend hybrid: MemAvailable minus HOST_MARGIN_BYTES minus
-    kt-kernel's copy of the routed experts among `specs` (memory/host_plan.py plans the same order)."""
+    kt-kernel's copy of the routed experts among `specs`, of its first `kt_layers` of the `n_moe_layers` layers
+    (None: all; memory/host_plan.py plans the same order)."""
     experts = sum(s.nbytes for s in specs if s.group == "routed_experts")
-    return max(0, host_snapshot().free_bytes - HOST_MARGIN_BYTES - kt_copy_bytes(experts))
+    layer = experts // n_moe_layers if n_moe_layers else 0
+    return max(0, host_snapshot().free_bytes - HOST_MARGIN_BYTES - kt_layers_copy_bytes(experts, layer, kt_layers))
 
 
 def kt_layers(bank: ExpertBank, layers: list[int], room_bytes: int) -> list[int]:
@@ -135,12 +137,17 @@ def kt_layers(bank: ExpertBank, layers: list[int], room_bytes: int) -> list[int]
 
 
 def attach_cpu_experts(
-    model: Transformer, cache: ExpertSlotCache, device: torch.device, room_bytes: int | None = None
+    model: Transformer,
+    cache: ExpertSlotCache,
+    device: torch.device,
+    room_bytes: int | None = None,
+    max_layers: int | None = None,
 ) -> HybridExperts:
     """--moe-backend hybrid: hand the bank's experts to kt-kernel once (as many layers as host RAM holds
-    beside the bank: `room_bytes`, else MemAvailable minus HOST_MARGIN_BYTES), check its output against the
-    torch reference (kt_check.py; ValueError when off), measure the split's costs, and let every MoE layer
-    compute its CPU misses there."""
+    beside the bank: `room_bytes`, else MemAvailable minus HOST_MARGIN_BYTES; at most `max_layers`, the count the
+    decode projection prefers: memory/decode_choice.best_kt_layers), check its output against the torch reference
+    (kt_check.py; ValueError when off), measure the split's costs, and let every MoE layer compute its CPU misses
+    there."""
     from dsv4serve.experts.kt_calibrate import measure_split_costs
     from dsv4serve.experts.kt_check import verify_kt
     from dsv4serve.experts.kt_experts import KtExperts
@@ -149,7 +156,7 @@ def attach_cpu_experts(
     geometry = KtGeometry(a.n_routed_experts, a.n_activated_experts, a.dim, a.moe_inter_dim, a.swiglu_limit)
     if room_bytes is None:
         room_bytes = max(0, host_snapshot().free_bytes - HOST_MARGIN_BYTES)
-    layers = kt_layers(cache.bank, cache.layers, room_bytes)
+    layers = kt_layers(cache.bank, cache.layers, room_bytes)[:max_layers]
     if not layers:
         raise ValueError("--moe-backend hybrid: host memory holds no MoE layer's kt-kernel copy beside the bank")
     parts = _LayerParts(cache.bank, layers)

@@ -2,6 +2,7 @@
 
     tiers = bank_tiers(bank_bytes, machine, cpu_experts, n_moe_layers)   # the host memory plan's split, as shares
     tiers = split_tiers(split, cpu_experts, n_moe_layers)                 # the same, from a split already made
+    k = best_kt_layers(b, slots, bank_bytes, machine, bw, graphs)         # hybrid: the layers kt-kernel should hold
     why = eager_reason(enforce_eager, backend)                           # None: decode steps replay CUDA graphs
     projections = project_backends(b, slots, bank_bytes, machine, bw, enforce_eager, backends)
     faster = faster_backend(projections)                                 # "offload" or "hybrid"
@@ -12,6 +13,14 @@ installing kt-kernel never makes decode slower. Each backend is projected as the
 tiers from host_plan.py (hybrid: kt-kernel's copy planned first, whole layers), its staged layers cutting the decode
 graphs (experts/graph_cuts.py), and eager where a step makes the host wait in a way no cut holds
 (engine_setup.eager_reason: hybrid CPU experts in speculative verify steps).
+
+How many layers kt-kernel holds is chosen the same way (`best_kt_layers`). Its copy and the bank compete for host
+RAM: each layer kt-kernel holds takes KT_COPY_FACTOR x its packed bytes, which the bank then leaves to the disk
+(decode_lanes: a miss there is a page-in). With the CPU's expert rate below PCIe's (40 against 50 GB/s assumed),
+a layer's misses are served faster pinned than by the CPU alone, so on a 192 GiB host holding every layer in
+kt-kernel (the bank then 98% on disk) projects 12.0 tokens/s where offload gives 14.3; holding the first few
+layers beside a bank still pinned whole gives both their misses' lanes. Every count from 0 to what fits is
+projected and the fastest kept (the fewer layers on a tie).
 """
 
 from __future__ import annotations
@@ -21,13 +30,42 @@ from dsv4serve.memory.decode_lanes import BankTiers
 from dsv4serve.memory.host_plan import HostSplit, Machine, host_split, kt_copy_bytes
 
 
-def bank_tiers(bank_bytes: int, machine: Machine | None, cpu_experts: bool, n_moe_layers: int) -> BankTiers:
-    """Where the bank holds the experts outside the slots, as the host memory plan splits it for this backend;
-    all pinned (and every layer held by kt-kernel) when there is no bank or host memory is not known."""
+def bank_tiers(
+    bank_bytes: int, machine: Machine | None, cpu_experts: bool, n_moe_layers: int, kt_layers: int | None = None
+) -> BankTiers:
+    """Where the bank holds the experts outside the slots, as the host memory plan splits it for this backend
+    (hybrid: kt-kernel's copy of its first `kt_layers` layers, None: all that fit); all pinned (and every layer
+    held by kt-kernel) when there is no bank or host memory is not known."""
     if not bank_bytes or machine is None or machine.host_bytes is None:
         return ds.ALL_PINNED
-    split = host_split(bank_bytes, machine, [], [], cpu_experts, bank_bytes // n_moe_layers)
+    split = host_split(bank_bytes, machine, [], [], cpu_experts, bank_bytes // n_moe_layers, kt_layers)
     return split_tiers(split, cpu_experts, n_moe_layers)
+
+
+def best_kt_layers(
+    b: ds.DecodeBytes,
+    slots: int,
+    bank_bytes: int,
+    machine: Machine | None,
+    bw: ds.Bandwidths,
+    graphs: bool = True,
+    hit_rate: float | None = None,
+    at_least: int = 1,
+) -> int | None:
+    """The number of MoE layers (the first ones) kt-kernel should hold for the fastest projected hybrid decode
+    (module doc), from `at_least` to as many as host memory holds; None when host memory is not known (then it
+    holds every layer that fits, as before a plan)."""
+    if not bank_bytes or machine is None or machine.host_bytes is None:
+        return None
+    n = b.n_moe_layers
+    fits = int(split_tiers(host_split(bank_bytes, machine, [], [], True, bank_bytes // n), True, n).cpu_layers * n)
+    best: tuple[float, int] | None = None
+    for k in range(min(at_least, fits), fits + 1):
+        tiers = bank_tiers(bank_bytes, machine, True, n, k)
+        speed = ds.project_decode(b, slots, bw, "hybrid", graphs, hit_rate, tiers).tokens_per_second
+        if best is None or speed > best[0] * (1 + 1e-9):
+            best = (speed, k)
+    return best[1] if best is not None else 0
 
 
 def split_tiers(split: HostSplit, cpu_experts: bool, n_moe_layers: int) -> BankTiers:
@@ -38,7 +76,7 @@ def split_tiers(split: HostSplit, cpu_experts: bool, n_moe_layers: int) -> BankT
     held = 1.0
     if cpu_experts:  # experts/attach.kt_layers: as many whole layers as kt-kernel's copy of them fits
         layers = split.kt_copy_bytes * n_moe_layers / kt_copy_bytes(bank)
-        held = min(n_moe_layers, int(layers + 1e-9)) / n_moe_layers
+        held = min(n_moe_layers, int(layers + 1e-6)) / n_moe_layers  # whole layers (bytes rounded per layer)
     return BankTiers(split.pin_estimate_bytes / bank, (split.ram_bytes - split.pin_estimate_bytes) / bank, held)
 
 
@@ -68,8 +106,11 @@ def project_backends(
     measured (or supposed) instead of uniform routing's."""
     out = {}
     for backend in backends:
-        tiers = bank_tiers(bank_bytes, machine, backend == "hybrid", b.n_moe_layers)
         why = eager_reason(enforce_eager, backend, speculative)
+        kt = None
+        if backend == "hybrid":
+            kt = best_kt_layers(b, slots, bank_bytes, machine, bw, why is None, hit_rate)
+        tiers = bank_tiers(bank_bytes, machine, backend == "hybrid", b.n_moe_layers, kt)
         projection = ds.project_decode(b, slots, bw, backend, why is None, hit_rate, tiers)
         out[backend] = (projection, tiers, why)
     return out

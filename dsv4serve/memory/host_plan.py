@@ -5,8 +5,10 @@ stays in the checkpoint's shards and pages in from disk, and what may be pinned 
 
 With --moe-backend hybrid (`cpu_experts`) kt-kernel keeps its own copy of the experts it computes,
 about KT_COPY_FACTOR times their packed bytes (measured with kt-kernel 0.7.2: 3.19 GiB packed per
-layer of 256 experts): that copy is resident RAM and is planned first; the bank then holds in RAM
-what is left beside it (its pinned part feeds the slots), the rest stays in the shards.
+layer of 256 experts): that copy is resident RAM and is planned first, for the first `kt_layers` MoE layers
+(the count the decode projection prefers: memory/decode_choice.best_kt_layers; None: every layer that fits);
+the bank then holds in RAM what is left beside it (its pinned part feeds the slots), the rest stays in the
+shards.
 """
 
 from __future__ import annotations
@@ -75,12 +77,14 @@ def host_split(
     warnings: list[str],
     cpu_experts: bool = False,
     layer_bytes: int = 0,
+    kt_layers: int | None = None,
 ) -> HostSplit:
     """Item 5 of the plan: the bank against host RAM minus the margin, and the expected pin budget;
-    with `cpu_experts` (hybrid) kt-kernel's copy first (`_kt_copy`). `layer_bytes`: one MoE layer's experts, the
-    staging area a bank beyond the pin budget keeps pinned (experts/bank.py)."""
+    with `cpu_experts` (hybrid) kt-kernel's copy of `kt_layers` layers (None: all) first (`_kt_copy`).
+    `layer_bytes`: one MoE layer's experts, the staging area a bank beyond the pin budget keeps pinned
+    (experts/bank.py)."""
     if cpu_experts:
-        return _kt_copy(bank, machine, decisions, warnings, layer_bytes)
+        return _kt_copy(bank, machine, decisions, warnings, layer_bytes, kt_layers)
     if machine.host_bytes is None:
         decisions.append(
             f"expert bank {_g(bank)} in host memory (give --host-memory to check it fits; the pin "
@@ -109,14 +113,28 @@ def host_split(
     return HostSplit(bank, HOST_MARGIN_BYTES, ram, bank - ram, pin)
 
 
-def _kt_copy(bank: int, machine: Machine, decisions: list[str], warnings: list[str], layer_bytes: int) -> HostSplit:
+def kt_layers_copy_bytes(bank: int, layer_bytes: int, kt_layers: int | None) -> int:
+    """kt-kernel's copy of its first `kt_layers` MoE layers (None: the whole bank)."""
+    if kt_layers is None or not layer_bytes:
+        return kt_copy_bytes(bank)
+    return kt_copy_bytes(min(bank, kt_layers * layer_bytes))
+
+
+def _kt_copy(
+    bank: int, machine: Machine, decisions: list[str], warnings: list[str], layer_bytes: int, kt_layers: int | None
+) -> HostSplit:
     """Hybrid: kt-kernel's copy (resident) planned before the bank; the bank's RAM part is what is left."""
-    kt = kt_copy_bytes(bank)
-    if machine.host_bytes is None:
-        decisions.append(
-            f"hybrid experts: kt-kernel keeps a {_g(kt)} copy of the {_g(bank)} expert bank in host memory "
-            "(give --host-memory to check it fits)"
+    kt = kt_layers_copy_bytes(bank, layer_bytes, kt_layers)
+    if kt_layers is None or not layer_bytes:
+        what = f"kt-kernel's copy {_g(kt)} ({KT_COPY_FACTOR}x the {_g(bank)} packed bank)"
+    else:
+        what = (
+            f"kt-kernel's copy of the first {min(kt_layers, bank // layer_bytes)} of {bank // layer_bytes} MoE layers, "
+            f"{_g(kt)} ({KT_COPY_FACTOR}x their packed bytes; the count the decode projection prefers: "
+            "memory/decode_choice.best_kt_layers),"
         )
+    if machine.host_bytes is None:
+        decisions.append(f"hybrid experts: {what} in host memory (give --host-memory to check it fits)")
         return HostSplit(bank, HOST_MARGIN_BYTES, None, None, None, kt)
     room = max(0, machine.host_bytes - HOST_MARGIN_BYTES)
     kt_held = min(kt, room)
@@ -125,7 +143,7 @@ def _kt_copy(bank: int, machine: Machine, decisions: list[str], warnings: list[s
     ram = min(bank, max(0, room - kt_held - staging))
     pin = min(ram, max(0, cap - staging))
     decisions.append(
-        f"hybrid experts: kt-kernel's copy {_g(kt)} ({KT_COPY_FACTOR}x the {_g(bank)} packed bank) in RAM first, "
+        f"hybrid experts: {what} in RAM first, "
         f"then {_g(ram)} of the bank beside it (about {_g(pin)} pinned for the slots), {_g(bank - ram)} left in "
         "the checkpoint files (mmap)"
     )

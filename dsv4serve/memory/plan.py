@@ -96,6 +96,7 @@ class PlanSettings:
     enforce_eager: Setting[bool] = Setting(False, Source.DEFAULT)  # off: decode graphs are captured (and planned)
     cpu_experts: bool = False  # --moe-backend hybrid (or auto with kt-kernel): host RAM holds kt-kernel's copy
     speculative_tokens: int = 0  # --speculative-tokens: the verify steps' graphs grow the graph pool
+    kt_layers: int | None = None  # hybrid: layers kt-kernel holds (decode_choice.best_kt_layers); None: all that fit
 
     @classmethod
     def from_config(cls, cfg: Any) -> PlanSettings:
@@ -271,7 +272,7 @@ def plan_memory(
     host = 0 if resident_all else weights.routed_expert_bytes
     warnings: list[str] = []
     layer_bytes = host // args.n_layers
-    split = host_split(host, machine, decisions, warnings, s.cpu_experts, layer_bytes) if host else None
+    split = host_split(host, machine, decisions, warnings, s.cpu_experts, layer_bytes, s.kt_layers) if host else None
     if split is not None and graphs:  # as engine_setup.eager_reason decides from the pin budget it measures
         tiers = split_tiers(split, s.cpu_experts, args.n_layers)
         why = eager_reason(False, "hybrid" if s.cpu_experts else "offload", s.speculative_tokens > 0)

@@ -161,8 +161,10 @@ def load_model(
         moe_backend, why = moe_backend_for(launch.moe_backend, offloaded, numerics, offload_faster)
     except MoeBackendError as exc:
         raise StartupError(str(exc)) from exc
-    # hybrid: kt-kernel's copy of the experts is planned first, the bank fills the RAM left beside it
-    bank_ram = bank_ram_beside_kt(model_specs(ckpt.specs, args, mtp)) if moe_backend == "hybrid" else None
+    # hybrid: kt-kernel's copy of its layers (the count the projection prefers) first, the bank fills the RAM left
+    kt = _kt_layers(ckpt, launch, backends, mtp) if moe_backend == "hybrid" and device.type == "cuda" else None
+    n_moe = args.n_all_layers if mtp else args.n_layers
+    bank_ram = bank_ram_beside_kt(model_specs(ckpt.specs, args, mtp), n_moe, kt) if moe_backend == "hybrid" else None
     if packed:
         model, cache = load_packed(ckpt, backends, device, mtp, slots, bank_ram_bytes=bank_ram)
     else:
@@ -179,7 +181,7 @@ def load_model(
     if moe_backend == "hybrid":
         assert cache is not None, "hybrid is chosen only for offloaded experts"
         try:
-            attach_cpu_experts(model, cache, device)
+            attach_cpu_experts(model, cache, device, max_layers=kt)
         except ValueError as exc:  # no room for kt-kernel's copy: auto falls back, an explicit choice stops
             if launch.moe_backend.explicit:
                 raise StartupError(str(exc)) from exc
@@ -190,11 +192,10 @@ def load_model(
     return model, cache, launch
 
 
-def _offload_faster(ckpt: Checkpoint, launch: WorkerLaunch, backends: KernelBackends, mtp: bool) -> str | None:
-    """Both offloaded backends projected as this worker would run them (memory/decode_choice.py): the bank in this
-    host's available RAM, the assumed bandwidths; the line to log when offload is the faster."""
-    from dsv4serve.memory.decode_choice import offload_faster, project_backends
-    from dsv4serve.memory.decode_speed import Bandwidths, decode_bytes
+def _projection_inputs(ckpt: Checkpoint, launch: WorkerLaunch, backends: KernelBackends, mtp: bool):
+    """(decode bytes, slots, bank bytes, machine, eager, speculative) as this worker would run the offloaded backends:
+    the bank in this host's available RAM (attach.py), the assumed bandwidths (memory/decode_choice.py)."""
+    from dsv4serve.memory.decode_speed import decode_bytes
     from dsv4serve.memory.plan import Machine
     from dsv4serve.memory.probe import detect_platform
 
@@ -203,9 +204,35 @@ def _offload_faster(ckpt: Checkpoint, launch: WorkerLaunch, backends: KernelBack
     machine = Machine(0, host_snapshot().free_bytes, detect_platform())  # the RAM the bank may fill (attach.py)
     b = decode_bytes(specs, ckpt.args, backends)
     slots = launch.moe_cache_size.value or 0
-    eager, spec = launch.enforce_eager.value, launch.speculative_tokens.value > 0
-    backends_ = ("offload", "hybrid")
-    return offload_faster(project_backends(b, slots, bank, machine, Bandwidths(), eager, backends_, spec))
+    return b, slots, bank, machine, launch.enforce_eager.value, launch.speculative_tokens.value > 0
+
+
+def _offload_faster(ckpt: Checkpoint, launch: WorkerLaunch, backends: KernelBackends, mtp: bool) -> str | None:
+    """Both offloaded backends projected as this worker would run them; the line to log when offload is the faster."""
+    from dsv4serve.memory.decode_choice import offload_faster, project_backends
+    from dsv4serve.memory.decode_speed import Bandwidths
+
+    b, slots, bank, machine, eager, spec = _projection_inputs(ckpt, launch, backends, mtp)
+    return offload_faster(project_backends(b, slots, bank, machine, Bandwidths(), eager, ("offload", "hybrid"), spec))
+
+
+def _kt_layers(ckpt: Checkpoint, launch: WorkerLaunch, backends: KernelBackends, mtp: bool) -> int | None:
+    """How many MoE layers kt-kernel holds on this host (memory/decode_choice.best_kt_layers: its copy and the bank
+    share the RAM), logged; None: every layer that fits."""
+    from dsv4serve.memory.decode_choice import best_kt_layers, eager_reason
+    from dsv4serve.memory.decode_speed import Bandwidths
+
+    b, slots, bank, machine, eager, spec = _projection_inputs(ckpt, launch, backends, mtp)
+    graphs = eager_reason(eager, "hybrid", spec) is None
+    k = best_kt_layers(b, slots, bank, machine, Bandwidths(), graphs)
+    if k is not None:
+        log.info(
+            "hybrid MoE: kt-kernel holds the first %d of %d MoE layers, the bank the RAM beside them (the fastest "
+            "projected decode on this host: memory/decode_choice.best_kt_layers)",
+            k,
+            b.n_moe_layers,
+        )
+    return k
 
 
 def rank_partition(args: ModelArgs, launch: WorkerLaunch) -> Partition:

@@ -204,3 +204,16 @@ def test_decode_graph_steps_with_hybrid_experts_are_the_oracle_s(ckpt):
     with torch.no_grad():
         want = serve(twin, twin_cache)
     assert ran and got == want and all(len(v) == 6 for v in got.values())
+
+
+def test_kt_kernel_holds_at_most_the_layers_the_projection_asks_for(ckpt):
+    """attach_cpu_experts(max_layers=k): kt-kernel loads the first k MoE layers only (the count
+    memory/decode_choice.best_kt_layers prefers on a CUDA worker); the rest stay on the offload path."""
+    model = Transformer(ckpt.args, include_mtp=True).eval()
+    cache = attach_expert_cache(model, ckpt, SLOTS, torch.device("cpu"), progress=False)
+    model.load_state_dict(dict(iter_resident_dense(ckpt, progress=False)), strict=True)
+    every = cache.layers
+    cpu = attach_cpu_experts(model, cache, torch.device("cpu"), room_bytes=2**30, max_layers=2)
+    assert cpu.kt.layers == every[:2] and [cpu.kt.holds(layer) for layer in every] == [True, True] + [False] * (
+        len(every) - 2
+    )

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from dsv4serve.memory import decode_speed as ds
-from dsv4serve.memory.decode_choice import faster_backend, offload_faster, project_backends
+from dsv4serve.memory.decode_choice import bank_tiers, best_kt_layers, faster_backend, offload_faster, project_backends
 from dsv4serve.memory.decode_lanes import BankTiers, class_hit_rates
 from dsv4serve.memory.decode_speed import Bandwidths, DecodeBytes, project_decode
 from dsv4serve.memory.plan import Machine
@@ -253,7 +253,8 @@ def test_hybrid_sends_a_disk_layer_s_misses_to_the_cpu_where_kt_kernel_holds_it(
 
 def test_a_32gb_card_s_backends_as_the_worker_runs_them(real):
     """On 128 GiB of RAM the bank (137 GiB) does not fit: offload stages 12% from disk, its graphs cut at those
-    layers; hybrid's kt-kernel copy (1.3x) leaves the bank on disk. With the whole bank pinned beside that copy (384 GiB) both replay graphs
+    layers; hybrid's kt-kernel copy (1.3x) would leave the bank on disk, so it holds one layer only (the fewest
+    hybrid can: best_kt_layers) and still loses to offload. With the whole bank pinned beside that copy (384 GiB) both replay graphs
     (hybrid with its CPU split fixed between steps) and hybrid's CPU share pays off; with --speculative-tokens
     hybrid's verify steps sync, so it runs eager and offload wins."""
     _, _, _, b = real
@@ -266,11 +267,12 @@ def test_a_32gb_card_s_backends_as_the_worker_runs_them(real):
     small = backends(128)
     # 120 GiB of RAM less one layer's staging area; the staged layers cut the graphs
     assert small["offload"][1].disk == pytest.approx(1 - (120 - 137 / 43) / 137) and small["offload"][2] is None
-    assert small["hybrid"][1].pinned == 0 and small["hybrid"][1].cpu_layers == pytest.approx(28 / 43)
+    # kt-kernel holding every layer that fits (28) left the bank all on disk: 2.5 tokens/s
+    assert small["hybrid"][1].cpu_layers == pytest.approx(1 / 43) and small["hybrid"][1].pinned > 0.8
     assert faster_backend(small) == "offload" and small["offload"][0].tokens_per_second < 8
     # the slots hold disk layers' experts first, the graphs cut at the staged layers (3.8 tokens/s when the slots
     # held every layer's alike, those steps ran eager and the staging area's RAM went uncounted)
-    assert "offload 6.8 vs hybrid 2.5" in (offload_faster(small) or "")
+    assert "offload 6.8 vs hybrid 5.4" in (offload_faster(small) or "")
     big = backends(384)
     assert big["offload"][2] is None and big["hybrid"][2] is None  # both all pinned: graphs
     assert faster_backend(big) == "hybrid" and offload_faster(big) is None
@@ -278,3 +280,34 @@ def test_a_32gb_card_s_backends_as_the_worker_runs_them(real):
     spec = backends(384, speculative=True)
     assert spec["hybrid"][2] == "hybrid CPU experts sync per MoE layer in the speculative verify steps"
     assert "offload 14.3 vs hybrid 10.3" in (offload_faster(spec) or "")
+
+
+def test_hybrid_holds_the_count_of_layers_in_kt_kernel_that_decodes_fastest(real):
+    """kt-kernel's copy (1.3x a layer's bytes) and the bank share host RAM: best_kt_layers projects every count from
+    1 to what fits and keeps the fastest. On 192 GiB with the assumed rates (CPU experts 40 GB/s, below PCIe's 50) a
+    layer's misses go faster pinned than on the CPU alone, so kt-kernel holds a few layers beside a bank still
+    pinned (13, not the 43 that fit, which left the bank 98% on disk: 12.0 tokens/s, below offload's 14.3); with a
+    host whose CPU experts outrun PCIe (8 channels) it holds more. Unknown host memory: None (all that fit)."""
+    _, _, _, b = real
+    slots, bank, n = 936, 137 * 2**30, 43
+
+    def speed(k: int | None, machine: Machine, bw: Bandwidths) -> float:
+        tiers = bank_tiers(bank, machine, True, n, k)
+        return project_decode(b, slots, bw, "hybrid", True, None, tiers).tokens_per_second
+
+    desktop = Machine(32 * 2**30, 192 * 2**30, "native")
+    k = best_kt_layers(b, slots, bank, desktop, Bandwidths())
+    assert k is not None and 1 <= k < n
+    every = [speed(j, desktop, Bandwidths()) for j in range(1, n + 1)]  # 43 fit: 43 x 1.3 x 3.19 < 184 GiB
+    assert speed(k, desktop, Bandwidths()) == pytest.approx(max(every)) and every[k - 1] == max(every)
+    assert speed(None, desktop, Bandwidths()) == pytest.approx(every[-1])
+    assert every[-1] < 14.3 < max(every)  # all 43: slower than offload (14.3), the best count faster
+    projected = project_backends(b, slots, bank, desktop, Bandwidths(), False, ("offload", "hybrid"))
+    assert faster_backend(projected) == "hybrid"
+    assert projected["hybrid"][1].cpu_layers == pytest.approx(k / n)
+    server = Bandwidths(host_gbps=200, cpu_efficiency=0.5)  # CPU experts at 100 GB/s, twice PCIe
+    assert best_kt_layers(b, slots, bank, desktop, server) > k
+    assert best_kt_layers(b, slots, bank, Machine(32 * 2**30, None, "native"), Bandwidths()) is None
+    small = Machine(32 * 2**30, 128 * 2**30, "native")
+    assert best_kt_layers(b, slots, bank, small, Bandwidths()) == 1  # at least one: hybrid was asked for
+    assert best_kt_layers(b, slots, bank, small, Bandwidths(), at_least=0) == 0  # none beats any

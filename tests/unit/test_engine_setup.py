@@ -212,6 +212,11 @@ def test_auto_on_a_cuda_worker_projects_both_offloaded_backends_with_this_host_s
     free = 128 * 2**30
     monkeypatch.setattr(model_load, "host_snapshot", lambda: MemorySnapshot(free, free, "native"))
     line = model_load._offload_faster(ckpt, launch, KernelBackends.every("triton"), False)  # type: ignore[arg-type]
-    assert line is not None and line.startswith("projected batch-1 decode offload 6.8 vs hybrid 2.5 tokens/s")
+    # hybrid at its best count of kt-kernel layers (one: every layer that fit left the bank on disk, 2.5 tokens/s)
+    assert line is not None and line.startswith("projected batch-1 decode offload 6.8 vs hybrid 5.4 tokens/s")
     free = 1024 * 2**30  # room for the bank and kt-kernel's copy: both replay graphs, hybrid is the faster
     assert model_load._offload_faster(ckpt, launch, KernelBackends.every("triton"), False) is None
+    assert model_load._kt_layers(ckpt, launch, KernelBackends.every("triton"), False) == 43  # every layer beside it
+    free = 192 * 2**30  # the bank pinned whole beside the copy of the first layers, not every layer's copy
+    k = model_load._kt_layers(ckpt, launch, KernelBackends.every("triton"), False)  # type: ignore[arg-type]
+    assert k is not None and 1 < k < 43

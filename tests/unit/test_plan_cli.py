@@ -185,3 +185,22 @@ def test_a_gpu_count_the_model_cannot_split_is_refused_naming_why(real_model_dir
         build_plan(*_real(real_model_dir, tmp_path, "--gpus", "3"))
     with pytest.raises(SystemExit):
         build_parser("plan").parse_args(["--model", "dsv4-tiny", "--gpus", "0"])
+
+
+def test_a_hybrid_plan_gives_kt_kernel_the_layers_the_projection_prefers(real_model_dir, tmp_path):
+    """On 192 GiB kt-kernel's copy of every layer (1.3x) would leave the bank 98% on disk; the plan holds the count
+    decode_choice.best_kt_layers projects fastest (13 of 43 here, beside a bank 93% pinned), says so in the memory
+    plan, and projects hybrid past offload (offload 14.3; all 43 layers gave 12.0)."""
+    env = read_environment({"DSV4SERVE_CACHE_DIR": str(tmp_path)}, tuple(options()))
+    flags = ["--gpu-memory", "32GiB", "--host-memory", "192GiB", "--moe-backend", "hybrid"]
+    ns = build_parser("plan").parse_args(["--model", str(real_model_dir), *flags])
+    plan = build_plan(ns, env)
+    tiers, speed = plan["decode_speed"]["bank_tiers"]["hybrid"], plan["decode_speed"]["projections"]
+    k = round(tiers["cpu_layers"] * 43)
+    assert 1 <= k < 43 and tiers["pinned"] > 0.9
+    assert speed["hybrid"]["tokens_per_second"] > speed["offload"]["tokens_per_second"]
+    decision = next(d for d in plan["memory_plan"]["decisions"] if d.startswith("hybrid experts:"))
+    assert f"kt-kernel's copy of the first {k} of 43 MoE layers" in decision
+    ram_gib = float(decision.split("then ")[1].split(" GiB of the bank")[0])
+    assert ram_gib == pytest.approx(tiers["pinned"] * 137.06, abs=0.05)  # the memory plan's bank is the projection's
+    assert f"kt-kernel holds {100 * tiers['cpu_layers']:.0f}% of the layers" in _run_text(ns, env)
