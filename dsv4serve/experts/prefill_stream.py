@@ -32,7 +32,7 @@ in-place one. Not used while a CUDA graph is captured (a decode step has few rou
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -62,9 +62,17 @@ class Ahead:
 
 class ExpertStream:
     def __init__(
-        self, slots: dict[str, torch.Tensor], first_slot: int, group: int, n_experts: int, device: torch.device
+        self,
+        slots: dict[str, torch.Tensor],
+        first_slot: int,
+        group: int,
+        n_experts: int,
+        device: torch.device,
+        on_copy: Callable[[int], None] | None = None,
     ):
-        """`slots`: the cache's slot tensors, part -> [first_slot + BUFFERS x group, ...]."""
+        """`slots`: the cache's slot tensors, part -> [first_slot + BUFFERS x group, ...]; `on_copy(n)`: told of every
+        n experts copied as the copy is queued (the cache's h2d bytes: ranges copied ahead and then not used count
+        too, they crossed PCIe)."""
         if group < 1:
             raise ValueError(f"a streamed range holds at least one expert, got {group}")
         rows = first_slot + BUFFERS * group
@@ -80,6 +88,7 @@ class ExpertStream:
         self._copied = [torch.cuda.Event() for _ in range(BUFFERS)] if self._cuda else []
         self._free = [torch.cuda.Event() for _ in range(BUFFERS)] if self._cuda else []
         self.ahead: tuple[int, int] | None = None  # the key of the layer whose first ranges the buffers hold
+        self.on_copy = on_copy
 
     @property
     def area_bytes(self) -> int:
@@ -112,6 +121,8 @@ class ExpertStream:
         """Copy `runs` ((lo, hi) expert ids) of range g of `bank` into its buffer, after the buffer's last reader (on
         CUDA: on the side stream)."""
         b = g % BUFFERS
+        if self.on_copy is not None:
+            self.on_copy(sum(hi - lo for lo, hi in runs))
         if self._copies is None:
             self._copy(bank, b, g * self.group, runs)
         else:

@@ -129,7 +129,11 @@ class ExpertSlotCache:
             part: torch.empty((rows, *shape), dtype=dtype, device=device)
             for part, (shape, dtype) in bank.part_shapes.items()
         }  # part -> [S (+ the stream's rows), ...]
-        self.stream = ExpertStream(self.slots, n_slots, stream_group, n_experts, device) if stream_group else None
+        self.stream = (
+            ExpertStream(self.slots, n_slots, stream_group, n_experts, device, self._count_streamed)
+            if stream_group
+            else None
+        )
         self.slot_of_expert = torch.full((n_rows, n_experts), -1, dtype=torch.int32, device=device)
         self.usage = torch.zeros((n_rows, n_experts + 2), dtype=torch.int64, device=device)
         self._map_host = torch.full((n_rows, n_experts), -1, dtype=torch.int32, pin_memory=device.type == "cuda")
@@ -168,6 +172,10 @@ class ExpertSlotCache:
 
     # ------------------------------------------------------------------ what the MoE layer calls
 
+    def _count_streamed(self, n_experts: int) -> None:
+        """The prefill stream queued n experts' copies: each crosses PCIe once (prefill_stream.ExpertStream.on_copy)."""
+        self.stats.h2d_bytes += n_experts * self.bank.expert_bytes
+
     def streams(self, num_routes: int) -> bool:
         """Whether a step of `num_routes` routes a layer streams its experts (prefill_stream.py) in kernel_sources."""
         return self.stream is not None and streams(num_routes, self.bank.n_experts) and not _capturing(self.device)
@@ -195,7 +203,6 @@ class ExpertSlotCache:
             assert self.stream is not None
             in_slot, key = self._map_host[row] >= 0, (layer, self._epoch)
             streamed = self.stream.layer(bank, self.slot_of_expert[row], in_slot, key, self._ahead(row))
-            self.stats.h2d_bytes += streamed.copied_experts * self.bank.expert_bytes  # each crosses once
             self.stats.streamed_layers += 1
         return KernelSources(
             tuple(bank[p] for p in PART_ORDER),

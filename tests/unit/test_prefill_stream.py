@@ -65,7 +65,11 @@ def test_the_slot_cache_streams_prefill_steps_and_reads_decode_steps_in_place():
     src = cache.kernel_sources(0, _prefill_ids())
     assert src.stream is not None and all(t is bank.layers[0][p] for t, p in zip(src.bank, PART_ORDER))
     held = int((cache.host_slot_map(0) >= 0).sum())  # the fresh cache's slots went to layer 2 (on disk) first
-    assert cache.stats.streamed_layers == 1 and cache.stats.h2d_bytes == (N_EXPERTS - held) * EXPERT_BYTES
+    assert cache.stats.streamed_layers == 1 and cache.stats.h2d_bytes == 0  # counted as the copies are queued
+    for _ in src.stream.ranges():
+        pass
+    ahead = int((cache.host_slot_map(1)[: 2 * GROUP] < 0).sum())  # layer 1 (in RAM): its first two ranges, ahead
+    assert cache.stats.h2d_bytes == (N_EXPERTS - held + ahead) * EXPERT_BYTES
     # a layer in the shards is staged on the host first, then streamed out of the staging area
     staged = cache.kernel_sources(2, _prefill_ids())
     assert staged.stream is not None and staged.stream.bank["w1"] is cache._staging.area()["w1"]
@@ -91,8 +95,13 @@ def test_the_next_pinned_layer_s_first_ranges_are_copied_ahead_and_used_within_t
     stream = cache.stream
     assert stream is not None
     copied: list[tuple[int, int]] = []
+    experts: list[int] = []  # every copy's experts, as the cache counts them
     real = stream.copy_range
-    stream.copy_range = lambda b, g, runs: (copied.append((b["w1"].data_ptr(), g)), real(b, g, runs))[1]
+    stream.copy_range = lambda b, g, runs: (
+        copied.append((b["w1"].data_ptr(), g)),
+        experts.append(sum(hi - lo for lo, hi in runs)),
+        real(b, g, runs),
+    )[2]
     l0, l1 = bank.layers[0]["w1"].data_ptr(), bank.layers[1]["w1"].data_ptr()
     cache.begin_step()
     _consume(cache, 0)
@@ -109,3 +118,5 @@ def test_the_next_pinned_layer_s_first_ranges_are_copied_ahead_and_used_within_t
     cache.begin_step()  # a boundary: the slots may have changed since layer 1's ranges went ahead
     _consume(cache, 1)
     assert copied == [(l0, 0), (l0, 1), (l0, 2), (l1, 0), (l1, 1), (l1, 0), (l1, 1), (l1, 2)]
+    # h2d bytes count every copy, the ranges copied ahead and then copied again after the boundary too
+    assert sum(experts[-3:]) > 0 and cache.stats.h2d_bytes == sum(experts) * EXPERT_BYTES
