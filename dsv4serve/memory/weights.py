@@ -67,10 +67,11 @@ FP8_RUN_DENSE = (".attn.wo_a.weight", ".attn.wo_a.scale")
 # 3.7 GiB less than fp32 on DeepSeek-V4-Flash; `_load_dense` checks the exactness of every value. The head
 # (stored bf16) joins them when its kernel is on Triton, which reads it as stored (HEAD_BF16; 0.99 GiB), and
 # the compressors' wkv / wgate (stored bf16) when the compressor is on Triton, whose projection then runs on
-# the head's kernel (model/compressor.py; COMPRESSOR_BF16: 0.49 GiB less on DeepSeek-V4-Flash).
+# the head's kernel (model/compressor.py; COMPRESSOR_BF16: 0.49 GiB less on DeepSeek-V4-Flash), with the CSA
+# indexer's head weights (stored bf16), which ride in its compressor's launch there (10.5 MiB less).
 HELD_BF16 = ("embed.weight", ".attn.wo_a.weight")
 HEAD_BF16 = "head.weight"
-COMPRESSOR_BF16 = (".compressor.wkv.weight", ".compressor.wgate.weight")
+COMPRESSOR_BF16 = (".compressor.wkv.weight", ".compressor.wgate.weight", ".indexer.weights_proj.weight")
 
 Kind = Literal["fp8_packed", "fp4_stacked", "dense", "bank"]
 

@@ -134,9 +134,9 @@ class Attention(nn.Module):
         xf = x.float() if self.compressor is not None else x  # the compressors' fp32 input, cast once for both
         if self.compressor is not None:
             out["kv"], out["gate"] = self.compressor.project(xf, num)
-        if self.indexer is not None:
-            out["iq"], out["iw"] = self.indexer.queries(x, qr, rot, num)
-            out["ikv"], out["igate"] = self.indexer.compressor.project(xf, num)
+        if self.indexer is not None:  # its head weights ride in its compressor's launch when that holds them
+            out["ikv"], out["igate"], weights = self.indexer.compressor.project_with_tail(xf, num)
+            out["iq"], out["iw"] = self.indexer.queries(x, qr, rot, num, weights)
         return out
 
     def _update_compressors(

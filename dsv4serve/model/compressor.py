@@ -7,7 +7,10 @@ the nope dims for attention keys, Hadamard + FP4 for indexer keys (`rotate`). Wi
 `num.backends.compressor == "triton"` the pooling runs in the compressor_pool kernel, and a decode step
 (`update_decode`) is one compressor_decode launch: carry, pooling, entry and previous half together.
 The two fp32 projections wkv and wgate run as one product over their concatenated weights (`project`): a
-torch matmul, or with the compressor on Triton the head's kernel on the weights held in bf16.
+torch matmul, or with the compressor on Triton the head's kernel on the weights held in bf16. There a third
+projection of the same input can ride in the launch (`carry_tail`: the CSA indexer's head weights, whose own
+torch linear took five launches a layer): its weight rows stacked under [wkv; wgate], its columns finished by
+the kernel as its Linear finishes them (rounded to the compute dtype, then scaled: head_logits.Tail).
 """
 
 from __future__ import annotations
@@ -48,8 +51,18 @@ class Compressor(nn.Module):
         self.wgate = Linear(args.dim, coff * head_dim, fp8_act=False)
         self.ape = nn.Parameter(torch.empty(ratio, coff * head_dim))
         self.norm = RMSNorm(head_dim, args.norm_eps)
-        self._fused: tuple[tuple, torch.Tensor] | None = None  # (the weights' identity, [wkv; wgate])
+        self._fused: tuple[tuple, torch.Tensor] | None = None  # (the weights' identity, [wkv; wgate(; tail)])
         self._fused_dtype = torch.float32  # bf16 once `prepare` puts the projection on the Triton kernel
+        self._tail: tuple[Linear, float] | None = None  # `carry_tail`'s projection and scale (not a submodule)
+
+    def carry_tail(self, linear: Linear, scale: float) -> None:
+        """Have `linear` (its own input being this compressor's, D wide) ride in the Triton projection's launch,
+        its output then times `scale` (`project_with_tail`). Only the bf16 fused weight takes it; the torch path
+        leaves `linear` alone."""
+        if linear.weight.shape[1] != self.wkv.weight.shape[1]:
+            inputs = (linear.weight.shape[1], self.wkv.weight.shape[1])
+            raise ValueError(f"a tail of {inputs[0]} inputs under a {inputs[1]}-input projection")
+        self._tail, self._fused = (linear, scale), None
 
     def project(self, x: torch.Tensor, num: Numerics) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, D] (fp32, or cast to it) -> (kv, gate) [N, coff * d] fp32 views of one fp32 product; the
@@ -57,15 +70,30 @@ class Compressor(nn.Module):
         checkpoint stores it: `prepare`), the head's kernel computes it, every product exact, from half the
         bytes (dsv4_kernels.head_logits, its K split over programs: a decode step has few rows to tile);
         otherwise torch multiplies in fp32."""
-        fused = self._fused_weight()
-        if num.backends.compressor == "triton" and fused.dtype == torch.bfloat16:
-            from dsv4_kernels.head_logits import head_logits, pick_block_m  # lazy, as for the other kernels
+        kv, gate, _ = self.project_with_tail(x, num)
+        return kv, gate
 
-            both = head_logits(x.float(), fused, block_m=pick_block_m(x.shape[0], num.batch_invariant))
-        else:
-            both = matmul(x.float(), fused.float(), num)  # [N, 2 * coff * d]
+    def project_with_tail(
+        self, x: torch.Tensor, num: Numerics
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """`project`, and the carried tail's output (`carry_tail`) when the fused weight holds it (bf16, after
+        `prepare`): fp32 [N, rows], its Linear's output in the compute dtype times the scale. None otherwise
+        (the caller runs the tail's Linear itself)."""
+        fused = self._fused_weight()
         width = self.wkv.weight.shape[0]
-        return both[:, :width], both[:, width:]
+        held = self._tail if fused.dtype == torch.bfloat16 else None  # only the bf16 fused weight stacks it
+        if num.backends.compressor == "triton" and fused.dtype == torch.bfloat16:
+            from dsv4_kernels.head_logits import Tail, head_logits, pick_block_m  # lazy, as for the other kernels
+
+            if held is not None and num.compute_dtype not in (torch.bfloat16, torch.float32):
+                raise ValueError(f"the carried projection finishes in bf16 or fp32, not {num.compute_dtype}")
+            tail = None if held is None else Tail(2 * width, held[1], num.compute_dtype == torch.bfloat16)
+            out = head_logits(x.float(), fused, block_m=pick_block_m(x.shape[0], num.batch_invariant), tail=tail)
+        else:
+            out = matmul(x.float(), fused.float(), num)  # [N, 2 * coff * d (+ the tail's rows)]
+            if held is not None:  # as its Linear finishes it (with fp32 weights: the same products)
+                out[:, 2 * width :] = out[:, 2 * width :].to(num.compute_dtype).float() * held[1]
+        return out[:, :width], out[:, width : 2 * width], None if held is None else out[:, 2 * width :]
 
     def prepare(self, backends: KernelBackends | None = None) -> None:
         """Build the fused projection weight now (after loading), not on the first forward: a first step
@@ -73,7 +101,7 @@ class Compressor(nn.Module):
         otherwise be the first user). With the compressor on Triton it is held in bf16 when that is exact (a
         checkpoint stores wkv and wgate so; memory/weights.py plans them so): half the memory and reads."""
         if backends is not None and backends.compressor == "triton" and self._fused_dtype != torch.bfloat16:
-            weights = (self.wkv.weight, self.wgate.weight)
+            weights = (self.wkv.weight, self.wgate.weight) + (() if self._tail is None else (self._tail[0].weight,))
             if all(torch.equal(w.to(torch.bfloat16).to(w.dtype), w) for w in weights):
                 self._fused_dtype, self._fused = torch.bfloat16, None
             else:
@@ -86,24 +114,34 @@ class Compressor(nn.Module):
         copy, and a later in-place load into them lands in it; a weight replaced or moved (a new tensor)
         makes it rebuild. Weights of another dtype keep a copy beside them, rebuilt when either changes
         (their version counters)."""
-        wkv, wgate = self.wkv.weight, self.wgate.weight
-        width, dtype = wkv.shape[0], self._fused_dtype
+        parts = self._parts()
+        dtype = self._fused_dtype
+        starts = [0]
+        for w in parts:
+            starts.append(starts[-1] + w.shape[0])
         if self._fused is not None:
             known, fused = self._fused
-            views = wkv.dtype == wgate.dtype == fused.dtype == dtype and wkv.device == fused.device
-            views = views and wkv.data_ptr() == fused.data_ptr() and wgate.data_ptr() == fused[width:].data_ptr()
+            views = all(w.dtype == fused.dtype == dtype and w.device == fused.device for w in parts)
+            views = views and all(w.data_ptr() == fused[a:].data_ptr() for w, a in zip(parts, starts))
             if views or (known == self._key() and fused.dtype == dtype):
                 return fused
         with torch.inference_mode(False), torch.no_grad():  # a normal tensor: params may be loaded into later
-            fused = torch.cat((wkv.detach().to(dtype), wgate.detach().to(dtype)))
-            if wkv.dtype == wgate.dtype == dtype or dtype == torch.bfloat16:  # bf16: the fp32 copies are freed
-                wkv.data, wgate.data = fused[:width], fused[width:]
+            fused = torch.cat([w.detach().to(dtype) for w in parts])
+            if all(w.dtype == dtype for w in parts) or dtype == torch.bfloat16:  # bf16: the fp32 copies are freed
+                for w, a, b in zip(parts, starts, starts[1:]):
+                    w.data = fused[a:b]
         self._fused = (self._key(), fused)
         return fused
 
+    def _parts(self) -> list[torch.Tensor]:
+        """The weights the fused tensor stacks: wkv, wgate, and in bf16 the carried tail's."""
+        parts: list[torch.Tensor] = [self.wkv.weight, self.wgate.weight]
+        if self._tail is not None and self._fused_dtype == torch.bfloat16:
+            parts.append(self._tail[0].weight)
+        return parts
+
     def _key(self) -> tuple:
-        wkv, wgate = self.wkv.weight, self.wgate.weight
-        return (wkv.data_ptr(), wgate.data_ptr(), wkv.device, wkv.dtype, wgate.dtype, wkv._version, wgate._version)
+        return tuple((w.data_ptr(), w.device, w.dtype, w._version) for w in self._parts())
 
     def update(
         self,

@@ -25,11 +25,14 @@ class Indexer(nn.Module):
         self.weights_proj = Linear(args.dim, self.n_heads, fp8_act=False)
         self.compressor = Compressor(args, ratio, self.head_dim, rotate=True)
         self.weight_scale = self.head_dim**-0.5 * self.n_heads**-0.5
+        # the head weights project the compressor's input: on Triton they ride in its projection's launch
+        self.compressor.carry_tail(self.weights_proj, self.weight_scale)
 
     def queries(
-        self, x: torch.Tensor, qr: torch.Tensor, rot: Rotation, num: Numerics
+        self, x: torch.Tensor, qr: torch.Tensor, rot: Rotation, num: Numerics, weights: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [N, D], qr [N, q_lora] -> (q [N, H_I, d_I] compute dtype, head weights [N, H_I] fp32)."""
+        """x [N, D], qr [N, q_lora] -> (q [N, H_I, d_I] compute dtype, head weights [N, H_I] fp32). `weights`:
+        the head weights already computed (the compressor's `project_with_tail`), else they are computed here."""
         q = self.wq_b(qr, num).unflatten(-1, (self.n_heads, self.head_dim))
         if rot.angles is not None:  # one launch: RoPE, Hadamard, FP4
             from dsv4_kernels.token_ops import indexer_q
@@ -39,7 +42,8 @@ class Indexer(nn.Module):
             q = rot.apply(q)
             if num.indexer_fp4:
                 q = fp4_quant_dequant(hadamard(q), FP4_BLOCK)
-        weights = self.weights_proj(x, num).float() * self.weight_scale
+        if weights is None:
+            weights = self.weights_proj(x, num).float() * self.weight_scale
         return q, weights
 
     def select(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:

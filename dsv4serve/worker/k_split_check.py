@@ -66,10 +66,11 @@ def _fp8_swiglu(device: torch.device, gen: torch.Generator) -> Callable[[int], t
 
 
 def _head_logits(device: torch.device, gen: torch.Generator) -> Callable[[int], tuple[torch.Tensor, ...]]:
-    from dsv4_kernels.head_logits import head_logits
+    from dsv4_kernels.head_logits import Tail, head_logits
 
     y, w = _ints(ROWS, K, gen, device), (_ints(N, K, gen, device) * 2.0**-5).bfloat16()
-    return lambda split: (head_logits(y, w, split_k=split),)
+    tail = Tail(N // 2, 0.125, round_bf16=True)  # the CSA indexer's head weights under its compressor's rows
+    return lambda split: (head_logits(y, w, split_k=split), head_logits(y, w, split_k=split, tail=tail))
 
 
 def _fp4_moe(device: torch.device, gen: torch.Generator) -> Callable[[LoopForm], tuple[torch.Tensor, ...]]:

@@ -23,14 +23,22 @@ sums added in split order by the last to arrive (split_k.py; `pick_split_k`). Un
 interpreter the tiles are fp32 holding the bf16 values (DOT_FP32; toolchain.md: bf16 dots are wrong
 there); the interpreter's fp32 -> bf16 casts truncate instead of rounding, which keeps the split exact
 (each part then takes exactly the next 8 bits).
+
+A second product of the same input can ride in the same launch, its weight rows stacked under the first's
+(`tail`): the indexer's head weights under its compressor's [wkv; wgate] (model/compressor.py). Their columns,
+from `tail.start` on, leave as the torch path leaves that projection: rounded to bf16 (round to nearest even,
+by bits: the interpreter's casts truncate) when `tail.round_bf16`, then times `tail.scale` in fp32.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from dsv4_kernels.fp4_moe_tiles import _round_bf16  # the one bf16 rounding every kernel uses
 from dsv4_kernels.outputs import output_buffer
 from dsv4_kernels.split_k import (
     _split_arrive,
@@ -68,16 +76,20 @@ def head_logits_kernel(
     stride_wv,
     stride_om,
     stride_ps,
+    tail_start,
+    tail_scale,
     BLOCK_M: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     DOT_FP32: tl.constexpr,
     SPLIT_K: tl.constexpr = 1,
+    TAIL: tl.constexpr = 0,
 ):
     """One [BLOCK_M rows, BLOCK_V vocabulary] tile of the logits, computed transposed; with SPLIT_K > 1 program
     axis 2 takes K / SPLIT_K and the tile's last split to arrive adds the parts (part_ptr [SPLIT_K, M, V]
-    fp32, count_ptr one counter a tile) and stores the tile."""
+    fp32, count_ptr one counter a tile) and stores the tile. TAIL (module doc): 0 none; 1 the columns from
+    tail_start on times tail_scale; 2 rounded to bf16 first."""
     pid_v = tl.program_id(0)
     pid_m = tl.program_id(1)
     offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -121,9 +133,31 @@ def head_logits_kernel(
         p_ptrs = part_ptr + offs_m.to(tl.int64)[None, :] * V + offs_v[:, None]
         tl.store(p_ptrs + tl.program_id(2) * stride_ps, acc, mask=o_mask)
         if _split_arrive(count_ptr, pid_m * tl.num_programs(0) + pid_v, SPLIT_K):
-            tl.store(o_ptrs, _split_sum(p_ptrs, o_mask, stride_ps, SPLIT_K), mask=o_mask)
+            total = _split_sum(p_ptrs, o_mask, stride_ps, SPLIT_K)
+            tl.store(o_ptrs, _tail(total, offs_v, tail_start, tail_scale, TAIL), mask=o_mask)
     else:
-        tl.store(o_ptrs, acc, mask=o_mask)
+        tl.store(o_ptrs, _tail(acc, offs_v, tail_start, tail_scale, TAIL), mask=o_mask)
+
+
+@triton.jit
+def _tail(acc, offs_v, tail_start, tail_scale, TAIL: tl.constexpr):
+    """The tail rows' columns of a finished [BLOCK_V, BLOCK_M] tile as the module doc says; the rest as summed."""
+    if TAIL != 0:
+        done = acc
+        if TAIL == 2:
+            done = _round_bf16(acc)
+        acc = tl.where((offs_v >= tail_start)[:, None], done * tail_scale, acc)
+    return acc
+
+
+@dataclass(frozen=True)
+class Tail:
+    """A second projection's rows stacked under the first's in `w` (module doc): its columns start at `start`,
+    leave rounded to bf16 when `round_bf16`, then times `scale` (fp32)."""
+
+    start: int
+    scale: float
+    round_bf16: bool
 
 
 def pick_block_m(m: int, batch_invariant: bool = False) -> int:
@@ -147,10 +181,12 @@ def head_logits(
     block_m: int | None = None,
     out: torch.Tensor | None = None,
     split_k: int | None = None,
+    tail: Tail | None = None,
 ) -> torch.Tensor:
     """See the module contract. `out` ([M, V] fp32, unit column stride) receives the stores (tests pass
     a NaN-poisoned view). `split_k`: K split over that many programs a tile (default `pick_split_k`; 1 under
-    the interpreter, whose programs cost time whatever their size); it must divide K in BLOCK_K steps."""
+    the interpreter, whose programs cost time whatever their size); it must divide K in BLOCK_K steps.
+    `tail`: a second projection's rows stacked under the first's (module doc)."""
     m, k = y.shape
     v, k_w = w.shape
     if y.dtype != torch.float32 or w.dtype != torch.bfloat16 or k_w != k:
@@ -168,6 +204,8 @@ def head_logits(
         split_k = 1 if interpreting() or not k_splits_allowed() else pick_split_k(tiles, k)
     if split_k < 1 or (split_k > 1 and k % (split_k * BLOCK_K)):
         raise ValueError(f"split_k {split_k} x BLOCK_K {BLOCK_K} must divide K={k}")
+    if tail is not None and not 0 <= tail.start <= v:
+        raise ValueError(f"the tail's first row {tail.start} is outside the weight's {v} rows")
     part, counters = unsplit_args(y.device)
     if split_k > 1:
         part = torch.empty((split_k, m, v), dtype=torch.float32, device=y.device)
@@ -186,12 +224,15 @@ def head_logits(
         w.stride(0),
         out.stride(0),
         part.stride(0),
+        v if tail is None else tail.start,
+        1.0 if tail is None else float(tail.scale),
         BLOCK_M=bm,
         BLOCK_V=block_v,
         BLOCK_K=BLOCK_K,
         EVEN_K=k % BLOCK_K == 0,
         DOT_FP32=interpreting(),
         SPLIT_K=split_k,
+        TAIL=0 if tail is None else 2 if tail.round_bf16 else 1,
     )
     return out
 
@@ -209,14 +250,17 @@ _SIG = {
     "stride_wv": "i32",
     "stride_om": "i32",
     "stride_ps": "i32",
+    "tail_start": "i32",
+    "tail_scale": "fp32",
     "BLOCK_M": "constexpr",
     "BLOCK_V": "constexpr",
     "BLOCK_K": "constexpr",
     "EVEN_K": "constexpr",
     "DOT_FP32": "constexpr",
     "SPLIT_K": "constexpr",
+    "TAIL": "constexpr",
 }
-_GPU = {"BLOCK_V": BLOCK_V, "BLOCK_K": BLOCK_K, "EVEN_K": True, "DOT_FP32": False, "SPLIT_K": 1}
+_GPU = {"BLOCK_V": BLOCK_V, "BLOCK_K": BLOCK_K, "EVEN_K": True, "DOT_FP32": False, "SPLIT_K": 1, "TAIL": 0}
 # multiples of 16 at DeepSeek-V4-Flash's dims: V = 129280, K = 4096 and the row strides equal to them;
 # not M
 ALIGNED_INTS = ("V", "K", "stride_ym", "stride_wv", "stride_om")
@@ -227,4 +271,6 @@ COMPILE_CONFIGS = (
     ("batch", _SIG, {**_GPU, "BLOCK_M": 32}),
     # the compressors' projection at decode: 4-16 tiles, K 4096 split 8 (pick_split_k)
     ("narrow_split8", _SIG, {**_GPU, "BLOCK_M": 16, "SPLIT_K": 8}),
+    # the CSA indexer's compressor with the indexer's head weights stacked under it (a bf16-rounded, scaled tail)
+    ("narrow_split8_tail", _SIG, {**_GPU, "BLOCK_M": 16, "SPLIT_K": 8, "TAIL": 2}),
 )

@@ -144,7 +144,8 @@ def indexer_scores(
     if q.dtype not in (torch.bfloat16, torch.float32):
         raise TypeError(f"q and idx_k must be bf16 or fp32, got {q.dtype}")
     q, idx_k = q.contiguous(), idx_k.contiguous()
-    weights = weights.float().contiguous()
+    weights = weights.float()
+    weights = weights if weights.stride(-1) == 1 else weights.contiguous()  # rows may be strided (stride_wn)
     block_table = block_table.to(torch.int32).contiguous()
     out = output_buffer(out, (n_rows, num_cols), torch.float32, q.device)
     num_requests = cu_seqlens.shape[0] - 1

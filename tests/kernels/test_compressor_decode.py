@@ -33,6 +33,7 @@ from dsv4serve.model.args import args_from_dicts
 from dsv4serve.model.backends import KernelBackends
 from dsv4serve.model.batch import build_layout
 from dsv4serve.model.compressor import Compressor
+from dsv4serve.model.indexer import Indexer
 from dsv4serve.model.kv_pool import CompressedCache
 from dsv4serve.model.numerics import NUMERICS_OFF, NUMERICS_ON
 from dsv4serve.model.rope import inv_freq
@@ -280,6 +281,45 @@ def test_projection_on_the_head_kernel_holds_bf16_and_meets_the_fp32_bound(caplo
     with caplog.at_level("WARNING", logger="dsv4serve.model.compressor"):
         inexact.prepare(backends)
     assert inexact._fused_weight().dtype == torch.float32 and "not exact in bf16" in caplog.text
+
+
+@pytest.mark.parametrize("numerics", ["off", "on"])
+def test_the_indexer_head_weights_ride_in_the_compressor_launch(numerics: str) -> None:
+    """compressor=triton: the CSA indexer's head weights (weights_proj, stored bf16) are stacked under its
+    compressor's [wkv; wgate] and come out of the same head_logits launch, finished as the Linear finishes
+    them (the compute dtype, then the scale), and nothing else is launched; the torch path of the prepared
+    module gives the same. Integer operands make every sum exact, so all of it is bit for bit; the Linear's
+    weight becomes a bf16 view into the fused tensor (no second copy)."""
+    args = args_from_dicts(TINY_CONFIG, expert_dtype_hint="fp4")
+    indexer = Indexer(args, ratio=4)
+    gen = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        for param in indexer.parameters():
+            param.copy_(torch.randint(-8, 9, param.shape, generator=gen) * 2.0**-6)
+    num = NUMERICS_OFF if numerics == "off" else NUMERICS_ON
+    x = torch.randint(-32, 33, (3, args.dim), generator=gen).to(num.compute_dtype)
+    expected = indexer.weights_proj(x, num).float() * indexer.weight_scale  # the Linear in fp32, before prepare
+    comp = indexer.compressor
+    kv_before, gate_before = comp.project(x, num)
+    backends = KernelBackends(compressor="triton")
+    comp.prepare(backends)
+    fused = comp._fused_weight()
+    w = indexer.weights_proj.weight
+    assert w.dtype == fused.dtype == torch.bfloat16 and w.data_ptr() == fused[-w.shape[0] :].data_ptr()
+    kernel_num = dataclasses.replace(num, batch_invariant=False, backends=backends)
+    xf = x.float()  # the compressors' fp32 input, cast once in the layer for both of them (attention.py)
+    with launch_guard() as seen:
+        kv, gate, weights = comp.project_with_tail(xf, kernel_num)
+    assert (seen.aten_launches, dict(seen.triton)) == (0, {"head_logits_kernel": 1}), (seen.aten, seen.triton)
+    for got in (comp.project_with_tail(xf, num), (kv, gate, weights)):  # the torch path, then the kernel's
+        assert torch.equal(got[0], kv_before) and torch.equal(got[1], gate_before)
+        assert got[2] is not None and torch.equal(got[2], expected)
+
+
+def test_a_tail_must_share_the_input() -> None:
+    comp, _ = _compressor(4, False, seed=1)
+    with pytest.raises(ValueError, match="tail"):
+        comp.carry_tail(torch.nn.Linear(3, 2), 1.0)  # type: ignore[arg-type]
 
 
 def test_wrapper_refuses_what_it_cannot_run() -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4_kernels.head_logits import head_logits, pick_block_m
+from dsv4_kernels.head_logits import Tail, head_logits, pick_block_m
 from dsv4_kernels.head_logits_ref import head_logits_ref
 from dsv4_kernels.testing import into_poisoned
 
@@ -104,6 +104,28 @@ def test_split_k_meets_the_same_bound_and_leaves_its_counters_at_zero(split: int
     assert not torch.isnan(out).any()
     assert ((out.double() - y.double() @ w.double().t()).abs() <= _bound(y, w)).all()
     assert int(split_counters(1, y.device).abs().sum()) == 0
+
+
+@pytest.mark.parametrize(("split", "round_bf16"), [(1, True), (2, True), (1, False)])
+def test_a_tail_leaves_rounded_and_scaled_and_the_rows_above_it_as_summed(split: int, round_bf16: bool) -> None:
+    """Rows stacked under the first projection (the indexer's head weights under its compressor's) leave as that
+    projection's Linear leaves them: rounded to bf16 (to nearest even, as torch's cast: the interpreter's own
+    cast truncates) when asked, then times the scale in fp32; the rows above are untouched. Integer operands
+    make every sum exact, so both sides are bit for bit, split or not; the sums are odd integers, many of them
+    past bf16's 8 significant bits, so a truncating or missing rounding shows."""
+    gen = torch.Generator().manual_seed(5)
+    m, v, k, start, scale = 3, 200, 128, 136, 0.3535
+    y = torch.randint(-64, 65, (m, k), generator=gen).float()
+    w = torch.randint(-64, 65, (v, k), generator=gen).to(torch.bfloat16)
+    exact = y @ w.float().t()  # integers below 2^24: exact in fp32
+    assert (exact[:, start:].abs() > 256).any() and (exact.remainder(2) == 1).any()
+    tail = Tail(start, scale, round_bf16)
+    got = into_poisoned((m, v), torch.float32, lambda out: head_logits(y, w, None, out, split_k=split, tail=tail))
+    finished = exact[:, start:].to(torch.bfloat16).float() if round_bf16 else exact[:, start:]
+    assert torch.equal(got[:, :start], exact[:, :start])
+    assert torch.equal(got[:, start:], finished * scale)
+    with pytest.raises(ValueError, match="tail"):
+        head_logits(y, w, tail=Tail(v + 1, scale, round_bf16))
 
 
 def test_split_k_must_divide_k_in_blocks() -> None:
