@@ -7,6 +7,9 @@ All mixing runs in fp32; the streams themselves stay in the compute dtype.
 With `num.backends.hc == "triton"` each of hc_pre, hc_post and hc_head is one Triton kernel launch
 (dsv4_kernels.hc_mix; its tokens-per-program choice follows `num.batch_invariant`); the torch path
 below, about 120 small ops per hc_pre (80 of them the Sinkhorn rounds), is the reference it matches.
+hc_pre and hc_head take the sub-layer's RMSNorm (`norm`) that their x goes through next: with token_ops on
+Triton too, the mHC launch that writes x applies it (one launch a site fewer); otherwise the norm module runs
+after, as before.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from dsv4serve.model.layers import RMSNorm
 from dsv4serve.model.numerics import Numerics, in_fp64, matmul
 
 
@@ -75,13 +79,17 @@ def hc_pre(
     hc_eps: float,
     norm_eps: float,
     num: Numerics,
+    norm: RMSNorm | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """h [N, hc, D] -> (x [N, D] in h's dtype, post [N, hc] fp32, comb [N, hc, hc] fp32)."""
+    """h [N, hc, D] -> (x [N, D] in h's dtype, post [N, hc] fp32, comb [N, hc, hc] fp32); x through `norm`
+    when given (module doc)."""
     if num.backends.hc == "triton":
         import dsv4_kernels.hc_mix as hc_mix  # lazy, as for the other kernels
 
         block_n = hc_mix.pick_block_n(h.shape[0], num.batch_invariant)
-        return hc_mix.hc_pre(h, fn, scale, base, n_iters, hc_eps, norm_eps, block_n=block_n)
+        fused = _fused_norm(norm, num)
+        x, post, comb = hc_mix.hc_pre(h, fn, scale, base, n_iters, hc_eps, norm_eps, block_n=block_n, norm=fused)
+        return (x if fused or norm is None else norm(x, num)), post, comb
     hc = h.shape[1]
     m = _mixes(h, fn, norm_eps, num)
     scale, base = scale.float(), base.float()
@@ -89,8 +97,13 @@ def hc_pre(
     post = 2 * in_fp64(torch.sigmoid, m[:, hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
     comb_logits = m[:, 2 * hc :].unflatten(-1, (hc, hc)) * scale[2] + base[2 * hc :].view(hc, hc)
     comb = sinkhorn(comb_logits, n_iters, hc_eps)
-    x = (pre.unsqueeze(-1) * h.float()).sum(dim=1)
-    return x.to(h.dtype), post, comb
+    x = (pre.unsqueeze(-1) * h.float()).sum(dim=1).to(h.dtype)
+    return (x if norm is None else norm(x, num)), post, comb
+
+
+def _fused_norm(norm: RMSNorm | None, num: Numerics) -> tuple[torch.Tensor, float] | None:
+    """The (weight, eps) the mHC kernel applies itself: when the norm would run on token_ops' Triton kernel."""
+    return None if norm is None or num.backends.token_ops != "triton" else (norm.weight, norm.eps)
 
 
 def hc_post(out: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, num: Numerics) -> torch.Tensor:
@@ -111,13 +124,18 @@ def hc_head(
     hc_eps: float,
     norm_eps: float,
     num: Numerics,
+    norm: RMSNorm | None = None,
 ) -> torch.Tensor:
-    """Final collapse of the streams: h [N, hc, D] -> [N, D] in h's dtype (no Sinkhorn, no post)."""
+    """Final collapse of the streams: h [N, hc, D] -> [N, D] in h's dtype (no Sinkhorn, no post); through `norm`
+    when given (module doc)."""
     if num.backends.hc == "triton":
         import dsv4_kernels.hc_mix as hc_mix
 
         block_n = hc_mix.pick_block_n(h.shape[0], num.batch_invariant)
-        return hc_mix.hc_head(h, fn, scale, base, hc_eps, norm_eps, block_n=block_n)
+        fused = _fused_norm(norm, num)
+        x = hc_mix.hc_head(h, fn, scale, base, hc_eps, norm_eps, block_n=block_n, norm=fused)
+        return x if fused or norm is None else norm(x, num)
     m = _mixes(h, fn, norm_eps, num)
     pre = in_fp64(torch.sigmoid, m * scale.float() + base.float()) + hc_eps
-    return (pre.unsqueeze(-1) * h.float()).sum(dim=1).to(h.dtype)
+    x = (pre.unsqueeze(-1) * h.float()).sum(dim=1).to(h.dtype)
+    return x if norm is None else norm(x, num)

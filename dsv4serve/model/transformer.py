@@ -71,14 +71,16 @@ class Block(nn.Module):
     def forward(self, h: torch.Tensor, layout: BatchLayout, cache: LayerCache, num: Numerics) -> torch.Tensor:
         """h [N, hc, D] compute dtype -> [N, hc, D]."""
         x, post, comb = hc_pre(
-            h, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, self.hc_iters, self.hc_eps, self.norm_eps, num
-        )
-        x = self.attn(self.attn_norm(x, num), layout, cache, num)
+            h, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, self.hc_iters, self.hc_eps, self.norm_eps, num,
+            self.attn_norm,
+        )  # fmt: skip
+        x = self.attn(x, layout, cache, num)
         h = hc_post(x, h, post, comb, num)
         x, post, comb = hc_pre(
-            h, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, self.hc_iters, self.hc_eps, self.norm_eps, num
-        )
-        x = self.ffn(self.ffn_norm(x, num), layout.token_ids, num, route_rows=layout.route_rows)
+            h, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, self.hc_iters, self.hc_eps, self.norm_eps, num,
+            self.ffn_norm,
+        )  # fmt: skip
+        x = self.ffn(x, layout.token_ids, num, route_rows=layout.route_rows)
         return hc_post(x, h, post, comb, num)
 
 
@@ -321,7 +323,7 @@ class Transformer(nn.Module):
         """Streams [M, hc, D] -> HC head -> final norm -> fp32 head: [M, vocab] fp32. With the head kernel
         on Triton and the weight held in bf16 (`use_kernels`), the kernel reads it as stored and gives the
         fp32 product (dsv4_kernels.head_logits); otherwise torch multiplies in fp32."""
-        y = norm(hc_head(h, fn, scale, base, self.args.hc_eps, self.args.norm_eps, num), num).float()
+        y = hc_head(h, fn, scale, base, self.args.hc_eps, self.args.norm_eps, num, norm).float()
         weight = self.head.weight
         if num.backends.head == "triton" and weight.dtype == torch.bfloat16:
             from dsv4_kernels.head_logits import head_logits, pick_block_m  # lazy, as for the other kernels

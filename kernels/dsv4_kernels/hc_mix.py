@@ -9,6 +9,9 @@ Contract (reference: `hc_mix_ref`; hc = hc_mult, K = hc * D, n_mix = (2 + hc) * 
   hc_post  out [N, D], h [N, hc, D], post, comb -> new [N, hc, D] in h's dtype,
            new[k] = post[k] out + sum_j comb[j, k] h[j]
   hc_head  like hc_pre with fn [hc, K], scale [1], base [hc], no post and no Sinkhorn: -> x only
+  `norm` = (weight [D] fp32, eps), on hc_pre and hc_head: x leaves RMS-normalized, weight * (x * r) with
+           r = 1 / sqrt(mean(x^2) + eps) over x as its dtype holds it (the sub-layer's RMSNorm, layers.RMSNorm /
+           token_ops.rms_norm, in the same program: one launch a site fewer; un-normed x is never stored)
 Everything after the loads runs in fp32 (the torch path evaluates sigmoid and softmax in fp64 and
 rounds: tests/kernels/test_hc_mix.py states the tolerance). Launch shapes depend on N only, never on
 the data (CUDA graphs).
@@ -76,16 +79,18 @@ def interpreting() -> bool:
 
 @triton.jit
 def hc_mix_kernel(
-    h_ptr, fn_ptr, scale_ptr, base_ptr, x_ptr, post_ptr, comb_ptr, new_ptr, part_ptr,
+    h_ptr, fn_ptr, scale_ptr, base_ptr, x_ptr, post_ptr, comb_ptr, new_ptr, part_ptr, nw_ptr,
     N, D, stride_hn, stride_xn, stride_pn, stride_cn, stride_cj, stride_yn, stride_yk, stride_qn, n_splits,
-    n_iters, hc_eps, norm_eps,
+    n_iters, hc_eps, norm_eps, x_eps,
     HC: tl.constexpr, HCP: tl.constexpr, MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_D: tl.constexpr, DOT: tl.constexpr, ROUND_BF16: tl.constexpr, PHASE: tl.constexpr,
+    NORM: tl.constexpr = False,
 ):  # fmt: skip
     """MODE 0 (pre): reads h, fn, scale, base; writes x, post, comb. MODE 1 (head): the same, x only.
     MODE 2 (post): reads x (the sub-layer output), h, post, comb; writes new. Pointers a form does not
     use are placeholders. PHASE (pre / head, module doc): 0 one launch; 1 the split-K partial sums into
-    part [N, n_splits, 2 HCP^2 + 1] (grid (N, n_splits)); 2 the rest, from those partials."""
+    part [N, n_splits, 2 HCP^2 + 1] (grid (N, n_splits)); 2 the rest, from those partials. NORM (pre / head,
+    PHASE 0 or 2): x leaves RMS-normalized with the weight at nw_ptr and x_eps (the module's `norm`)."""
     if MODE == 2:
         _post(
             x_ptr, h_ptr, post_ptr, comb_ptr, new_ptr,
@@ -96,9 +101,9 @@ def hc_mix_kernel(
         _partial_sums(h_ptr, fn_ptr, part_ptr, N, D, stride_hn, stride_qn, HC, HCP, MODE, BLOCK_N, _SPLIT_K, BLOCK_K)
     else:
         _pre_or_head(
-            h_ptr, fn_ptr, scale_ptr, base_ptr, x_ptr, post_ptr, comb_ptr, part_ptr,
+            h_ptr, fn_ptr, scale_ptr, base_ptr, x_ptr, post_ptr, comb_ptr, part_ptr, nw_ptr,
             N, D, stride_hn, stride_xn, stride_pn, stride_cn, stride_cj, stride_qn, n_splits, n_iters, hc_eps,
-            norm_eps, HC, HCP, MODE, BLOCK_N, BLOCK_K, BLOCK_D, DOT, ROUND_BF16, PHASE,
+            norm_eps, x_eps, HC, HCP, MODE, BLOCK_N, BLOCK_K, BLOCK_D, DOT, ROUND_BF16, PHASE, NORM,
         )  # fmt: skip
 
 
@@ -169,9 +174,9 @@ def _mix_params(
     return tuple(t.detach().float().contiguous() for t in (fn, scale, base))  # type: ignore[return-value]
 
 
-def _launch_mix(h, fn, scale, base, x, post, comb, n_iters, hc_eps, norm_eps, mode, block_n) -> None:
+def _launch_mix(h, fn, scale, base, x, post, comb, n_iters, hc_eps, norm_eps, mode, block_n, norm=None) -> None:
     """One pre or head launch, or two (split K: pick_splits); the head passes no post / comb (fn stands in,
-    with zero strides)."""
+    with zero strides); `norm`: (weight, eps) of the RMSNorm x leaves through (module doc)."""
     n, hc, d = h.shape
     block_k, block_d = TILES[block_n]
     hcp = _hcp(hc)
@@ -179,17 +184,24 @@ def _launch_mix(h, fn, scale, base, x, post, comb, n_iters, hc_eps, norm_eps, mo
     splits = pick_splits(hc * d, n, block_n)
     part = torch.empty((n, splits, 2 * hcp * hcp + 1), dtype=torch.float32, device=h.device) if splits else fn
     row = part.stride(0) if splits else 0
-    ptrs = (h, fn, scale, base, x, fn if post is None else post, fn if comb is None else comb, x, part)
-    ints = (n, d, h.stride(0), x.stride(0), *post_strides, 0, 0, row, splits, n_iters, hc_eps, norm_eps)
+    nw, x_eps = (fn, 0.0) if norm is None else (_norm_weight(norm[0], d), float(norm[1]))
+    ptrs = (h, fn, scale, base, x, fn if post is None else post, fn if comb is None else comb, x, part, nw)
+    ints = (n, d, h.stride(0), x.stride(0), *post_strides, 0, 0, row, splits, n_iters, hc_eps, norm_eps, x_eps)
     common = {
         "HC": hc, "HCP": hcp, "MODE": mode, "BLOCK_N": block_n, "BLOCK_K": block_k, "BLOCK_D": block_d,
         "DOT": _dot_kind(h, block_n), "ROUND_BF16": interpreting() and h.dtype == torch.bfloat16,
         "num_warps": NUM_WARPS, "num_stages": NUM_STAGES,
     }  # fmt: skip
-    if splits:
-        hc_mix_kernel[(triton.cdiv(n, block_n), splits)](*ptrs, *ints, PHASE=PHASE_PARTIAL, **common)
+    if splits:  # the partial sums never touch x: NORM is the finishing launch's
+        hc_mix_kernel[(triton.cdiv(n, block_n), splits)](*ptrs, *ints, PHASE=PHASE_PARTIAL, NORM=False, **common)
     grid = (triton.cdiv(n, block_n),)
-    hc_mix_kernel[grid](*ptrs, *ints, PHASE=PHASE_FINISH if splits else PHASE_WHOLE, **common)
+    hc_mix_kernel[grid](*ptrs, *ints, PHASE=PHASE_FINISH if splits else PHASE_WHOLE, NORM=norm is not None, **common)
+
+
+def _norm_weight(weight: torch.Tensor, d: int) -> torch.Tensor:
+    if tuple(weight.shape) != (d,):
+        raise ValueError(f"the RMSNorm weight must be [{d}], got {tuple(weight.shape)}")
+    return weight.detach().float().contiguous()
 
 
 def hc_pre(
@@ -204,9 +216,11 @@ def hc_pre(
     x_out: torch.Tensor | None = None,
     post_out: torch.Tensor | None = None,
     comb_out: torch.Tensor | None = None,
+    norm: tuple[torch.Tensor, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """See the module contract: (x [N, D] in h's dtype, post [N, hc] fp32, comb [N, hc, hc] fp32).
-    The *_out buffers (unit last stride) receive the stores (tests pass NaN-poisoned views)."""
+    The *_out buffers (unit last stride) receive the stores (tests pass NaN-poisoned views). `norm`: x leaves
+    through that RMSNorm (weight, eps)."""
     h = _streams(h)
     n, hc, d = h.shape
     fn, scale, base = _mix_params(h, fn, scale, base, (2 + hc) * hc, 3)
@@ -216,7 +230,8 @@ def hc_pre(
     if n and n_iters < 1:
         raise ValueError(f"n_iters must be >= 1, got {n_iters}")
     if n:
-        _launch_mix(h, fn, scale, base, x, post, comb, n_iters, hc_eps, norm_eps, MODE_PRE, block_n or pick_block_n(n))
+        block_n = block_n or pick_block_n(n)
+        _launch_mix(h, fn, scale, base, x, post, comb, n_iters, hc_eps, norm_eps, MODE_PRE, block_n, norm)
     return x, post, comb
 
 
@@ -229,14 +244,16 @@ def hc_head(
     norm_eps: float,
     block_n: int | None = None,
     x_out: torch.Tensor | None = None,
+    norm: tuple[torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
-    """See the module contract: x [N, D] in h's dtype."""
+    """See the module contract: x [N, D] in h's dtype (`norm`: through that RMSNorm)."""
     h = _streams(h)
     n, hc, d = h.shape
     fn, scale, base = _mix_params(h, fn, scale, base, hc, 1)
     x = output_buffer(x_out, (n, d), h.dtype, h.device)
     if n:
-        _launch_mix(h, fn, scale, base, x, None, None, 1, hc_eps, norm_eps, MODE_HEAD, block_n or pick_block_n(n))
+        block_n = block_n or pick_block_n(n)
+        _launch_mix(h, fn, scale, base, x, None, None, 1, hc_eps, norm_eps, MODE_HEAD, block_n, norm)
     return x
 
 
@@ -262,9 +279,9 @@ def hc_post(
     if n:
         block_n, block_d = post_tile(hc, d)
         hc_mix_kernel[(triton.cdiv(n, block_n), triton.cdiv(d, block_d))](
-            h, post, post, post, out, post, comb, new, post,
+            h, post, post, post, out, post, comb, new, post, post,
             n, d, h.stride(0), out.stride(0), post.stride(0), comb.stride(0), comb.stride(1),
-            new.stride(0), new.stride(1), 0, 0, 1, 0.0, 0.0,
+            new.stride(0), new.stride(1), 0, 0, 1, 0.0, 0.0, 0.0,
             HC=hc, HCP=_hcp(hc), MODE=MODE_POST, BLOCK_N=block_n, BLOCK_K=16, BLOCK_D=block_d, DOT=DOT_NONE,
             ROUND_BF16=interpreting() and h.dtype == torch.bfloat16, PHASE=PHASE_WHOLE, num_warps=NUM_WARPS,
             num_stages=NUM_STAGES,
@@ -282,25 +299,29 @@ _SIG = {
     "comb_ptr": "*fp32",
     "new_ptr": "*bf16",
     "part_ptr": "*fp32",
+    "nw_ptr": "*fp32",
     **dict.fromkeys(("N", "D", "stride_hn", "stride_xn", "stride_pn", "stride_cn", "stride_cj"), "i32"),
     **dict.fromkeys(("stride_yn", "stride_yk", "stride_qn", "n_splits", "n_iters"), "i32"),
     "hc_eps": "fp32",
     "norm_eps": "fp32",
+    "x_eps": "fp32",
     **dict.fromkeys(("HC", "HCP", "MODE", "BLOCK_N", "BLOCK_K", "BLOCK_D", "DOT", "ROUND_BF16", "PHASE"), "constexpr"),
+    "NORM": "constexpr",
 }
 _ONE_ITER = {**_SIG, "n_iters": "constexpr"}  # the head and post pass n_iters = 1, which Triton makes a constant
 _REAL = {"HC": 4, "HCP": 4, "ROUND_BF16": False}  # DeepSeek-V4-Flash: hc_mult 4, D 4096, bf16 streams
 
 
 def _mix_config(mode: int, block_n: int, phase: int | None = None) -> dict:
-    """What the wrapper launches: one token a program runs PHASE 2 after PHASE 1 (split K), blocks PHASE 0."""
+    """What the wrapper launches: one token a program runs PHASE 2 after PHASE 1 (split K), blocks PHASE 0; the
+    model's launches finish x through the sub-layer's RMSNorm (NORM) in the launch that writes it."""
     block_k, block_d = TILES[block_n]
     dot = DOT_NONE if block_n == 1 else DOT_BF16X3
     extra = {} if mode == MODE_PRE else {"n_iters": 1}
     phase = phase if phase is not None else PHASE_FINISH if block_n == 1 else PHASE_WHOLE
     return {
         **_REAL, "MODE": mode, "BLOCK_N": block_n, "BLOCK_K": block_k, "BLOCK_D": block_d, "DOT": dot,
-        "PHASE": phase, **extra,
+        "PHASE": phase, "NORM": phase != PHASE_PARTIAL, **extra,
     }  # fmt: skip
 
 
@@ -326,6 +347,7 @@ COMPILE_CONFIGS = (
             "BLOCK_D": post_tile(4, 4096)[1],
             "DOT": DOT_NONE,
             "PHASE": PHASE_WHOLE,
+            "NORM": False,
             "n_iters": 1,
         },
     ),

@@ -132,28 +132,57 @@ def _sinkhorn(logits, valid, n_iters, eps):
 
 
 @triton.jit
-def _collapse(pre, offs_n, n_ok, h_ptr, x_ptr, D, stride_hn, stride_xn, HC, HCP, BLOCK_D: tl.constexpr, ROUND_BF16):
-    """x[n] = sum_k pre[n, k] h[n, k] for the program's tokens, BLOCK_D channels at a time."""
+def _collapsed(pre, h_ptrs, rows_ok, d_ok, d0, x_ptr, ROUND_BF16):
+    """x = sum_k pre[n, k] h[n, k] over one [BN, BD] tile of channels, as x's dtype stores it (fp32 values)."""
+    h = tl.load(h_ptrs + d0, mask=rows_ok & d_ok[None, None, :], other=0.0).to(tl.float32)
+    x = tl.sum(h * pre[:, :, None], axis=1)  # [BN, BD]
+    if ROUND_BF16:
+        x = _round_bf16(x)
+    return x.to(x_ptr.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
+def _collapse(
+    pre, offs_n, n_ok, h_ptr, x_ptr, nw_ptr, D, stride_hn, stride_xn, x_eps, HC, HCP, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, ROUND_BF16, NORM: tl.constexpr,
+):  # fmt: skip
+    """x[n] = sum_k pre[n, k] h[n, k] for the program's tokens, BLOCK_D channels at a time. NORM: the sub-layer's
+    RMSNorm follows in the same program (the module doc's fused form): a first pass sums the squares of x as
+    stored, a second recomputes x (the same bits) and stores nw * (x * r), r = 1 / sqrt(mean(x^2) + x_eps), as
+    token_ops' rms_norm computes it (only the order of the squares' sum differs)."""
     k = tl.arange(0, HCP)
     offs_d = tl.arange(0, BLOCK_D)
     n64 = offs_n.to(tl.int64)
     h_ptrs = h_ptr + n64[:, None, None] * stride_hn + k[None, :, None] * D + offs_d[None, None, :]
     rows_ok = n_ok[:, None, None] & (k < HC)[None, :, None]
     x_ptrs = x_ptr + n64[:, None] * stride_xn + offs_d[None, :]
-    for d0 in range(0, D, BLOCK_D):
-        d_ok = offs_d < D - d0
-        h = tl.load(h_ptrs + d0, mask=rows_ok & d_ok[None, None, :], other=0.0).to(tl.float32)
-        x = tl.sum(h * pre[:, :, None], axis=1)  # [BN, BD]
-        if ROUND_BF16:
-            x = _round_bf16(x)
-        tl.store(x_ptrs + d0, x.to(x_ptr.dtype.element_ty), mask=n_ok[:, None] & d_ok[None, :])
+    if NORM:
+        sumsq = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            x = _collapsed(pre, h_ptrs, rows_ok, offs_d < D - d0, d0, x_ptr, ROUND_BF16)
+            sumsq += tl.sum(x * x, axis=1)
+        mean_sq = tl.div_rn(sumsq, D * 1.0)
+        r = tl.div_rn(tl.full(mean_sq.shape, 1.0, tl.float32), tl.sqrt_rn(mean_sq + x_eps))
+        for d0 in range(0, D, BLOCK_D):
+            d_ok = offs_d < D - d0
+            w = tl.load(nw_ptr + d0 + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+            y = w[None, :] * (_collapsed(pre, h_ptrs, rows_ok, d_ok, d0, x_ptr, ROUND_BF16) * r[:, None])
+            if ROUND_BF16:
+                y = _round_bf16(y)
+            tl.store(x_ptrs + d0, y.to(x_ptr.dtype.element_ty), mask=n_ok[:, None] & d_ok[None, :])
+    else:
+        for d0 in range(0, D, BLOCK_D):
+            d_ok = offs_d < D - d0
+            x = _collapsed(pre, h_ptrs, rows_ok, d_ok, d0, x_ptr, ROUND_BF16)
+            tl.store(x_ptrs + d0, x.to(x_ptr.dtype.element_ty), mask=n_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
 def _pre_or_head(
-    h_ptr, fn_ptr, scale_ptr, base_ptr, x_ptr, post_ptr, comb_ptr, part_ptr,
+    h_ptr, fn_ptr, scale_ptr, base_ptr, x_ptr, post_ptr, comb_ptr, part_ptr, nw_ptr,
     N, D, stride_hn, stride_xn, stride_pn, stride_cn, stride_cj, stride_qn, n_splits, n_iters, hc_eps, norm_eps,
-    HC, HCP, MODE, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, DOT, ROUND_BF16, PHASE,
+    x_eps, HC, HCP, MODE, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, DOT, ROUND_BF16, PHASE,
+    NORM: tl.constexpr,
 ):  # fmt: skip
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -171,7 +200,10 @@ def _pre_or_head(
     pre_m = tl.sum(tl.where(r == 0, pre_post, 0.0), axis=1)  # [BN, HCP]
     pre_base = tl.load(base_ptr + k, mask=k_ok, other=0.0)
     pre = tl.where(k_ok[None, :], tl.sigmoid(pre_m * tl.load(scale_ptr) + pre_base[None, :]) + hc_eps, 0.0)
-    _collapse(pre, offs_n, n_ok, h_ptr, x_ptr, D, stride_hn, stride_xn, HC, HCP, BLOCK_D, ROUND_BF16)
+    _collapse(
+        pre, offs_n, n_ok, h_ptr, x_ptr, nw_ptr, D, stride_hn, stride_xn, x_eps, HC, HCP, BLOCK_N, BLOCK_D, ROUND_BF16,
+        NORM,
+    )  # fmt: skip
     if MODE == 0:
         post_m = tl.sum(tl.where(r == 1, pre_post, 0.0), axis=1)
         post_base = tl.load(base_ptr + HC + k, mask=k_ok, other=0.0)

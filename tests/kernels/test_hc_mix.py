@@ -254,6 +254,52 @@ def test_split_k_depends_on_k_alone_and_keeps_a_token_batch_invariant() -> None:
         assert torch.equal(a[0], b[2])
 
 
+def _norm_inputs(d: int, seed: int) -> tuple[torch.Tensor, float]:
+    gen = torch.Generator().manual_seed(seed)
+    return 1.0 + 0.5 * torch.randn(d, generator=gen), 0.25  # a large eps: misplaced, it would show
+
+
+def _check_norm(x_normed: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """x_normed against weight * (x * r) in fp64 over the very x the unfused launch stores: r's fp32 error is the
+    squares' sum (D terms in some order: D u), the mean, sqrt and divide (3 u); then the two products and the
+    rounding to x's dtype."""
+    xd = x.double()
+    r = torch.rsqrt(xd.square().mean(-1, keepdim=True) + eps)
+    want = weight.double() * (xd * r)
+    delta = (x.shape[1] + 5) * U * want.abs()
+    _assert_within("normed x", x_normed, want, _rounded_bound(want, delta, x.dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("n", "d", "block_n"), [(1, 64, 1), (3, 200, 1), (20, 100, 16), (70, 64, 64)])
+def test_pre_and_head_apply_the_sub_layer_norm_in_the_launch_that_writes_x(
+    n: int, d: int, block_n: int, dtype: torch.dtype
+) -> None:
+    """`norm`: x leaves RMS-normalized (the split-K finish and the one-launch form; pre and head); post and comb,
+    and the x the norm starts from, are the unfused launch's bit for bit."""
+    h, fn, base = _inputs(n, 4, d, 24, dtype, seed=n + d, exact=False)
+    weight, eps = _norm_inputs(d, seed=d)
+    x, post, comb = hc_pre(h, fn, _scales(3), base, N_ITERS, EPS, EPS, block_n)
+    x_n, post_n, comb_n = hc_pre(h, fn, _scales(3), base, N_ITERS, EPS, EPS, block_n, norm=(weight, eps))
+    assert torch.equal(post_n, post) and torch.equal(comb_n, comb) and x_n.dtype == dtype
+    _check_norm(x_n, x, weight, eps)
+    head = hc_head(h, fn[:4], _scales(1), base[:4], EPS, EPS, block_n)
+    head_n = into_poisoned(
+        (n, d), dtype, lambda out: hc_head(h, fn[:4], _scales(1), base[:4], EPS, EPS, block_n, out, norm=(weight, eps))
+    )
+    _check_norm(head_n, head, weight, eps)
+
+
+def test_the_fused_norm_keeps_a_token_batch_invariant_and_checks_its_weight() -> None:
+    h, fn, base = _inputs(5, 4, 300, 24, torch.bfloat16, seed=13, exact=False)
+    norm = _norm_inputs(300, seed=1)
+    alone = hc_pre(h[2:3], fn, _scales(3), base, N_ITERS, EPS, EPS, block_n=1, norm=norm)[0]
+    batch = hc_pre(h, fn, _scales(3), base, N_ITERS, EPS, EPS, block_n=1, norm=norm)[0]
+    assert torch.equal(alone[0], batch[2])
+    with pytest.raises(ValueError, match="RMSNorm weight"):
+        hc_pre(h, fn, _scales(3), base, N_ITERS, EPS, EPS, norm=(norm[0][:-1], norm[1]))
+
+
 def _model_numerics(backend: str, batch_invariant: bool):
     from dsv4serve.model.backends import KernelBackends
     from dsv4serve.model.numerics import NUMERICS_ON

@@ -162,12 +162,13 @@ def _shadowed_run(model: Transformer, backends: KernelBackends) -> dict[str, flo
         note(f"moe out, layer {self.layer_id}", _gap(moe_forward(self, x, token_ids, num, route_rows), want))
         return want
 
-    def hc(name: str):  # the mHC functions as Block.forward and Transformer.logits call them: numerics last
+    def hc(name: str):  # the mHC functions as Block.forward and Transformer.logits call them (numerics, then the norm)
         real = getattr(transformer_module, name)
 
         def shadow(*args):
             want = real(*args)
-            got = real(*args[:-1], num)
+            at = max(i for i, a in enumerate(args) if isinstance(a, Numerics))
+            got = real(*args[:at], num, *args[at + 1 :])
             for part, g, w in zip(HC_OUTPUTS[name], _tuple(got), _tuple(want)):
                 note(f"{name} {part}", _gap(g, w))
             return want
@@ -194,6 +195,12 @@ def _check_layers(model: Transformer, backends: KernelBackends) -> None:
 @pytest.mark.parametrize("kernel", [k for k in kernel_names() if k != "head"])  # the head: next test
 def test_one_kernel_on_triton(tiny_model, kernel):
     _check_layers(tiny_model, dataclasses.replace(KernelBackends(), **{kernel: "triton"}))
+
+
+def test_mhc_with_the_sub_layer_norms_on_triton(tiny_model):
+    """hc and token_ops both on Triton: the mHC launch that writes x applies the next sub-layer's RMSNorm itself
+    (model/hc.py; one launch a site fewer), which neither kernel alone exercises."""
+    _check_layers(tiny_model, dataclasses.replace(KernelBackends(), hc="triton", token_ops="triton"))
 
 
 def test_head_on_triton(tiny_model):
