@@ -131,11 +131,10 @@ class Attention(nn.Module):
     ) -> dict[str, torch.Tensor]:
         """Per-token inputs of the compressors and indexer, computed on all packed tokens at once."""
         out: dict[str, torch.Tensor] = {}
-        xf = x.float() if self.compressor is not None else x  # the compressors' fp32 input, cast once for both
-        if self.compressor is not None:
-            out["kv"], out["gate"] = self.compressor.project(xf, num)
+        if self.compressor is not None:  # x as it is: the head kernel upcasts bf16 itself, torch casts once a call
+            out["kv"], out["gate"] = self.compressor.project(x, num)
         if self.indexer is not None:  # its head weights ride in its compressor's launch when that holds them
-            out["ikv"], out["igate"], weights = self.indexer.compressor.project_with_tail(xf, num)
+            out["ikv"], out["igate"], weights = self.indexer.compressor.project_with_tail(x, num)
             out["iq"], out["iw"] = self.indexer.queries(x, qr, rot, num, weights)
         return out
 

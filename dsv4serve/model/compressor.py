@@ -65,7 +65,7 @@ class Compressor(nn.Module):
         self._tail, self._fused = (linear, scale), None
 
     def project(self, x: torch.Tensor, num: Numerics) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [N, D] (fp32, or cast to it) -> (kv, gate) [N, coff * d] fp32 views of one fp32 product; the
+        """x [N, D] (fp32 or bf16; cast to fp32) -> (kv, gate) [N, coff * d] fp32 views of one fp32 product; the
         reference compresses in fp32. With the compressor on Triton and the fused weight held in bf16 (as the
         checkpoint stores it: `prepare`), the head's kernel computes it, every product exact, from half the
         bytes (dsv4_kernels.head_logits, its K split over programs: a decode step has few rows to tile);
@@ -88,7 +88,8 @@ class Compressor(nn.Module):
             if held is not None and num.compute_dtype not in (torch.bfloat16, torch.float32):
                 raise ValueError(f"the carried projection finishes in bf16 or fp32, not {num.compute_dtype}")
             tail = None if held is None else Tail(2 * width, held[1], num.compute_dtype == torch.bfloat16)
-            out = head_logits(x.float(), fused, block_m=pick_block_m(x.shape[0], num.batch_invariant), tail=tail)
+            y = x if x.dtype in (torch.bfloat16, torch.float32) else x.float()  # the kernel upcasts bf16 exactly
+            out = head_logits(y, fused, block_m=pick_block_m(x.shape[0], num.batch_invariant), tail=tail)
         else:
             out = matmul(x.float(), fused.float(), num)  # [N, 2 * coff * d (+ the tail's rows)]
             if held is not None:  # as its Linear finishes it (with fp32 weights: the same products)

@@ -323,14 +323,15 @@ class Transformer(nn.Module):
         """Streams [M, hc, D] -> HC head -> final norm -> fp32 head: [M, vocab] fp32. With the head kernel
         on Triton and the weight held in bf16 (`use_kernels`), the kernel reads it as stored and gives the
         fp32 product (dsv4_kernels.head_logits); otherwise torch multiplies in fp32."""
-        y = hc_head(h, fn, scale, base, self.args.hc_eps, self.args.norm_eps, num, norm).float()
+        y = hc_head(h, fn, scale, base, self.args.hc_eps, self.args.norm_eps, num, norm)
         weight = self.head.weight
         if num.backends.head == "triton" and weight.dtype == torch.bfloat16:
             from dsv4_kernels.head_logits import head_logits, pick_block_m  # lazy, as for the other kernels
 
+            y = y if y.dtype in (torch.bfloat16, torch.float32) else y.float()  # the kernel upcasts bf16 exactly
             out = head_logits(y, weight, block_m=pick_block_m(y.shape[0], num.batch_invariant))
         else:
-            out = matmul(y, weight.float(), num)
+            out = matmul(y.float(), weight.float(), num)
         if self.tp is None:
             return out
         return self.tp.all_gather(out, -1, "logits (vocab-parallel)")  # [M, vocab/T] -> [M, vocab] fp32

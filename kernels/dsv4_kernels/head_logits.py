@@ -2,7 +2,8 @@
 Triton, reading the weight as stored.
 
 Contract (reference: `head_logits_ref.head_logits_ref`):
-  y    [M, K] fp32, row-major (K contiguous): the final normed hidden states of the rows that need logits
+  y    [M, K] fp32 or bf16 (upcast in the kernel, exactly), row-major (K contiguous): the final normed hidden
+       states of the rows that need logits (bf16 as the final norm leaves them: no cast launch before this one)
   w    [V, K] bf16, row-major: the head weight as the checkpoint stores it
   out  [M, V] fp32 = y @ w^T, every product exact, fp32 accumulation
 
@@ -113,7 +114,7 @@ def head_logits_kernel(
             w_mask = w_mask & k_ok[None, :]
             y_mask = y_mask & k_ok[:, None]
         w = tl.load(w_ptrs + k0, mask=w_mask, other=0.0)
-        y = tl.load(y_ptrs + k0, mask=y_mask, other=0.0)
+        y = tl.load(y_ptrs + k0, mask=y_mask, other=0.0).to(tl.float32)  # bf16 y: exact, its split trivial
         hi = y.to(tl.bfloat16)
         rest = y - hi.to(tl.float32)  # exact
         mid = rest.to(tl.bfloat16)
@@ -189,9 +190,9 @@ def head_logits(
     `tail`: a second projection's rows stacked under the first's (module doc)."""
     m, k = y.shape
     v, k_w = w.shape
-    if y.dtype != torch.float32 or w.dtype != torch.bfloat16 or k_w != k:
+    if y.dtype not in (torch.float32, torch.bfloat16) or w.dtype != torch.bfloat16 or k_w != k:
         raise ValueError(
-            f"need fp32 y [M, K] and bf16 w [V, K], got {y.dtype} {tuple(y.shape)}, {w.dtype} {tuple(w.shape)}"
+            f"need fp32 / bf16 y [M, K] and bf16 w [V, K], got {y.dtype} {tuple(y.shape)}, {w.dtype} {tuple(w.shape)}"
         )
     y, w = y.contiguous(), w.contiguous()
     out = output_buffer(out, (m, v), torch.float32, y.device)
@@ -266,11 +267,13 @@ _GPU = {"BLOCK_V": BLOCK_V, "BLOCK_K": BLOCK_K, "EVEN_K": True, "DOT_FP32": Fals
 ALIGNED_INTS = ("V", "K", "stride_ym", "stride_wv", "stride_om")
 
 # (config name, signature, constexprs) for the CPU compile checks (tests/kernels/test_compile.py)
+_BF16_Y = {**_SIG, "y_ptr": "*bf16"}  # what the model passes: the final norm's output, the compressors' input
 COMPILE_CONFIGS = (
-    ("decode", _SIG, {**_GPU, "BLOCK_M": 16}),
-    ("batch", _SIG, {**_GPU, "BLOCK_M": 32}),
+    ("decode", _BF16_Y, {**_GPU, "BLOCK_M": 16}),
+    ("batch", _BF16_Y, {**_GPU, "BLOCK_M": 32}),
+    ("decode_fp32_y", _SIG, {**_GPU, "BLOCK_M": 16}),  # fp32 y: the start-up split check's exact sums
     # the compressors' projection at decode: 4-16 tiles, K 4096 split 8 (pick_split_k)
-    ("narrow_split8", _SIG, {**_GPU, "BLOCK_M": 16, "SPLIT_K": 8}),
+    ("narrow_split8", _BF16_Y, {**_GPU, "BLOCK_M": 16, "SPLIT_K": 8}),
     # the CSA indexer's compressor with the indexer's head weights stacked under it (a bf16-rounded, scaled tail)
-    ("narrow_split8_tail", _SIG, {**_GPU, "BLOCK_M": 16, "SPLIT_K": 8, "TAIL": 2}),
+    ("narrow_split8_tail", _BF16_Y, {**_GPU, "BLOCK_M": 16, "SPLIT_K": 8, "TAIL": 2}),
 )

@@ -82,12 +82,20 @@ def test_tile_shape_and_batch_invariance() -> None:
     assert torch.equal(whole[[0, 17, 39]], alone)
 
 
+def test_a_bf16_input_is_its_fp32_upcast() -> None:
+    """The model passes bf16 y as its norms leave it (no cast launch first): the kernel upcasts it exactly, so the
+    logits are those of the fp32 copy bit for bit."""
+    y, w = _operands(3, 200, 192, seed=6)
+    y16 = y.to(torch.bfloat16)
+    assert torch.equal(_run_poisoned(y16, w), _run_poisoned(y16.float(), w))
+
+
 def test_bad_operands_are_refused() -> None:
     y, w = _operands(2, 16, 64, seed=4)
     with pytest.raises(ValueError, match="bf16 w"):
         head_logits(y, w.float())
-    with pytest.raises(ValueError, match="fp32 y"):
-        head_logits(y.to(torch.bfloat16), w)
+    with pytest.raises(ValueError, match="fp32 / bf16 y"):
+        head_logits(y.to(torch.float16), w)
     with pytest.raises(ValueError, match="out must be"):
         head_logits(y, w, out=torch.empty(2, 15))
     assert head_logits(y[:0], w).shape == (0, 16)
