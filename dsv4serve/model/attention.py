@@ -96,11 +96,16 @@ class Attention(nn.Module):
         q = self.wq_b(qr, num).unflatten(-1, (self.n_heads, self.head_dim))
         kv = self.wkv(xq, num, x_quantized=True)  # [N, d]
         nope = self.head_dim - self.rope_head_dim
+        ring = None
         if kernels:  # one launch each: the per-head RMS + RoPE; the kv norm + RoPE + FP8 simulation
-            from dsv4_kernels.token_ops import kv_norm_rope_quant, q_head_norm_rope
+            from dsv4_kernels.token_ops import Ring, kv_norm_rope_quant, q_head_norm_rope
 
+            if layout.is_decode and num.backends.attention == "triton":  # its keys go into the rings here too
+                ring = Ring(cache.swa, layout.seq_slot, layout.positions)
             q = q_head_norm_rope(q, rot.angles, self.eps)
-            kv = kv_norm_rope_quant(kv, self.kv_norm.weight, self.kv_norm.eps, rot.angles, nope, KV_BLOCK, num.kv_fp8)
+            kv = kv_norm_rope_quant(
+                kv, self.kv_norm.weight, self.kv_norm.eps, rot.angles, nope, KV_BLOCK, num.kv_fp8, ring=ring
+            )
         else:
             q = q * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + self.eps).to(q.dtype)
             q = rot.apply(q)  # [N, H, d]
@@ -114,7 +119,7 @@ class Attention(nn.Module):
         self._update_compressors(layout, cache, extras, num, vector)
         topk = self._select(layout, cache, extras, num, vector) if self.indexer is not None else None
         if num.backends.attention == "triton":
-            o = self._attend_kernel(q, kv, layout, cache, topk, num, vector)
+            o = self._attend_kernel(q, kv, layout, cache, topk, num, vector, stored=ring is not None)
         elif vector:
             o = self._attend_substeps(q, kv, layout, cache, topk).to(num.compute_dtype)
         else:
@@ -218,9 +223,11 @@ class Attention(nn.Module):
         topk: torch.Tensor | None,
         num: Numerics,
         vector: bool,
+        stored: bool = False,
     ) -> torch.Tensor:
         """Every row at once: q [N, H, d], kv [N, d], topk [N, index_topk] int32 (CSA) -> [N, H, d] compute
-        dtype; then writes the rows' keys into their window rings."""
+        dtype; then writes the rows' keys into their window rings, unless `stored` (a decode step's kv launch
+        wrote them: token_ops.Ring)."""
         from dsv4_kernels.outputs import as_gpu_stored
         from dsv4_kernels.sparse_attention import paged_sparse_attention  # lazy: kernels build on import
 
@@ -240,10 +247,10 @@ class Attention(nn.Module):
             ratio=self.compress_ratio,
             token_rows=layout.token_rows,
         )
-        # after the kernel: it reads the ring as it was before this step
-        if vector or layout.is_decode:
+        # after the kernel: it reads the ring as it was before this step (a decode step's keys may be there already)
+        if not stored and (vector or layout.is_decode):
             store_window(cache.swa, kv, layout)
-        else:
+        elif not stored:
             for span in layout.spans:
                 self._store_window(cache.swa[span.slot], kv[span.begin : span.end], span.start_pos)
         return as_gpu_stored(o, num.compute_dtype)  # the interpreter stores fp32 (a GPU stores bf16)

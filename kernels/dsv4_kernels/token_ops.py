@@ -41,6 +41,8 @@ per call.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -75,6 +77,12 @@ def token_rows_kernel(
     window,
     eps,
     hadamard_scale,
+    ring_ptr,
+    ring_slot_ptr,
+    ring_pos_ptr,
+    stride_ring_slot,
+    stride_ring_pos,
+    ring_window,
     D: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -88,11 +96,14 @@ def token_rows_kernel(
     HADAMARD_STAGES: tl.constexpr,
     ROUND_BF16: tl.constexpr,
     ONE_TOKEN: tl.constexpr,
+    RING: tl.constexpr = False,
 ):
     """out rows r0 .. r0 + BLOCK_R of the n_rows = N x n_heads rows (token r // n_heads, head r % n_heads), each
     of D channels, r0 = program_id(0) * BLOCK_R. Every step works on a row alone (the norm's sum along the row),
     so a row's values never depend on the rows that share its program. ONE_TOKEN: BLOCK_R divides n_heads, so a
-    program's rows are one token's heads and its cos / sin are evaluated once (a [1, BLOCK_D / 2] tile)."""
+    program's rows are one token's heads and its cos / sin are evaluated once (a [1, BLOCK_D / 2] tile). RING
+    (one-head rows, one token a sequence: a decode step's keys): each row is also stored into its sequence's window
+    ring, at ring[ring_slot[token], ring_pos[token] % ring_window]."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = r < n_rows
     r = tl.where(r_ok, r, 0)
@@ -131,6 +142,11 @@ def token_rows_kernel(
         x = _fp4_blocks(x, QUANT_DIM, BLOCK_R, BLOCK_D)
     out_ptrs = out_ptr + (tok.to(tl.int64) * stride_on + head * stride_oh)[:, None] + chans[None, :]
     tl.store(out_ptrs, x.to(out_ptr.dtype.element_ty), mask=mask)
+    if RING:
+        slot = tl.load(ring_slot_ptr + tok).to(tl.int64)
+        at = tl.load(ring_pos_ptr + tok) % ring_window
+        ring_ptrs = ring_ptr + (slot * stride_ring_slot + at * stride_ring_pos)[:, None] + chans[None, :]
+        tl.store(ring_ptrs, x.to(ring_ptr.dtype.element_ty), mask=mask)
 
 
 def _rows3(x: torch.Tensor) -> torch.Tensor:
@@ -177,8 +193,10 @@ def _launch(
     quant: int = QUANT_NONE,
     quant_dim: int = 0,
     fp8_block: int = KV_BLOCK,
+    ring: Ring | None = None,
 ) -> torch.Tensor:
-    """Run one chain on x [N, D] or [N, H, D] into `out` (x's shape, out_dtype); see the module doc."""
+    """Run one chain on x [N, D] or [N, H, D] into `out` (x's shape, out_dtype); see the module doc. `ring`: [N, D]
+    rows also go into their window rings (`Ring`)."""
     if out_dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"the compute dtype must be bf16 or fp32, got {out_dtype}")
     x3 = _rows3(x)
@@ -193,6 +211,7 @@ def _launch(
     stages = d.bit_length() - 1
     if quant == QUANT_HADAMARD_FP4 and d != 1 << stages:
         raise ValueError(f"the Hadamard transform needs a power-of-two dim, got {d}")
+    ring_args = (x3, x3, x3, 0, 0, 1) if ring is None else ring.args(n_rows, n_heads, d, out_dtype)
     if n_rows == 0 or n_heads == 0:
         return out
     rows = n_rows * n_heads
@@ -217,6 +236,7 @@ def _launch(
         window,
         eps,
         d**-0.5,
+        *ring_args,
         D=d,
         BLOCK_R=block_r,
         BLOCK_D=block_d,
@@ -230,8 +250,31 @@ def _launch(
         HADAMARD_STAGES=stages if quant == QUANT_HADAMARD_FP4 else 0,
         ROUND_BF16=out_dtype == torch.bfloat16,
         ONE_TOKEN=n_heads % block_r == 0,
+        RING=ring is not None,
     )
     return out
+
+
+@dataclass(frozen=True)
+class Ring:
+    """A decode step's window rings (model/attention_decode.store_window's layout): `swa` [slots, W, D] in the
+    compute dtype, `slots` and `positions` [N] int32, one token a sequence: row n's key lands at
+    swa[slots[n], positions[n] % W]. A row's key must reach its ring before the step's attention only when no
+    key of the step is still to be read from where it lands: one token a row (the attention reads p - W + 1 ..
+    p - 1 from the ring, p % W is none of them)."""
+
+    swa: torch.Tensor
+    slots: torch.Tensor
+    positions: torch.Tensor
+
+    def args(self, n_rows: int, n_heads: int, d: int, dtype: torch.dtype) -> tuple:
+        swa = self.swa
+        if n_heads != 1 or swa.dim() != 3 or swa.shape[2] != d or swa.stride(2) != 1 or swa.dtype != dtype:
+            raise ValueError(f"a ring [slots, W, {d}] {dtype} takes one-head rows, got {tuple(swa.shape)} {swa.dtype}")
+        for t in (self.slots, self.positions):
+            if t.dtype != torch.int32 or tuple(t.shape) != (n_rows,):
+                raise ValueError(f"ring slots and positions must be int32 [{n_rows}], got {t.dtype} {tuple(t.shape)}")
+        return swa, self.slots, self.positions, swa.stride(0), swa.stride(1), swa.shape[1]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -257,6 +300,7 @@ def kv_norm_rope_quant(
     fp8_block: int = KV_BLOCK,
     kv_fp8: bool = True,
     out: torch.Tensor | None = None,
+    ring: Ring | None = None,
 ) -> torch.Tensor:
     """kv [N, d] -> RMSNorm (weight), RoPE, then FP8 quantize-dequantize of the first nope_dims channels
     per fp8_block (a power of two) when kv_fp8; kv's dtype."""
@@ -265,7 +309,7 @@ def kv_norm_rope_quant(
     quant = QUANT_FP8 if kv_fp8 and nope_dims else QUANT_NONE
     return _launch(
         kv, out, kv.dtype, weight=weight, eps=eps, norm=NORM_WEIGHTED, angles=angles, quant=quant,
-        quant_dim=nope_dims, fp8_block=fp8_block,
+        quant_dim=nope_dims, fp8_block=fp8_block, ring=ring,
     )  # fmt: skip
 
 
@@ -309,13 +353,13 @@ def compressed_entry(
 
 def _config(
     name: str, x: str, d: int, heads: int, norm: int, rope_dim: int, quant: int, window: int = 1, tokens: int = 64,
-    **extra,
+    ring: bool = False, **extra,
 ):  # fmt: skip
     """(name, signature, constexprs) of the build `_launch` makes for a chain on [tokens, heads, d] `x` rows (bf16
     out, fp32 norm weight, angles from int32 positions; 64 tokens: the largest tile of every chain); an int
     argument equal to 1 is a constexpr, as the launcher specializes it."""
     block_r, block_d = _tile(d, tokens * heads, quant, KV_BLOCK)
-    ints = {"n_rows": tokens * heads, "n_heads": heads, "window": window}
+    ints = {"n_rows": tokens * heads, "n_heads": heads, "window": window, "ring_window": 128 if ring else 1}
     signature = {
         "x_ptr": f"*{x}", "w_ptr": "*fp32" if norm == NORM_WEIGHTED else f"*{x}", "cos_ptr": f"*{x}",
         "sin_ptr": f"*{x}", "pos_ptr": "*i32" if rope_dim else f"*{x}", "freq_ptr": "*fp32" if rope_dim else f"*{x}",
@@ -323,13 +367,15 @@ def _config(
         **{k: "constexpr" if v == 1 else "i32" for k, v in ints.items()},
         "stride_xn": "i32", "stride_xh": "i32", "stride_on": "i32", "stride_oh": "i32", "stride_cs": "i32",
         "eps": "fp32", "hadamard_scale": "fp32",
+        "ring_ptr": "*bf16" if ring else f"*{x}", "ring_slot_ptr": "*i32" if ring else f"*{x}",
+        "ring_pos_ptr": "*i32" if ring else f"*{x}", "stride_ring_slot": "i32", "stride_ring_pos": "i32",
     }  # fmt: skip
     constexprs = {
         "D": d, "BLOCK_R": block_r, "BLOCK_D": block_d,
         "NORM": norm, "ROPE_DIM": rope_dim, "FROM_POSITIONS": rope_dim > 0, "INVERSE": False, "QUANT": quant,
         "QUANT_DIM": {QUANT_FP8: d - rope_dim, QUANT_HADAMARD_FP4: d}.get(quant, 0), "FP8_BLOCK": KV_BLOCK,
         "HADAMARD_STAGES": d.bit_length() - 1 if quant == QUANT_HADAMARD_FP4 else 0, "ROUND_BF16": True,
-        "ONE_TOKEN": heads % block_r == 0,
+        "ONE_TOKEN": heads % block_r == 0, "RING": ring,
         **{k: 1 for k, v in ints.items() if v == 1}, **extra,
     }  # fmt: skip
     signature.update({k: "constexpr" for k in constexprs})
@@ -348,6 +394,8 @@ COMPILE_CONFIGS = (
     _config("rms_norm_1024", "bf16", 1024, 1, NORM_WEIGHTED, 0, QUANT_NONE),
     _config("q_head_norm_rope", "bf16", 512, 64, NORM_PER_HEAD, 64, QUANT_NONE),
     _config("kv_norm_rope_fp8", "bf16", 512, 1, NORM_WEIGHTED, 64, QUANT_FP8),
+    # a decode step's keys, also stored into their window rings (window 128)
+    _config("kv_norm_rope_fp8_ring", "bf16", 512, 1, NORM_WEIGHTED, 64, QUANT_FP8, ring=True),
     _config("rope_inverse", "bf16", 512, 64, NORM_NONE, 64, QUANT_NONE, INVERSE=True),
     _config("indexer_q_fp4", "bf16", 128, 64, NORM_NONE, 64, QUANT_HADAMARD_FP4),
     _config("entry_kv_fp8", "fp32", 512, 1, NORM_WEIGHTED, 64, QUANT_FP8, window=4),

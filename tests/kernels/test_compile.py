@@ -31,8 +31,8 @@ from dsv4_kernels.build_report import build_all, launched_builds, table
 
 HC_MMA_SYNC = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"  # hc_mix
 # token_rows (the per-token chains): the builds that rotate, and the two plain RMSNorms
-TOKEN_ROPE = ("q_head_norm_rope", "kv_norm_rope_fp8", "rope_inverse", "indexer_q_fp4", "entry_kv_fp8",
-              "entry_index_fp4")  # fmt: skip
+TOKEN_ROPE = ("q_head_norm_rope", "kv_norm_rope_fp8", "kv_norm_rope_fp8_ring", "rope_inverse", "indexer_q_fp4",
+              "entry_kv_fp8", "entry_index_fp4")  # fmt: skip
 # (kernel, config, arch) -> a substring one of the PTX's matrix instructions must contain
 EXPECTED = {
     ("fp8_gemm", "prefill", 90): "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3",

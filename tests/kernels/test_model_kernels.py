@@ -203,6 +203,12 @@ def test_mhc_with_the_sub_layer_norms_on_triton(tiny_model):
     _check_layers(tiny_model, dataclasses.replace(KernelBackends(), hc="triton", token_ops="triton"))
 
 
+def test_attention_with_its_token_ops_on_triton(tiny_model):
+    """attention and token_ops both on Triton: a decode step's kv launch also writes the keys into their window
+    rings (token_ops.Ring) and the attention leaves them; the pools are compared layer by layer."""
+    _check_layers(tiny_model, dataclasses.replace(KernelBackends(), attention="triton", token_ops="triton"))
+
+
 def test_head_on_triton(tiny_model):
     """The head kernel reads the bf16 weight use_kernels left (exact: the checkpoint stores it in bf16)
     and gives the fp32 product; only fp32 summation order differs from torch's fp32 matmul, so every

@@ -421,6 +421,36 @@ def test_each_chain_is_one_launch_without_torch_ops() -> None:
         assert (seen.triton_launches, seen.aten_launches) == (1, 0), f"{name}: {seen.triton} {seen.aten}"
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_decode_steps_keys_go_into_their_window_rings_in_the_same_launch(dtype: torch.dtype) -> None:
+    """`ring`: every row's key (the chain's output, bit for bit) also lands at ring[slot, position % W], the rest
+    of the rings untouched (NaN-poisoned here), in the one launch; what cannot be a decode step's rings is
+    refused."""
+    from dsv4_kernels.token_ops import Ring
+
+    n, d, rope_dim, window = 5, 128, 64, 8
+    gen = torch.Generator().manual_seed(21)
+    kv, w = _inputs((n, d), dtype, "random_positions", gen), _weight(d, gen)
+    angles = _angles(n, rope_dim, False, gen)
+    swa = torch.full((7, window, d), float("nan"), dtype=dtype)
+    slots = torch.tensor([6, 0, 3, 1, 4], dtype=torch.int32)
+    positions = torch.tensor([0, 7, 8, 30, 5], dtype=torch.int32)
+    plain = kv_norm_rope_quant(kv, w, EPS, angles, d - rope_dim, 64, True)
+    with launch_guard() as seen:
+        out = kv_norm_rope_quant(kv, w, EPS, angles, d - rope_dim, 64, True, ring=Ring(swa, slots, positions))
+    assert (seen.aten_launches, sum(seen.triton.values())) == (0, 1)
+    assert torch.equal(out, plain)
+    written = torch.zeros(swa.shape[:2], dtype=torch.bool)
+    written[slots.long(), positions.long() % window] = True
+    assert torch.equal(swa[slots.long(), positions.long() % window], plain)
+    assert bool(swa[~written].isnan().all())
+    with pytest.raises(ValueError, match="int32"):
+        kv_norm_rope_quant(kv, w, EPS, angles, d - rope_dim, ring=Ring(swa, slots.long(), positions))
+    with pytest.raises(ValueError, match="one-head rows"):
+        other = swa.double() if dtype == torch.float32 else swa.float()
+        kv_norm_rope_quant(kv, w, EPS, angles, d - rope_dim, ring=Ring(other, slots, positions))
+
+
 def test_rope_in_place_equals_out_of_place() -> None:
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(4, 8, 128, generator=gen).bfloat16()
