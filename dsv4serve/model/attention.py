@@ -247,12 +247,12 @@ class Attention(nn.Module):
             ratio=self.compress_ratio,
             token_rows=layout.token_rows,
         )
-        # after the kernel: it reads the ring as it was before this step (a decode step's keys may be there already)
-        if not stored and (vector or layout.is_decode):
-            store_window(cache.swa, kv, layout)
-        elif not stored:
-            for span in layout.spans:
-                self._store_window(cache.swa[span.slot], kv[span.begin : span.end], span.start_pos)
+        if not stored:  # after the kernel: it reads the ring as it was before this step
+            if vector or layout.is_decode:
+                store_window(cache.swa, kv, layout)
+            else:
+                for span in layout.spans:
+                    self._store_window(cache.swa[span.slot], kv[span.begin : span.end], span.start_pos)
         return as_gpu_stored(o, num.compute_dtype)  # the interpreter stores fp32 (a GPU stores bf16)
 
     def _select(

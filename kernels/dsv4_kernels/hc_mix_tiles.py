@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from dsv4_kernels.fp4_moe_tiles import _round_bf16  # the one bf16 rounding every kernel uses
+from dsv4_kernels.token_ops_tiles import _inv_rms_of_sum  # token_ops' rms_norm factor, summed tile by tile here
 
 SPLIT_CHUNK = 16  # partial rows PHASE 2 adds per step
 _SPLIT_CHUNK = tl.constexpr(SPLIT_CHUNK)  # the kernels' view of it
@@ -161,8 +162,7 @@ def _collapse(
         for d0 in range(0, D, BLOCK_D):
             x = _collapsed(pre, h_ptrs, rows_ok, offs_d < D - d0, d0, x_ptr, ROUND_BF16)
             sumsq += tl.sum(x * x, axis=1)
-        mean_sq = tl.div_rn(sumsq, D * 1.0)
-        r = tl.div_rn(tl.full(mean_sq.shape, 1.0, tl.float32), tl.sqrt_rn(mean_sq + x_eps))
+        r = _inv_rms_of_sum(sumsq, D, x_eps)
         for d0 in range(0, D, BLOCK_D):
             d_ok = offs_d < D - d0
             w = tl.load(nw_ptr + d0 + offs_d, mask=d_ok, other=0.0).to(tl.float32)

@@ -26,13 +26,22 @@ from dsv4_kernels.token_ops_ref import FP4_AMAX_FLOOR
 FP8_FLOOR = tl.constexpr(FP8_AMAX_FLOOR)
 FP4_FLOOR = tl.constexpr(FP4_AMAX_FLOOR)
 
-__all__ = ["_angles", "_fp4_blocks", "_fp8_blocks", "_hadamard", "_inv_rms", "_rotate", "_round_bf16"]
+__all__ = [
+    "_angles", "_fp4_blocks", "_fp8_blocks", "_hadamard", "_inv_rms", "_inv_rms_of_sum", "_rotate", "_round_bf16",
+]  # fmt: skip
 
 
 @triton.jit
 def _inv_rms(x, D: tl.constexpr, eps):
     """x [BH, BD] fp32 (zeros past D) -> [BH] 1 / sqrt(mean(x^2) + eps)."""
-    mean_sq = tl.div_rn(tl.sum(x * x, axis=1), D * 1.0)
+    return _inv_rms_of_sum(tl.sum(x * x, axis=1), D, eps)
+
+
+@triton.jit
+def _inv_rms_of_sum(sum_sq, D, eps):
+    """Rows' sums of squares over D channels -> 1 / sqrt(sum_sq / D + eps), the divide and sqrt correctly rounded
+    (a caller summing a row tile by tile, as hc_mix's fused norm does, shares the rest of `_inv_rms`)."""
+    mean_sq = tl.div_rn(sum_sq, D * 1.0)
     return tl.div_rn(tl.full(mean_sq.shape, 1.0, tl.float32), tl.sqrt_rn(mean_sq + eps))
 
 
