@@ -1,6 +1,7 @@
 """Test support for the kernels: outputs poisoned with NaN, so an element a kernel leaves unwritten
-fails the comparison with its reference, and a store outside the output is caught; the grouped MXFP4
-GEMMs' random problems and their stage check (tests/kernels/test_fp4_moe.py says why that tolerance)."""
+fails the comparison with its reference, and a store outside the output is caught; bit-for-bit equality of
+bf16 / fp32 outputs; the grouped MXFP4 GEMMs' random problems and their stage check (tests/kernels/test_fp4_moe.py
+says why that tolerance)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,18 @@ def into_poisoned(
     border[inside] = 0
     assert torch.isnan(border).sum() == border.numel() - math.prod(shape), "the kernel stored outside its output"
     return result
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """A bf16 / fp32 tensor's bits as int16 / int32 (compared, -0.0 differs from 0.0)."""
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t.view(torch.int32)
+
+
+def assert_bits_equal(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """The same dtype, shape and every bit."""
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    differ = bits(out) != bits(ref)
+    assert not differ.any(), f"{int(differ.sum())} of {out.numel()} differ, e.g. {out[differ][:4]} vs {ref[differ][:4]}"
 
 
 def _fp4_experts(e: int, n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

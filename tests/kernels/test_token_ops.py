@@ -5,7 +5,7 @@ token; bf16 and fp32; outputs NaN-poisoned views (an unwritten element or a stor
 
 What must be exact, and why:
 - the quantizers, on any input: the e4m3 / e2m1 roundings (ties to even), ue8m0 scales, amax floors and
-  clamps are integer and power-of-two arithmetic (`test_quantizers_match_torch_bit_for_bit`);
+  clamps are integer and power-of-two arithmetic (tests/kernels/test_token_ops_quantizers.py);
 - whole chains given the model's cos / sin tables and inputs on a coarse dyadic grid (k / 16, |k| <= 32):
   every sum of squares is then exact in any order, the only arithmetic the kernel orders differently,
   so every output bit must equal the reference's, -0.0 included.
@@ -29,12 +29,9 @@ from pathlib import Path
 
 import pytest
 import torch
-import triton
-import triton.language as tl
 
-from dsv4_kernels.formats import E2M1_VALUES
 from dsv4_kernels.launch_guard import launch_guard
-from dsv4_kernels.testing import into_poisoned
+from dsv4_kernels.testing import assert_bits_equal, bits, into_poisoned
 from dsv4_kernels.token_ops import (
     Angles,
     compressed_entry,
@@ -46,8 +43,6 @@ from dsv4_kernels.token_ops import (
 )
 from dsv4_kernels.token_ops_ref import (
     compressed_entry_ref,
-    fp4_qdq_ref,
-    fp8_qdq_ref,
     indexer_q_ref,
     kv_norm_rope_quant_ref,
     q_head_norm_rope_ref,
@@ -55,7 +50,6 @@ from dsv4_kernels.token_ops_ref import (
     rope_cos_sin_ref,
     rope_ref,
 )
-from dsv4_kernels.token_ops_tiles import _fp4_blocks, _fp8_blocks
 from dsv4serve.model.args import ModelArgs, args_from_dicts, read_model_args
 from dsv4serve.model.compressor import Compressor
 from dsv4serve.model.indexer import Indexer
@@ -67,16 +61,6 @@ EPS = 1e-6
 ULP_BOUND = {torch.bfloat16: 2.0**-7, torch.float32: 2.0**-19}  # relative, see the module doc
 MAX_OFF_FRACTION = 0.01
 POSITIONS = (0, 1, 37, 4095, 65_537, 1_000_003)  # up to the 1M context: large angles too
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t.view(torch.int32)
-
-
-def _assert_bits_equal(out: torch.Tensor, ref: torch.Tensor) -> None:
-    assert out.dtype == ref.dtype and out.shape == ref.shape
-    differ = _bits(out) != _bits(ref)
-    assert not differ.any(), f"{int(differ.sum())} of {out.numel()} differ, e.g. {out[differ][:4]} vs {ref[differ][:4]}"
 
 
 def _block_amax(ref: torch.Tensor, lo: int, hi: int, block: int) -> torch.Tensor:
@@ -123,81 +107,6 @@ def _poisoned(shape: tuple[int, ...], dtype: torch.dtype, fn) -> torch.Tensor:
     return into_poisoned(tuple(shape), dtype, lambda out: fn(out=out))
 
 
-# ---- the quantizers alone: a test kernel around the very helpers the chains use ----
-
-
-@triton.jit
-def _quantize_kernel(x_ptr, out_ptr, LIMIT: tl.constexpr, FP8: tl.constexpr, ROWS: tl.constexpr, W: tl.constexpr):
-    offs = tl.arange(0, ROWS)[:, None] * W + tl.arange(0, W)[None, :]
-    x = tl.load(x_ptr + offs)
-    if FP8:
-        y = _fp8_blocks(x, LIMIT, 64, ROWS, W)
-    else:
-        y = _fp4_blocks(x, LIMIT, ROWS, W)
-    tl.store(out_ptr + offs, y)
-
-
-def _grid_and_midpoints(values: torch.Tensor) -> torch.Tensor:
-    """Every non-negative grid value and every midpoint between neighbours (the ties), both signs."""
-    v = values.float().unique().sort().values
-    v = v[torch.isfinite(v) & (v >= 0)]
-    both = torch.cat((v, (v[1:] + v[:-1]) / 2))
-    return torch.cat((both, -both, torch.tensor([-0.0])))
-
-
-def _quantizer_rows(fp8: bool, width: int, gen: torch.Generator) -> torch.Tensor:
-    """Rows (one block each) that hit every tie, both amax scale thresholds, the floor and -0.0."""
-    if fp8:
-        grid = _grid_and_midpoints(torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn))
-        top, threshold_mantissa = 448.0, 1.75
-    else:
-        grid = _grid_and_midpoints(torch.tensor(E2M1_VALUES))
-        top, threshold_mantissa = 6.0, 1.5
-    rows = []
-    for scale in (2.0**-20, 2.0**-3, 1.0, 2.0**7):  # ties at several scales; amax = top * scale pins it
-        for chunk in grid.split(width - 1):
-            row = torch.zeros(width)
-            row[: chunk.numel()] = chunk * scale
-            row[-1] = top * scale
-            rows.append(row)
-    for exponent in (-9, 0, 13):  # amax = m 2^E at the scale thresholds, and one fp32 ulp above them
-        for m in (threshold_mantissa, threshold_mantissa + 2.0**-23, 1.0, 2.0 - 2.0**-23):
-            row = torch.randn(width, generator=gen) * 2.0**exponent * 0.3
-            row[3] = -m * 2.0**exponent
-            rows.append(row)
-    rows.append(torch.randn(width, generator=gen) * 1e-6)  # below the FP8 floor (1e-4)
-    rows.append(torch.zeros(width))
-    rows.append(torch.full((width,), -0.0))
-    rows.append(torch.randn(width, generator=gen) * 2.0**-125)  # near the FP4 floor, 6 * 2^-126
-    for spread in (1.0, 1e3, 1e-3):
-        rows.append(torch.randn(width, generator=gen) * torch.rand(width, generator=gen) ** 4 * spread)
-    return torch.stack(rows)
-
-
-@pytest.mark.parametrize("fp8", [True, False], ids=["e4m3", "e2m1"])
-def test_quantizers_match_torch_bit_for_bit(fp8: bool) -> None:
-    gen = torch.Generator().manual_seed(11)
-    width = 64 if fp8 else 32
-    x = _quantizer_rows(fp8, width, gen)
-    rows = triton.next_power_of_2(x.shape[0])
-    x = torch.cat((x, torch.zeros(rows - x.shape[0], width)))
-    out = torch.empty_like(x)
-    _quantize_kernel[(1,)](x, out, LIMIT=width, FP8=fp8, ROWS=rows, W=width)
-    ref = fp8_qdq_ref(x, 64) if fp8 else fp4_qdq_ref(x, 32)
-    _assert_bits_equal(out, ref)
-
-
-def test_quantizer_leaves_channels_past_the_limit_and_blocks_a_partial_one() -> None:
-    """LIMIT = 80 in a 128-wide tile: blocks [0, 64) and the partial [64, 80) alone; [80, 128) untouched."""
-    gen = torch.Generator().manual_seed(5)
-    x = torch.randn(4, 128, generator=gen) * 3
-    x[1, 70] = 500.0  # a partial block's amax, not the next channels'
-    out = torch.empty_like(x)
-    _quantize_kernel[(1,)](x, out, LIMIT=80, FP8=True, ROWS=4, W=128)
-    ref = torch.cat((fp8_qdq_ref(x[:, :80], 64), x[:, 80:]), dim=1)
-    _assert_bits_equal(out, ref)
-
-
 # ---- each chain against its reference ----
 
 # grid_tables: inputs on the dyadic grid, the model's cos / sin tables: exact (module doc); random_positions:
@@ -213,7 +122,7 @@ def _inputs(shape: tuple[int, ...], dtype: torch.dtype, mode: str, gen: torch.Ge
 
 def _check(mode: str, out: torch.Tensor, ref: torch.Tensor, quant: tuple[str, int] | None) -> None:
     if mode == "grid_tables":
-        _assert_bits_equal(out, ref)
+        assert_bits_equal(out, ref)
     else:
         _assert_chain_close(out, ref, quant)
 
@@ -390,7 +299,7 @@ def test_references_and_kernels_match_the_model(which: str, n: int, dtype: torch
     with torch.no_grad():
         chains = _model_chains(_model_args(which), dtype, n, gen)
     for name, model_out, ref, call, quant in chains:
-        assert torch.equal(_bits(model_out), _bits(ref)), f"{name}: the reference is not the model's code"
+        assert torch.equal(bits(model_out), bits(ref)), f"{name}: the reference is not the model's code"
         if call is not None:
             _assert_chain_close(_poisoned(ref.shape, ref.dtype, call), model_out, quant)
 
@@ -458,7 +367,7 @@ def test_rope_in_place_equals_out_of_place() -> None:
     expected = rope(x, angles, inverse=True)
     result = rope(x, angles, inverse=True, out=x)
     assert result is x
-    _assert_bits_equal(x, expected)
+    assert_bits_equal(x, expected)
 
 
 def test_wrappers_refuse_what_they_cannot_run() -> None:
@@ -476,7 +385,7 @@ def test_wrappers_refuse_what_they_cannot_run() -> None:
 
 @pytest.mark.parametrize("tables", [True, False], ids=["tables", "positions"])
 @pytest.mark.parametrize("heads", [1, 4, 64])
-def test_a_token_in_a_many_token_program_gets_its_own_bits(heads: int, tables: bool) -> None:
+def test_a_token_in_a_many_token_program_gets_its_ownbits(heads: int, tables: bool) -> None:
     """A program takes as many (token, head) rows as fit its tile, several tokens' when rows are narrow (one kv
     row a token: 32 tokens a program at d = 128); every chain gives each token the bits it gets alone. 13 tokens:
     the last program is partial; 64 heads: one token's heads fill whole programs (its angles evaluated once)."""
@@ -503,4 +412,4 @@ def test_a_token_in_a_many_token_program_gets_its_own_bits(heads: int, tables: b
         together = call(slice(0, n), at)
         for t in range(n):
             alone = call(slice(t, t + 1), one(t))
-            assert torch.equal(_bits(together[t : t + 1]), _bits(alone)), f"{name}: token {t} of {n}"
+            assert torch.equal(bits(together[t : t + 1]), bits(alone)), f"{name}: token {t} of {n}"
