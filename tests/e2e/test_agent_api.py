@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
 
 import anthropic
@@ -16,7 +17,7 @@ import jsonschema
 import openai
 import pytest
 
-from dsv4serve.api.tokenizer import TextTokenizer
+from dsv4serve.api.tokenizer import tokenizer_file
 
 from .api_server import ONE_TORCH_THREAD, running_server
 
@@ -165,21 +166,31 @@ def test_request_body_limit_through_the_server(server):
     assert httpx.get(server.base + "/health", timeout=5).status_code == 200
 
 
-@pytest.mark.slow
-def test_health_and_a_stream_keep_answering_while_maximal_prompts_tokenize(server, tiny_dir):
-    """The largest prompt the server tokenizes (just under the length that proves it too long: the
-    longest DeepSeek-V4 token is 128 characters), one after another for 3 s: /health answers within
-    100 ms (more than it takes under the same CPU load alone) and a running stream keeps its pace.
+# the control window's load: the same tokenization in a process of its own, so that neither this test's
+# event loop nor its GIL shares in it, and through the tokenizers library, not the server's code
+CONTROL_TOKENIZER = """
+import statistics, sys, time
+from tokenizers import Tokenizer
+tokenizer, text, window_s = Tokenizer.from_file(sys.argv[1]), sys.stdin.read(), float(sys.argv[2])
+print("start", flush=True)
+start, seconds = time.monotonic(), []
+while time.monotonic() < start + window_s:
+    began = time.monotonic()
+    tokenizer.encode(text)
+    seconds.append(time.monotonic() - began)
+print(statistics.median(seconds), flush=True)
+"""
 
-    The worker shares the CPU with the tokenizer (2 cores in CI), so its steps slow down whatever the
-    server does: the bounds are taken against a control window just before, in which this test process
-    tokenizes the same text itself, loading the CPU the same way without the server's part in it. A
-    tokenization on the event loop (~0.2 s a prompt) shows in /health; a stalled stream in its gaps."""
+
+def _tokenizing_windows(server, tiny_dir) -> dict[str, float]:
+    """One measurement: a stream runs; a control window in which a process of this test's tokenizes the
+    largest prompt, then a window of such prompts sent to the server. Returns the worst /health
+    latency and the worst gap between the stream's chunks, in the control and in the heavy window,
+    and the median time of one tokenization in the control window."""
     chars = (MAX_MODEL_LEN - 1) * 128 - 1000
     text = "ab " * (chars // 3)
     big = {"messages": [{"role": "user", "content": text}], "max_tokens": 1}
     stream_body = {"messages": HELLO, "max_tokens": 400, "ignore_eos": True, "stream": True}
-    tokenizer = TextTokenizer.for_model(tiny_dir)
     window_s = 3.0
 
     async def run():
@@ -187,6 +198,7 @@ def test_health_and_a_stream_keep_answering_while_maximal_prompts_tokenize(serve
             arrivals: list[float] = []
             marks: list[float] = []  # control start, heavy start, heavy end
             latencies: list[tuple[float, float]] = []  # (sent at, seconds)
+            encodes: list[float] = []  # the median seconds of one control tokenization
 
             async def stream():
                 async with client.stream("POST", "/v1/chat/completions", json=stream_body) as resp:
@@ -199,9 +211,17 @@ def test_health_and_a_stream_keep_answering_while_maximal_prompts_tokenize(serve
             async def load():
                 while len(arrivals) < 8:  # the stream runs: first its pace alone
                     await asyncio.sleep(0.05)
-                marks.append(time.monotonic())
-                while time.monotonic() < marks[0] + window_s:  # control: the same tokenizing, in this process
-                    await asyncio.to_thread(tokenizer.encode, text)
+                proc = await asyncio.create_subprocess_exec(
+                    sys.executable, "-c", CONTROL_TOKENIZER, str(tokenizer_file(tiny_dir)), str(window_s),
+                    stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                )  # fmt: skip
+                assert proc.stdin is not None and proc.stdout is not None
+                proc.stdin.write(text.encode())
+                proc.stdin.close()
+                assert await proc.stdout.readline() == b"start\n"
+                marks.append(time.monotonic())  # control: the same tokenizing, in a process of its own
+                encodes.append(float(await proc.stdout.readline()))
+                assert await proc.wait() == 0
                 marks.append(time.monotonic())
                 while time.monotonic() < marks[1] + window_s:  # one maximal prompt after another
                     resp = await client.post("/v1/chat/completions", json=big)
@@ -216,16 +236,49 @@ def test_health_and_a_stream_keep_answering_while_maximal_prompts_tokenize(serve
                     await asyncio.sleep(0.02)
 
             await asyncio.gather(stream(), load(), health())
-            return arrivals, marks, latencies
+            return arrivals, marks, latencies, encodes
 
-    arrivals, (control, heavy, end), latencies = asyncio.run(run())
+    arrivals, (control, heavy, end), latencies, encodes = asyncio.run(run())
     assert arrivals[-1] > end, "the stream ended before the heavy window did: raise its max_tokens"
 
     def worst(pairs, lo, hi):
         return max(value for at, value in pairs if lo <= at < hi)
 
     gaps = [(b, b - a) for a, b in zip(arrivals, arrivals[1:])]
-    health_control, health_heavy = worst(latencies, control, heavy), worst(latencies, heavy, end)
-    gap_control, gap_heavy = worst(gaps, control, heavy), worst(gaps, heavy, end + 0.5)
-    assert health_heavy < 0.1 + health_control, (health_control, health_heavy)
-    assert gap_heavy < 2 * gap_control + 0.25, (gap_control, gap_heavy)
+    return dict(
+        health_control=worst(latencies, control, heavy),
+        health_heavy=worst(latencies, heavy, end),
+        gap_control=worst(gaps, control, heavy),
+        gap_heavy=worst(gaps, heavy, end + 0.5),
+        encode=encodes[0],
+    )
+
+
+@pytest.mark.slow
+def test_health_and_a_stream_keep_answering_while_maximal_prompts_tokenize(server, tiny_dir):
+    """The largest prompt the server tokenizes (just under the length that proves it too long: the
+    longest DeepSeek-V4 token is 128 characters), one after another for 3 s: /health's worst answer
+    stays within a quarter of one tokenization of its worst under the same CPU load alone, and a
+    running stream keeps its pace.
+
+    The worker shares the CPU with the tokenizer (2 cores in CI), so its steps slow down whatever the
+    server does: the bounds are taken against a control window just before, in which a process of this
+    test's tokenizes the same text, loading the CPU the same way without the server's part in it. A
+    tokenization that holds the event loop, on it or from a thread through the GIL (tokenizers' encode
+    does; encode_batch does not), delays some /health by most of one tokenization: 50-250 ms for this
+    text on the machines seen, and the GIL-holding encode 30-50 ms of its 60 here, hence a quarter.
+    Where the work runs is also checked without a clock, in tests/unit/test_api_scripted.py; this test
+    checks what the clock sees, the GIL included.
+
+    CI runs another test file beside this one on its 2 cores, and what that file does changes from one
+    window to the next: once in many runs a single gap was 0.72 s against a 0.05 s control, /health
+    fine. A server that holds its loop fails every window, so one passing window of three passes; a
+    failure prints all three."""
+    seen = []
+    for _ in range(3):
+        m = _tokenizing_windows(server, tiny_dir)
+        seen.append(m)
+        health_ok = m["health_heavy"] < m["health_control"] + m["encode"] / 4
+        if health_ok and m["gap_heavy"] < 2 * m["gap_control"] + 0.25:
+            return
+    raise AssertionError(f"/health or the stream stalled in every window: {seen}")

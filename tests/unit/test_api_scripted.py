@@ -4,11 +4,13 @@ content, tool calls), stop handling, logprobs and engine failures can be checked
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
 
+from dsv4serve.api import state as state_module
 from dsv4serve.api.app import ServeOptions, create_app
 from dsv4serve.api.tokenizer import TextTokenizer
 from dsv4serve.chat.tools import render_tool_calls
@@ -151,3 +153,47 @@ def test_completions_batch_prompts_n_and_echo(setup, tokenizer):
         events = [json.loads(e[6:]) for e in resp.read().decode().split("\n\n")[:-2]]
     assert "".join(e["choices"][0]["text"] for e in events) == "Hi world"
     assert events[0]["object"] == "text_completion"
+
+
+class ThreadNotingTokenizer:
+    """The real tokenizer, noting the thread of every encode."""
+
+    def __init__(self, inner: TextTokenizer):
+        self.inner, self.threads = inner, []
+
+    def encode(self, text, add_special_tokens=False):
+        self.threads.append(threading.current_thread().name)
+        return self.inner.encode(text, add_special_tokens)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_rendering_tokenizing_and_large_bodies_never_run_on_the_event_loop(tokenizer, monkeypatch):
+    """The structural half of the e2e pacing test: every route that tokenizes a prompt, and the parse of
+    a large body, runs on the text pool's threads, whatever the machine's speed."""
+    noting = ThreadNotingTokenizer(tokenizer)
+    engine = ScriptedEngine(tokenizer.encode(" ok"))
+    client = TestClient(create_app(engine, noting, ServeOptions("m", True)))
+    parsed_on = []
+    parse = state_module.parse_json
+    monkeypatch.setattr(
+        state_module, "parse_json", lambda raw: parsed_on.append(threading.current_thread().name) or parse(raw)
+    )
+    anthropic = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    big = {**CHAT, "max_tokens": 1, "messages": [{"role": "user", "content": "a " * state_module.PARSE_ON_LOOP_BYTES}]}
+    for path, body in (
+        ("/v1/chat/completions", CHAT),
+        ("/v1/completions", {"model": "m", "prompt": "Hello", "max_tokens": 2}),
+        ("/tokenize", {"prompt": "Hello"}),
+        ("/v1/messages", anthropic),
+        ("/v1/messages/count_tokens", anthropic),
+    ):
+        noting.threads.clear()
+        resp = client.post(path, json=body)
+        assert resp.status_code == 200, (path, resp.text[:300])
+        assert noting.threads and all(t.startswith("dsv4serve-text") for t in noting.threads), (path, noting.threads)
+    parsed_on.clear()  # small bodies are parsed on the loop, by design (PARSE_ON_LOOP_BYTES)
+    resp = client.post("/v1/chat/completions", json=big)  # parsed, then refused by its length alone
+    assert resp.status_code == 400 and "maximum context length" in resp.text
+    assert len(parsed_on) == 1 and parsed_on[0].startswith("dsv4serve-text"), parsed_on
