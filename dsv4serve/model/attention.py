@@ -22,6 +22,7 @@ from dsv4serve.model.attention_decode import attend_decode, select_decode, store
 from dsv4serve.model.batch import BatchLayout, RowSpan
 from dsv4serve.model.compressor import Compressor
 from dsv4serve.model.indexer import Indexer
+from dsv4serve.model.joined_fp8 import JoinedFp8
 from dsv4serve.model.kv_pool import LayerCache
 from dsv4serve.model.layers import Linear, RMSNorm, TensorParallel
 from dsv4serve.model.numerics import KV_BLOCK, Numerics, act_quant, as_share, fp8_quant_dequant, reduced
@@ -84,6 +85,15 @@ class Attention(nn.Module):
         self.max_substeps = min([r for r in args.compress_ratios if r] + [args.window_size])
         # split over ranks (dsv4serve/parallel/shard_model.py): n_heads / n_groups are then this rank's
         self.tp: TensorParallel | None = None
+        self._joint: JoinedFp8 | None = None  # wq_a and wkv packed as one weight (`join_projections`)
+
+    def join_projections(self) -> None:
+        """Hold wq_a's and wkv's packed FP8 weights as one (model/joined_fp8.py): with the FP8 GEMM on Triton
+        their shared input then takes one launch, not two. After packing (Transformer.use_kernels); again
+        after a reload is harmless."""
+        if self._joint is not None and self._joint.holds():
+            return
+        self._joint = JoinedFp8(self.wq_a, self.wkv) if JoinedFp8.fits(self.wq_a, self.wkv) else None
 
     def forward(self, x: torch.Tensor, layout: BatchLayout, cache: LayerCache, num: Numerics) -> torch.Tensor:
         """x [N, D] compute dtype (attn_norm output) -> [N, D] compute dtype."""
@@ -91,10 +101,13 @@ class Attention(nn.Module):
         rot = Rotation.of(self.freqs, layout.positions if kernels else layout.positions64, kernels)
         # shared by wq_a and wkv; the FP8 GEMM kernel quantizes its input itself (never twice)
         in_kernel = self.wq_a.quantizes_in_kernel(num) and self.wkv.quantizes_in_kernel(num)
-        xq = x if in_kernel else act_quant(x, num)
-        qr = self.q_norm(self.wq_a(xq, num, x_quantized=True), num)  # [N, q_lora]
+        if in_kernel and self._joint is not None and self._joint.holds():
+            q_lat, kv = self._joint(x)  # one launch: [N, q_lora] and [N, d] column views of its output
+        else:
+            xq = x if in_kernel else act_quant(x, num)
+            q_lat, kv = self.wq_a(xq, num, x_quantized=True), self.wkv(xq, num, x_quantized=True)
+        qr = self.q_norm(q_lat, num)  # [N, q_lora]
         q = self.wq_b(qr, num).unflatten(-1, (self.n_heads, self.head_dim))
-        kv = self.wkv(xq, num, x_quantized=True)  # [N, d]
         nope = self.head_dim - self.rope_head_dim
         ring = None
         if kernels:  # one launch each: the per-head RMS + RoPE; the kv norm + RoPE + FP8 simulation

@@ -194,7 +194,8 @@ class Transformer(nn.Module):
         `Numerics.backends` picks the path at each forward. The compressors' fused [wkv; wgate] weights are
         built here too (in bf16 with the compressor on Triton: its projection then runs on the head's
         kernel). The head on torch on the CPU is held K-major (layers.Linear.hold_k_major: MKL's fast layout
-        for it)."""
+        for it). With the FP8 GEMM on Triton each attention's wq_a and wkv are then held as one packed weight
+        (model/joined_fp8.py: one launch for both)."""
         head = self.head.weight
         if backends.head == "torch" and head.device.type == "cpu":
             self.head.hold_k_major()
@@ -224,6 +225,10 @@ class Transformer(nn.Module):
                 and module.w1_fp4 is None
             ):
                 module.pack_fp4()
+        if backends.fp8_gemm == "triton":  # after packing: wq_a and wkv of each layer as one launch
+            for module in self.modules():
+                if isinstance(module, Attention):
+                    module.join_projections()
 
     @torch.inference_mode()
     def forward(

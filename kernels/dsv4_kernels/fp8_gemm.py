@@ -200,12 +200,17 @@ def num_warps(device: torch.device, swap_ab: bool) -> int:
     return 4 if _sm_major(device.index if device.index is not None else torch.cuda.current_device()) in (9, 10) else 8
 
 
-def pick_split_k(m: int, n: int, k: int, device: torch.device) -> int:
+def pick_split_k(m: int, n: int, k: int, device: torch.device, parts: tuple[int, ...] = ()) -> int:
     """The K split of a decode (swapped-tile) launch of [m, k] x [n, k]^T: what bench/gpu_fp8_sweep.py measured
-    fastest on this card for this weight shape (tuning.py), when it divides the K blocks; else 1."""
+    fastest on this card for this weight shape (tuning.py), when it divides the K blocks; else 1. `parts`: the
+    row counts of weights stacked into this one (dsv4serve/model/joined_fp8.py); until the joined shape is
+    measured, the largest split its parts were tuned to (inferred: the same K, more N tiles)."""
     if not k_splits_allowed():
         return 1
-    split = tuning.lookup(device, "fp8_gemm", f"{n}x{k}", size=m) or 1
+    split = tuning.lookup(device, "fp8_gemm", f"{n}x{k}", size=m)
+    if split is None and parts:
+        split = max(tuning.lookup(device, "fp8_gemm", f"{p}x{k}", size=m) or 1 for p in parts)
+    split = split or 1
     return split if (-(-k // FP8_BLOCK)) % split == 0 else 1
 
 
@@ -233,10 +238,11 @@ def _launch(
     out: torch.Tensor | None,
     split_k: int | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
+    parts: tuple[int, ...] = (),
 ) -> torch.Tensor:
     """The one kernel launch of both forms; a_scale None: `a` is bf16 / fp32 and quantized in the kernel.
-    `split_k` None: `pick_split_k`'s (decode tiles only). `out_dtype` fp32: the fp32 accumulator stored as it is
-    (a row-parallel rank's partial, cast after the sum over ranks), else bf16."""
+    `split_k` None: `pick_split_k`'s (decode tiles only; `parts` as there). `out_dtype` fp32: the fp32
+    accumulator stored as it is (a row-parallel rank's partial, cast after the sum over ranks), else bf16."""
     if out_dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"out_dtype must be bf16 or fp32, got {out_dtype}")
     m, k = a.shape
@@ -253,7 +259,7 @@ def _launch(
     k_blocks = -(-k // FP8_BLOCK)
     tiles = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     if split_k is None:
-        split_k = pick_split_k(m, n, k, a.device) if swap_ab else 1
+        split_k = pick_split_k(m, n, k, a.device, parts) if swap_ab else 1
     if split_k > 1 and (not swap_ab or k_blocks % split_k):
         raise ValueError(f"split_k {split_k} needs the swapped (decode) tile and must divide the {k_blocks} K blocks")
     split = split_k > 1
@@ -298,16 +304,18 @@ def fp8_linear(
     out: torch.Tensor | None = None,
     split_k: int | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
+    parts: tuple[int, ...] = (),
 ) -> torch.Tensor:
     """x [M, K] bf16 / fp32 -> bf16 [M, N]: the whole FP8 projection (`numerics.linear` with fp8_act) in
     one launch; the kernel quantizes x (idempotent: an input quantized before gives the same bytes).
     `out` ([M, N], row stride free, dtype `store_dtype()`, fp32 with out_dtype fp32) receives the kernel's
     stores; `split_k` the decode tile's K split instead of `pick_split_k`'s (bench/gpu_fp8_sweep.py times
-    them); `out_dtype` fp32: the accumulator unrounded (`_launch`)."""
+    them); `out_dtype` fp32: the accumulator unrounded (`_launch`); `parts`: b stacks weights of these
+    row counts (`pick_split_k`)."""
     if x.dtype not in (torch.bfloat16, torch.float32) or x.dim() != 2:
         raise TypeError(f"fp8_linear takes bf16 or fp32 activations [M, K], got {x.dtype} {tuple(x.shape)}")
     _check_weight(b, b_scale, x.shape[1])
-    return _launch(x, None, b, b_scale, blocks, out, split_k, out_dtype)
+    return _launch(x, None, b, b_scale, blocks, out, split_k, out_dtype, parts)
 
 
 def fp8_gemm(

@@ -145,3 +145,16 @@ def test_the_wrappers_take_the_cards_choices(fake_card, monkeypatch) -> None:
     plain = fp4_moe(x, *w, weights, ids, LIMIT)
     assert seen[4]["loop"] == LoopForm() and seen[5]["loop"] == LoopForm()
     assert torch.allclose(tuned, plain, rtol=2**-6, atol=1e-3)
+
+
+def test_a_joined_weight_takes_its_own_split_else_its_parts(fake_card) -> None:
+    """model/joined_fp8.py: wq_a and wkv stacked into one weight; until the card's file has the joined shape,
+    the largest split its parts were tuned to."""
+    cpu = torch.device("cpu")
+    tuning.record(fake_card, ("fp8_gemm", "256x1024"), 1, 4, "Fake GPU", "test")
+    tuning.record(fake_card, ("fp8_gemm", "128x1024"), 1, 2, "Fake GPU", "test")
+    assert pick_split_k(1, 384, 1024, cpu, parts=(256, 128)) == 4
+    assert pick_split_k(1, 384, 1024, cpu) == 1  # nothing known of the shape, no parts given
+    tuning.record(fake_card, ("fp8_gemm", "384x1024"), 1, 8, "Fake GPU", "test")
+    tuning._load.cache_clear()
+    assert pick_split_k(1, 384, 1024, cpu, parts=(256, 128)) == 8  # measured: its own
