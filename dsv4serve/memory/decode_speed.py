@@ -80,8 +80,9 @@ MEASURED_KERNEL_EFFICIENCY_SOURCE = (
 # until the CSA indexer's head weights rode in its compressor's launch, 2026-12-07; 1,451 until the mHC launch that
 # writes x applied the sub-layer norm, the same day; 1,364 until the compressors and the head took bf16 input; 1,322
 # until a decode step's keys went into their window rings in the kv launch; 1,273 until each attention's wq_a and
-# wkv became one launch, model/joined_fp8.py)
-CENSUS_LAUNCHES_PER_STEP = 1230
+# wkv became one launch, model/joined_fp8.py; 1,230 until wq_b's FP8 launches applied q_norm themselves; 1,187
+# until the mHC post launch summed the MoE output itself, dsv4_kernels.hc_post_combine)
+CENSUS_LAUNCHES_PER_STEP = 1144
 # gap per kernel node when a CUDA graph replays: measured on that H200, 0.095 ms of idle device time over the 110
 # kernels of a replayed batch-1 step (bench/gpu_profile.py: wall 1.634 ms, kernels 1.539 ms)
 GRAPH_LAUNCH_SECONDS = 1e-6

@@ -24,7 +24,7 @@ from dsv4serve.model.compressor import Compressor
 from dsv4serve.model.indexer import Indexer
 from dsv4serve.model.joined_fp8 import JoinedFp8
 from dsv4serve.model.kv_pool import LayerCache
-from dsv4serve.model.layers import Linear, RMSNorm, TensorParallel
+from dsv4serve.model.layers import Linear, Normed, RMSNorm, TensorParallel
 from dsv4serve.model.numerics import KV_BLOCK, Numerics, act_quant, as_share, fp8_quant_dequant, reduced
 from dsv4serve.model.rope import Rotation, inv_freq
 
@@ -106,7 +106,9 @@ class Attention(nn.Module):
         else:
             xq = x if in_kernel else act_quant(x, num)
             q_lat, kv = self.wq_a(xq, num, x_quantized=True), self.wkv(xq, num, x_quantized=True)
-        qr = self.q_norm(q_lat, num)  # [N, q_lora]
+        # q_norm(q_lat) [N, q_lora], read by wq_b and the indexer's wq_b: on the FP8 kernel each applies the norm
+        # in its own launch (layers.Normed), else the norm runs once
+        qr = Normed(q_lat, self.q_norm, num)
         q = self.wq_b(qr, num).unflatten(-1, (self.n_heads, self.head_dim))
         nope = self.head_dim - self.rope_head_dim
         ring = None
@@ -144,9 +146,7 @@ class Attention(nn.Module):
         o = rot.apply(o, inverse=True)
         return self._project_out(o, num)
 
-    def _compressed_inputs(
-        self, x: torch.Tensor, qr: torch.Tensor, rot: Rotation, num: Numerics
-    ) -> dict[str, torch.Tensor]:
+    def _compressed_inputs(self, x: torch.Tensor, qr: Normed, rot: Rotation, num: Numerics) -> dict[str, torch.Tensor]:
         """Per-token inputs of the compressors and indexer, computed on all packed tokens at once."""
         out: dict[str, torch.Tensor] = {}
         if self.compressor is not None:  # x as it is: the head kernel upcasts bf16 itself, torch casts once a call

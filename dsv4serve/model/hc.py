@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from dsv4serve.model.layers import RMSNorm
+from dsv4serve.model.moe_output import Combined
 from dsv4serve.model.numerics import Numerics, in_fp64, matmul
 
 
@@ -106,12 +107,21 @@ def _fused_norm(norm: RMSNorm | None, num: Numerics) -> tuple[torch.Tensor, floa
     return None if norm is None or num.backends.token_ops != "triton" else (norm.weight, norm.eps)
 
 
-def hc_post(out: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, num: Numerics) -> torch.Tensor:
-    """new[k] = post[k] * out + sum_j comb[j, k] * h[j]; out [N, D], h [N, hc, D] -> [N, hc, D]."""
+def hc_post(
+    out: torch.Tensor | Combined, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, num: Numerics
+) -> torch.Tensor:
+    """new[k] = post[k] * out + sum_j comb[j, k] * h[j]; out [N, D], h [N, hc, D] -> [N, hc, D]. out `Combined`
+    (an MoE output not yet summed): on Triton the post launch sums it (dsv4_kernels.hc_post_combine)."""
     if num.backends.hc == "triton":
         import dsv4_kernels.hc_mix as hc_mix
 
+        if isinstance(out, Combined):
+            from dsv4_kernels.hc_post_combine import hc_post_combine
+
+            return hc_post_combine(out.pairs, out.addends, out.dtype, h, post, comb)
         return hc_mix.hc_post(out, h, post, comb)
+    if isinstance(out, Combined):
+        out = out.value()
     mixed = (comb.unsqueeze(-1) * h.float().unsqueeze(2)).sum(dim=1)  # a plain sum: row-invariant
     return (post.unsqueeze(-1) * out.float().unsqueeze(1) + mixed).to(h.dtype)
 

@@ -12,7 +12,7 @@ from torch import nn
 
 from dsv4serve.model.args import ModelArgs
 from dsv4serve.model.compressor import Compressor
-from dsv4serve.model.layers import Linear
+from dsv4serve.model.layers import Linear, Normed
 from dsv4serve.model.numerics import FP4_BLOCK, Numerics, fp4_quant_dequant, hadamard
 from dsv4serve.model.rope import Rotation
 
@@ -29,10 +29,16 @@ class Indexer(nn.Module):
         self.compressor.carry_tail(self.weights_proj, self.weight_scale)
 
     def queries(
-        self, x: torch.Tensor, qr: torch.Tensor, rot: Rotation, num: Numerics, weights: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        qr: torch.Tensor | Normed,
+        rot: Rotation,
+        num: Numerics,
+        weights: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [N, D], qr [N, q_lora] -> (q [N, H_I, d_I] compute dtype, head weights [N, H_I] fp32). `weights`:
-        the head weights already computed (the compressor's `project_with_tail`), else they are computed here."""
+        """x [N, D], qr [N, q_lora] (or the attention's q_norm still to apply: layers.Normed) -> (q [N, H_I, d_I]
+        compute dtype, head weights [N, H_I] fp32). `weights`: the head weights already computed (the
+        compressor's `project_with_tail`), else they are computed here."""
         q = self.wq_b(qr, num).unflatten(-1, (self.n_heads, self.head_dim))
         if rot.angles is not None:  # one launch: RoPE, Hadamard, FP4
             from dsv4_kernels.token_ops import indexer_q

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -98,13 +99,23 @@ class Linear(nn.Module):
         is idempotent), minus ~15 torch launches."""
         return self.fp8_stored and num.backends.fp8_gemm == "triton"
 
-    def forward(self, x: torch.Tensor, num: Numerics, x_quantized: bool = False, partial: bool = False) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor | Normed, num: Numerics, x_quantized: bool = False, partial: bool = False
+    ) -> torch.Tensor:
         """`partial`: a row-parallel shard's share of a sum over ranks, returned uncast (the dense torch path:
         fp64 under numerics.exact_sums, else the weight's dtype; the FP8 kernel: its fp32 accumulator) so that
         the all-reduce adds unrounded shares and the one cast to the compute dtype comes after it, as an
-        unsplit GEMM's does (`row_parallel`: the unsplit projection takes the same path, numerics.row_product)."""
+        unsplit GEMM's does (`row_parallel`: the unsplit projection takes the same path, numerics.row_product).
+        x `Normed`: the projection of its norm's output, the FP8 kernel applying the norm itself on bf16 input."""
         if self.quantizes_in_kernel(num):
-            return self._fp8_kernel(x, torch.float32 if partial else torch.bfloat16)
+            out_dtype = torch.float32 if partial else torch.bfloat16
+            if isinstance(x, Normed):
+                if x.x.dtype != torch.bfloat16:  # the fused norm rounds to bf16, the norm to x's dtype
+                    return self._fp8_kernel(x.value(), out_dtype)
+                return self._fp8_kernel(x.x, out_dtype, (x.norm.weight, x.norm.eps))
+            return self._fp8_kernel(x, out_dtype)
+        if isinstance(x, Normed):
+            x = x.value()
         if self.weight is None:
             raise RuntimeError(
                 "this projection was loaded packed for fp8_gemm=triton and holds no dense weight: "
@@ -116,14 +127,18 @@ class Linear(nn.Module):
             return row_product(x, self.weight, num, partial)
         return linear(x, self.weight, num, self.fp8_act, x_quantized)
 
-    def _fp8_kernel(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    def _fp8_kernel(
+        self, x: torch.Tensor, out_dtype: torch.dtype, norm: tuple[torch.Tensor, float] | None = None
+    ) -> torch.Tensor:
         """x [..., in] bf16 -> [..., out] out_dtype in one launch: the kernel quantizes x per token per 128
-        channels itself (idempotent on an input the caller quantized already; `x_quantized` is moot)."""
+        channels itself (idempotent on an input the caller quantized already; `x_quantized` is moot), after an
+        RMSNorm of x with `norm` (weight, eps) when given."""
         if self.weight_fp8 is None:
             raise RuntimeError("fp8_gemm=triton needs packed FP8 weights: call Transformer.use_kernels first")
         from dsv4_kernels.fp8_gemm import fp8_linear  # lazy: kernel modules build their kernels on import
 
-        out = fp8_linear(x.reshape(-1, x.shape[-1]), self.weight_fp8, self.weight_fp8_scale, out_dtype=out_dtype)
+        rows = x.reshape(-1, x.shape[-1])
+        out = fp8_linear(rows, self.weight_fp8, self.weight_fp8_scale, out_dtype=out_dtype, norm=norm)
         return out.view(*x.shape[:-1], out.shape[-1])
 
 
@@ -141,3 +156,21 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
         return (self.weight.float() * xf).to(x.dtype)
+
+
+@dataclass
+class Normed:
+    """norm(x), for the projections that read it: an FP8-stored Linear on the Triton kernel applies the norm in
+    its own launch (fp8_gemm's fused norm: the normed tensor is never stored, one launch fewer), every other
+    reader gets the norm module's output, computed once (`value`). The attention's q_norm before wq_b and
+    the indexer's wq_b."""
+
+    x: torch.Tensor
+    norm: RMSNorm
+    num: Numerics
+    _value: torch.Tensor | None = None
+
+    def value(self) -> torch.Tensor:
+        if self._value is None:
+            self._value = self.norm(self.x, self.num)
+        return self._value

@@ -34,6 +34,7 @@ from torch import nn
 from dsv4_kernels.formats import dequant_fp4, quant_fp4
 from dsv4serve.model.args import ModelArgs
 from dsv4serve.model.layers import Linear, TensorParallel
+from dsv4serve.model.moe_output import Combined
 from dsv4serve.model.numerics import Numerics, act_quant, as_share, in_fp64, linear, matmul, reduced, row_product
 
 FP4_PARTS = ("w1", "w3", "w2")
@@ -253,9 +254,16 @@ class MoE(nn.Module):
             setattr(self, f"{part}_fp4_scale", None)
 
     def forward(
-        self, x: torch.Tensor, token_ids: torch.Tensor, num: Numerics, route_rows: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """x [N, D] compute dtype, token_ids [N] -> [N, D] compute dtype; `route_rows`: Gate.forward's."""
+        self,
+        x: torch.Tensor,
+        token_ids: torch.Tensor,
+        num: Numerics,
+        route_rows: torch.Tensor | None = None,
+        defer_combine: bool = False,
+    ) -> torch.Tensor | Combined:
+        """x [N, D] compute dtype, token_ids [N] -> [N, D] compute dtype; `route_rows`: Gate.forward's.
+        `defer_combine`: where the MXFP4 kernel's routes are summed by moe_combine, return them as a `Combined`
+        for the launch that reads the output to sum (moe_output.py)."""
         weights, ids = self.gate(x, token_ids, num, route_rows)
         # hybrid: the CPU's misses start first (on kt-kernel's threads), so they overlap the device path
         cpu = self.cpu_experts
@@ -286,9 +294,8 @@ class MoE(nn.Module):
         shared = self.shared_experts(x if xq is None else xq, num)  # launched before the wait: overlaps the CPU's
         parts = (shared,) if job is None else (job.wait(y.device), shared)  # the CPU experts' bf16 sum first
         if y.dim() == 3:  # the MXFP4 kernel's per-route outputs: their sum, the parts and the cast in one launch
-            from dsv4_kernels.moe_combine import moe_combine
-
-            return moe_combine(y, parts, num.compute_dtype)
+            combined = Combined(y, parts, num.compute_dtype)
+            return combined if defer_combine else combined.value()
         for part in parts:
             y += part  # fp32 += compute dtype: one launch, exact upcast
         return y.to(num.compute_dtype)

@@ -50,10 +50,11 @@ import triton
 import triton.language as tl
 
 from dsv4_kernels import tuning
-from dsv4_kernels.fp4_moe_tiles import _pow2_scale, _round_to_e4m3  # the one FP8 activation quantizer's parts
+from dsv4_kernels.fp4_moe_tiles import _pow2_scale, _round_bf16, _round_to_e4m3  # the FP8 quantizer's parts
 from dsv4_kernels.fp8_gemm_ref import FP8_AMAX_FLOOR, FP8_BLOCK
 from dsv4_kernels.outputs import as_gpu_stored, output_buffer
 from dsv4_kernels.split_k import _split_arrive, _split_sum, k_splits_allowed, split_counters, unsplit_args
+from dsv4_kernels.token_ops_tiles import _inv_rms_of_sum
 
 AMAX_FLOOR = tl.constexpr(FP8_AMAX_FLOOR)
 
@@ -65,12 +66,27 @@ def interpreting() -> bool:
 
 @triton.jit
 def _a_tile(
-    a_ptrs, a_mask, a_scale_ptrs, mask_m, K_AXIS: tl.constexpr, QUANT_A: tl.constexpr, ROUND_BITS: tl.constexpr
+    a_ptrs,
+    a_mask,
+    a_scale_ptrs,
+    mask_m,
+    w_ptrs,
+    w_mask,
+    inv_rms,
+    K_AXIS: tl.constexpr,
+    QUANT_A: tl.constexpr,
+    ROUND_BITS: tl.constexpr,
+    NORM: tl.constexpr,
 ):
     """One K block of A as an e4m3 tile (K along K_AXIS) and its per-row fp32 scales [BM]: quantized here
-    from bf16 / fp32 (QUANT_A; a_scale_ptrs unused), else loaded as the caller quantized them."""
+    from bf16 / fp32 (QUANT_A; a_scale_ptrs unused), else loaded as the caller quantized them. NORM (QUANT_A
+    only): the loaded rows are first RMS-normed as token_ops.rms_norm stores them, w * (x * inv_rms) rounded to
+    bf16 (w_ptrs: this block's norm weights; inv_rms [BM] from `_row_inv_rms`)."""
     if QUANT_A:
         x = tl.load(a_ptrs, mask=a_mask, other=0.0).to(tl.float32)  # fp32 first (the interpreter's bf16 rule)
+        if NORM:
+            w = tl.load(w_ptrs, mask=w_mask, other=0.0).to(tl.float32)
+            x = _round_bf16(tl.expand_dims(w, 1 - K_AXIS) * (x * tl.expand_dims(inv_rms, K_AXIS)))
         amax = tl.maximum(tl.max(tl.abs(x), axis=K_AXIS), AMAX_FLOOR)
         scale, inv_scale = _pow2_scale(amax)
         v = x * tl.expand_dims(inv_scale, K_AXIS)  # |v| <= 448 by the choice of scale
@@ -79,6 +95,22 @@ def _a_tile(
         return v.to(tl.float8e4nv), scale
     else:
         return tl.load(a_ptrs, mask=a_mask, other=0.0), tl.load(a_scale_ptrs, mask=mask_m, other=0.0)
+
+
+@triton.jit
+def _row_inv_rms(a_rows, mask_m, offs_k, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, K_AXIS: tl.constexpr):
+    """[BM] 1 / sqrt(mean(x^2) + eps) of the rows whose first K block a_rows points at (K along K_AXIS), summed
+    block by block: token_ops' norm factor (`_inv_rms_of_sum`) but for the order of the squares' sum."""
+    sum_sq = tl.zeros((BLOCK_M,), tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        k_ok = offs_k < K - kb * BLOCK_K
+        if K_AXIS == 0:
+            mask = mask_m[None, :] & k_ok[:, None]
+        else:
+            mask = mask_m[:, None] & k_ok[None, :]
+        x = tl.load(a_rows + kb * BLOCK_K, mask=mask, other=0.0).to(tl.float32)
+        sum_sq += tl.sum(x * x, axis=K_AXIS)
+    return _inv_rms_of_sum(sum_sq, K, eps)
 
 
 @triton.jit
@@ -98,6 +130,8 @@ def fp8_gemm_kernel(
     stride_bn,
     stride_bsn,
     stride_cm,
+    norm_ptr,
+    norm_eps,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -106,13 +140,17 @@ def fp8_gemm_kernel(
     QUANT_A: tl.constexpr,
     ROUND_BITS: tl.constexpr,
     SPLIT_K: tl.constexpr = 1,
+    NORM: tl.constexpr = False,
 ):
     """One [BLOCK_M, BLOCK_N] output tile. SWAP_AB computes its transpose, b_tile @ a_tile^T, so that
     N fills the 64-row side of a Hopper wgmma when M is a decode batch (M < 64). EVEN_K (K a multiple
     of BLOCK_K) drops the K masks, so the tile loads are masked along M / N only. QUANT_A: a_ptr holds
     bf16 / fp32 activations quantized in the loop (a_scale_ptr unused), else e4m3 with fp32 scales.
     SPLIT_K > 1 (SWAP_AB only: decode): program axis 2 walks K / SPLIT_K of the K blocks, and the tile's last
-    split to arrive adds the fp32 parts (part_ptr [SPLIT_K, M, N]; count_ptr one counter a tile: split_k.py)."""
+    split to arrive adds the fp32 parts (part_ptr [SPLIT_K, M, N]; count_ptr one counter a tile: split_k.py).
+    NORM (QUANT_A): A is RMS-normed on the way in (norm_ptr [K] its weight, norm_eps; both unread without NORM):
+    each program first sums its rows' squares over all of K (a decode row is a few KB, in L2), then normalizes
+    each block it loads."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -128,7 +166,11 @@ def fp8_gemm_kernel(
         if SPLIT_K > 1:  # the wrapper makes SPLIT_K divide the K blocks
             kb_lo = tl.program_id(2) * (kb_hi // SPLIT_K)
             kb_hi = kb_lo + kb_hi // SPLIT_K
-        a_ptrs = a_ptr + offs_m[None, :] * stride_am + offs_k[:, None] + kb_lo * BLOCK_K  # [BK, BM], K-major
+        a_rows = a_ptr + offs_m[None, :] * stride_am + offs_k[:, None]  # [BK, BM], K-major
+        inv_rms = tl.zeros((BLOCK_M,), tl.float32)
+        if NORM:
+            inv_rms = _row_inv_rms(a_rows, mask_m, offs_k, K, norm_eps, BLOCK_M, BLOCK_K, 0)
+        a_ptrs = a_rows + kb_lo * BLOCK_K
         b_ptrs = b_ptr + offs_n[:, None] * stride_bn + offs_k[None, :] + kb_lo * BLOCK_K  # [BN, BK]
         acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for kb in range(kb_lo, kb_hi):
@@ -138,7 +180,10 @@ def fp8_gemm_kernel(
                 k_ok = offs_k < K - kb * BLOCK_K
                 a_mask = a_mask & k_ok[:, None]
                 b_mask = b_mask & k_ok[None, :]
-            a, a_s = _a_tile(a_ptrs, a_mask, a_scale_ptrs + kb, mask_m, 0, QUANT_A, ROUND_BITS)
+            w_ptrs, w_mask = norm_ptr + kb * BLOCK_K + offs_k, offs_k < K - kb * BLOCK_K
+            a, a_s = _a_tile(
+                a_ptrs, a_mask, a_scale_ptrs + kb, mask_m, w_ptrs, w_mask, inv_rms, 0, QUANT_A, ROUND_BITS, NORM
+            )
             b = tl.load(b_ptrs, mask=b_mask, other=0.0)
             b_s_raw = tl.load(b_scale_ptrs + kb, mask=mask_n, other=0)
             b_s = (b_s_raw.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # 2^(byte-127), exact
@@ -157,6 +202,9 @@ def fp8_gemm_kernel(
             tl.store(c_ptrs, acc_t.to(c_ptr.dtype.element_ty), mask=c_mask)
     else:
         a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :]  # [BM, BK]
+        inv_rms = tl.zeros((BLOCK_M,), tl.float32)
+        if NORM:
+            inv_rms = _row_inv_rms(a_ptrs, mask_m, offs_k, K, norm_eps, BLOCK_M, BLOCK_K, 1)
         b_ptrs = b_ptr + offs_n[None, :] * stride_bn + offs_k[:, None]  # [BK, BN], K-major (B^T view)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kb in range(0, tl.cdiv(K, BLOCK_K)):
@@ -166,7 +214,10 @@ def fp8_gemm_kernel(
                 k_ok = offs_k < K - kb * BLOCK_K
                 a_mask = a_mask & k_ok[None, :]
                 b_mask = b_mask & k_ok[:, None]
-            a, a_s = _a_tile(a_ptrs, a_mask, a_scale_ptrs + kb, mask_m, 1, QUANT_A, ROUND_BITS)
+            w_ptrs, w_mask = norm_ptr + kb * BLOCK_K + offs_k, offs_k < K - kb * BLOCK_K
+            a, a_s = _a_tile(
+                a_ptrs, a_mask, a_scale_ptrs + kb, mask_m, w_ptrs, w_mask, inv_rms, 1, QUANT_A, ROUND_BITS, NORM
+            )
             b = tl.load(b_ptrs, mask=b_mask, other=0.0)
             b_s_raw = tl.load(b_scale_ptrs + kb, mask=mask_n, other=0)
             b_s = (b_s_raw.to(tl.int32) << 23).to(tl.float32, bitcast=True)
@@ -239,10 +290,12 @@ def _launch(
     split_k: int | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
     parts: tuple[int, ...] = (),
+    norm: tuple[torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
     """The one kernel launch of both forms; a_scale None: `a` is bf16 / fp32 and quantized in the kernel.
     `split_k` None: `pick_split_k`'s (decode tiles only; `parts` as there). `out_dtype` fp32: the fp32
-    accumulator stored as it is (a row-parallel rank's partial, cast after the sum over ranks), else bf16."""
+    accumulator stored as it is (a row-parallel rank's partial, cast after the sum over ranks), else bf16.
+    `norm` (weight [K], eps), fused form only: A is RMS-normed in the kernel first (`fp8_linear`)."""
     if out_dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"out_dtype must be bf16 or fp32, got {out_dtype}")
     m, k = a.shape
@@ -267,6 +320,7 @@ def _launch(
     if split:
         part = torch.empty((split_k, m, n), dtype=torch.float32, device=a.device)
         counters = split_counters(tiles[0] * tiles[1], a.device)
+    norm_w, norm_eps = (b_scale, 0.0) if norm is None else norm  # without NORM: a pointer never read
     fp8_gemm_kernel[(tiles[0], tiles[1], split_k)](
         a,
         a_scale,
@@ -283,6 +337,8 @@ def _launch(
         b.stride(0),
         b_scale.stride(0),
         out.stride(0),
+        norm_w,
+        norm_eps,
         BLOCK_M=bm,
         BLOCK_N=bn,
         BLOCK_K=FP8_BLOCK,
@@ -291,6 +347,7 @@ def _launch(
         QUANT_A=quant_a,
         ROUND_BITS=quant_a and interpreting(),
         SPLIT_K=split_k,
+        NORM=norm is not None,
         num_warps=num_warps(a.device, swap_ab),
     )
     return out if fp32_out else as_gpu_stored(out)
@@ -305,17 +362,26 @@ def fp8_linear(
     split_k: int | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
     parts: tuple[int, ...] = (),
+    norm: tuple[torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
     """x [M, K] bf16 / fp32 -> bf16 [M, N]: the whole FP8 projection (`numerics.linear` with fp8_act) in
     one launch; the kernel quantizes x (idempotent: an input quantized before gives the same bytes).
     `out` ([M, N], row stride free, dtype `store_dtype()`, fp32 with out_dtype fp32) receives the kernel's
     stores; `split_k` the decode tile's K split instead of `pick_split_k`'s (bench/gpu_fp8_sweep.py times
     them); `out_dtype` fp32: the accumulator unrounded (`_launch`); `parts`: b stacks weights of these
-    row counts (`pick_split_k`)."""
+    row counts (`pick_split_k`). `norm` (weight [K], eps): the projection of RMSNorm(x) as token_ops.rms_norm
+    stores it for bf16 x (w * (x * r) rounded to bf16), the norm applied in the kernel and never stored: one
+    launch for both (the attention's q_norm before wq_b); only the squares' summation order differs."""
     if x.dtype not in (torch.bfloat16, torch.float32) or x.dim() != 2:
         raise TypeError(f"fp8_linear takes bf16 or fp32 activations [M, K], got {x.dtype} {tuple(x.shape)}")
     _check_weight(b, b_scale, x.shape[1])
-    return _launch(x, None, b, b_scale, blocks, out, split_k, out_dtype, parts)
+    if norm is not None and (x.dtype != torch.bfloat16 or tuple(norm[0].shape) != (x.shape[1],)):
+        raise ValueError(
+            f"a fused norm takes bf16 x and a [{x.shape[1]}] weight, got {x.dtype}, {tuple(norm[0].shape)}"
+        )
+    if norm is not None:
+        norm = (norm[0].contiguous(), float(norm[1]))
+    return _launch(x, None, b, b_scale, blocks, out, split_k, out_dtype, parts, norm)
 
 
 def fp8_gemm(
@@ -355,6 +421,8 @@ _SIGNATURE = {
     "stride_bn": "i32",
     "stride_bsn": "i32",
     "stride_cm": "i32",
+    "norm_ptr": "*fp32",
+    "norm_eps": "fp32",
     "BLOCK_M": "constexpr",
     "BLOCK_N": "constexpr",
     "BLOCK_K": "constexpr",
@@ -363,6 +431,7 @@ _SIGNATURE = {
     "QUANT_A": "constexpr",
     "ROUND_BITS": "constexpr",
     "SPLIT_K": "constexpr",
+    "NORM": "constexpr",
 }
 # what the model launches (fp8_linear on the bf16 compute dtype): a_scale_ptr is a's own pointer, unread
 COMPILE_SIGNATURE = {**_SIGNATURE, "a_ptr": "*bf16", "a_scale_ptr": "*bf16"}
@@ -372,7 +441,7 @@ PREQUANT_SIGNATURE = _SIGNATURE
 ALIGNED_INTS = ("N", "K", "stride_am", "stride_bn", "stride_cm")
 
 # (config name, signature, constexprs) for the CPU compile checks (tests/kernels/test_compile.py)
-_K = {"BLOCK_K": 128, "EVEN_K": True, "ROUND_BITS": False, "SPLIT_K": 1}  # every model K is a multiple of 128
+_K = {"BLOCK_K": 128, "EVEN_K": True, "ROUND_BITS": False, "SPLIT_K": 1, "NORM": False}  # every model K: 128s
 _FUSED, _PREQUANT = {**_K, "QUANT_A": True}, {**_K, "QUANT_A": False}
 _PREFILL, _DECODE = {"BLOCK_M": 64, "BLOCK_N": 128, "SWAP_AB": False}, {"BLOCK_M": 16, "BLOCK_N": 128, "SWAP_AB": True}
 COMPILE_CONFIGS = (
@@ -385,8 +454,24 @@ COMPILE_CONFIGS = (
     ("decode_prequant", PREQUANT_SIGNATURE, {**_PREQUANT, **_DECODE}),
     # the K split decode projections take (tuned/NVIDIA_H200.json: 2-16; one build per value, 8 checked here)
     ("decode_split8", COMPILE_SIGNATURE, {**_FUSED, **_DECODE, "SPLIT_K": 8}),
+    # q_norm in wq_b's prologue (the attention's and the indexer's): decode unsplit and split, and prefill
+    ("decode_norm", COMPILE_SIGNATURE, {**_FUSED, **_DECODE, "NORM": True}),
+    ("decode_norm_split4", COMPILE_SIGNATURE, {**_FUSED, **_DECODE, "NORM": True, "SPLIT_K": 4}),
+    ("prefill_norm", COMPILE_SIGNATURE, {**_FUSED, **_PREFILL, "NORM": True}),
+    ("prefill_norm_w8", COMPILE_SIGNATURE, {**_FUSED, **_PREFILL, "NORM": True}),
 )
 # `num_warps`: the prefill tile launches with 4 warps on sm_90 and 8 on sm_120; the pre-quantized
 # form's wrapper launches it the same way (only the fused form is measured to need 8: see num_warps)
-LAUNCH_OPTIONS = {"prefill_w8": {"num_warps": 8}, "prefill_prequant_w8": {"num_warps": 8}}
-LAUNCH_ARCHS = {"prefill": (90,), "prefill_w8": (120,), "prefill_prequant": (90,), "prefill_prequant_w8": (120,)}
+LAUNCH_OPTIONS = {
+    "prefill_w8": {"num_warps": 8},
+    "prefill_prequant_w8": {"num_warps": 8},
+    "prefill_norm_w8": {"num_warps": 8},
+}
+LAUNCH_ARCHS = {
+    "prefill": (90,),
+    "prefill_w8": (120,),
+    "prefill_prequant": (90,),
+    "prefill_prequant_w8": (120,),
+    "prefill_norm": (90,),
+    "prefill_norm_w8": (120,),
+}

@@ -124,7 +124,9 @@ def fp8_swiglu_kernel(
         else:
             a_mask = mask_m[:, None] if EVEN_K else mask_m[:, None] & k_ok[None, :]
             w_mask = mask_n[None, :] if EVEN_K else mask_n[None, :] & k_ok[:, None]
-        a, a_s = _a_tile(a_ptrs, a_mask, a_ptrs, mask_m, 0 if SWAP_AB else 1, True, ROUND_BITS)
+        a, a_s = _a_tile(
+            a_ptrs, a_mask, a_ptrs, mask_m, a_ptrs, a_mask, mask_m, 0 if SWAP_AB else 1, True, ROUND_BITS, False
+        )
         b1 = tl.load(w1_ptr + w_off + kb * BLOCK_K, mask=w_mask, other=0.0)
         b3 = tl.load(w3_ptr + w_off + kb * BLOCK_K, mask=w_mask, other=0.0)
         s1 = (tl.load(w1_scale_ptr + ws_off + kb, mask=mask_n, other=0).to(tl.int32) << 23).to(tl.float32, bitcast=True)

@@ -257,6 +257,23 @@ def hc_head(
     return x
 
 
+def post_operands(
+    h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The streams h [N, hc, D] (`_streams`), post [N, hc] and comb [N, hc, hc] as the post form reads them
+    (fp32, unit last strides), their shapes checked against h's."""
+    h = _streams(h)
+    n, hc, _ = h.shape
+    if tuple(post.shape) != (n, hc) or tuple(comb.shape) != (n, hc, hc):
+        raise ValueError(
+            f"need post [{n}, {hc}], comb [{n}, {hc}, {hc}] for h {tuple(h.shape)}, got "
+            f"{tuple(post.shape)}, {tuple(comb.shape)}"
+        )
+    post = post.float() if post.stride(-1) == 1 else post.float().contiguous()
+    comb = comb.float() if comb.stride(-1) == 1 else comb.float().contiguous()
+    return h, post, comb
+
+
 def hc_post(
     out: torch.Tensor,
     h: torch.Tensor,
@@ -265,16 +282,11 @@ def hc_post(
     new_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """See the module contract: new [N, hc, D] in h's dtype."""
-    h = _streams(h)
+    h, post, comb = post_operands(h, post, comb)
     n, hc, d = h.shape
-    if tuple(out.shape) != (n, d) or tuple(post.shape) != (n, hc) or tuple(comb.shape) != (n, hc, hc):
-        raise ValueError(
-            f"need out [{n}, {d}], post [{n}, {hc}], comb [{n}, {hc}, {hc}] for h {tuple(h.shape)}, got "
-            f"{tuple(out.shape)}, {tuple(post.shape)}, {tuple(comb.shape)}"
-        )
+    if tuple(out.shape) != (n, d):
+        raise ValueError(f"need out [{n}, {d}] for h {tuple(h.shape)}, got {tuple(out.shape)}")
     out = out if out.stride(-1) == 1 else out.contiguous()
-    post = post.float() if post.stride(-1) == 1 else post.float().contiguous()
-    comb = comb.float() if comb.stride(-1) == 1 else comb.float().contiguous()
     new = output_buffer(new_out, (n, hc, d), h.dtype, h.device)
     if n:
         block_n, block_d = post_tile(hc, d)

@@ -221,18 +221,25 @@ def _pre_or_head(
 
 
 @triton.jit
-def _post(
-    x_ptr, h_ptr, post_ptr, comb_ptr, new_ptr,
-    N, D, stride_hn, stride_xn, stride_pn, stride_cn, stride_cj, stride_yn, stride_yk,
-    HC, HCP, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ROUND_BF16,
-):  # fmt: skip
-    """new[n, :, d0:d0 + BLOCK_D] for the BLOCK_N tokens n from program_id(0) * BLOCK_N, d0 = program_id(1) *
-    BLOCK_D: a [BLOCK_N, HCP, BLOCK_D] tile, every value its own token's (elementwise: no sum across tokens)."""
+def _post_rows(N, D, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A post program's tokens and channels: (n [BLOCK_N] int64, in range, offs_d [BLOCK_D], in range), the
+    BLOCK_N tokens from program_id(0) * BLOCK_N (out-of-range ones read token 0, masked), BLOCK_D channels
+    from program_id(1) * BLOCK_D."""
     t = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     t_ok = t < N
     n = tl.where(t_ok, t, 0).to(tl.int64)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    d_ok = offs_d < D
+    return n, t_ok, offs_d, offs_d < D
+
+
+@triton.jit
+def _post_tile(
+    x, n, t_ok, offs_d, d_ok, h_ptr, post_ptr, comb_ptr, new_ptr,
+    D, stride_hn, stride_pn, stride_cn, stride_cj, stride_yn, stride_yk,
+    HC, HCP, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ROUND_BF16,
+):  # fmt: skip
+    """Stores new[n, :, offs_d] = post * x + comb^T h for the sub-layer output tile x [BLOCK_N, BLOCK_D] fp32
+    (every value its own token's: no sum across tokens)."""
     k = tl.arange(0, HCP)
     k_ok = k < HC
     td_ok = t_ok[:, None] & d_ok[None, :]  # [BLOCK_N, BLOCK_D]
@@ -242,10 +249,25 @@ def _post(
         h_j = tl.load(h_ptr + n[:, None] * stride_hn + j * D + offs_d[None, :], mask=td_ok, other=0.0).to(tl.float32)
         comb_j = tl.load(comb_ptr + n[:, None] * stride_cn + j * stride_cj + k[None, :], mask=tk_ok, other=0.0)
         mixed += comb_j[:, :, None] * h_j[:, None, :]
-    x = tl.load(x_ptr + n[:, None] * stride_xn + offs_d[None, :], mask=td_ok, other=0.0).to(tl.float32)
     post = tl.load(post_ptr + n[:, None] * stride_pn + k[None, :], mask=tk_ok, other=0.0)
     new = post[:, :, None] * x[:, None, :] + mixed
     if ROUND_BF16:
         new = _round_bf16(new)
     y_ptrs = new_ptr + n[:, None, None] * stride_yn + k[None, :, None] * stride_yk + offs_d[None, None, :]
     tl.store(y_ptrs, new.to(new_ptr.dtype.element_ty), mask=tk_ok[:, :, None] & d_ok[None, None, :])
+
+
+@triton.jit
+def _post(
+    x_ptr, h_ptr, post_ptr, comb_ptr, new_ptr,
+    N, D, stride_hn, stride_xn, stride_pn, stride_cn, stride_cj, stride_yn, stride_yk,
+    HC, HCP, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ROUND_BF16,
+):  # fmt: skip
+    """new[n, :, d0:d0 + BLOCK_D] for the BLOCK_N tokens n from program_id(0) * BLOCK_N, d0 = program_id(1) *
+    BLOCK_D: a [BLOCK_N, HCP, BLOCK_D] tile, every value its own token's (elementwise: no sum across tokens)."""
+    n, t_ok, offs_d, d_ok = _post_rows(N, D, BLOCK_N, BLOCK_D)
+    x = tl.load(x_ptr + n[:, None] * stride_xn + offs_d[None, :], mask=t_ok[:, None] & d_ok[None, :], other=0.0)
+    _post_tile(
+        x.to(tl.float32), n, t_ok, offs_d, d_ok, h_ptr, post_ptr, comb_ptr, new_ptr,
+        D, stride_hn, stride_pn, stride_cn, stride_cj, stride_yn, stride_yk, HC, HCP, BLOCK_N, BLOCK_D, ROUND_BF16,
+    )  # fmt: skip

@@ -69,6 +69,21 @@ def stored_dtype(out_dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if interpreting() and out_dtype == torch.bfloat16 else out_dtype
 
 
+def combine_operands(pairs: torch.Tensor, addends: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """pairs [T, k, D] and up to MAX_ADDENDS [T, D] float tensors checked, each with a unit last stride (a copy
+    where it had none): what this kernel and hc_post_combine read."""
+    if pairs.dim() != 3 or not pairs.is_floating_point():
+        raise ValueError(f"pairs must be a float [T, k, D] tensor, got {tuple(pairs.shape)} {pairs.dtype}")
+    t, _, dim = pairs.shape
+    if len(addends) > MAX_ADDENDS:
+        raise ValueError(f"at most {MAX_ADDENDS} addends, got {len(addends)}")
+    for a in addends:
+        if a.shape != (t, dim) or not a.is_floating_point() or a.device != pairs.device:
+            raise ValueError(f"an addend must be a float [{t}, {dim}] tensor on {pairs.device}, got {tuple(a.shape)}")
+    pairs = pairs if pairs.stride(-1) == 1 else pairs.contiguous()
+    return pairs, [a if a.stride(-1) == 1 else a.contiguous() for a in addends]
+
+
 def moe_combine(
     pairs: torch.Tensor,
     addends: tuple[torch.Tensor, ...] = (),
@@ -77,16 +92,8 @@ def moe_combine(
 ) -> torch.Tensor:
     """pairs [T, k, D], addends ([T, D], ...) -> [T, D] out_dtype (module doc); one launch. `out` ([T, D] in
     `stored_dtype(out_dtype)`, unit last stride) receives the stores."""
-    if pairs.dim() != 3 or not pairs.is_floating_point():
-        raise ValueError(f"pairs must be a float [T, k, D] tensor, got {tuple(pairs.shape)} {pairs.dtype}")
+    pairs, adds = combine_operands(pairs, addends)
     t, k, dim = pairs.shape
-    if len(addends) > MAX_ADDENDS:
-        raise ValueError(f"at most {MAX_ADDENDS} addends, got {len(addends)}")
-    for a in addends:
-        if a.shape != (t, dim) or not a.is_floating_point() or a.device != pairs.device:
-            raise ValueError(f"an addend must be a float [{t}, {dim}] tensor on {pairs.device}, got {tuple(a.shape)}")
-    pairs = pairs if pairs.stride(-1) == 1 else pairs.contiguous()
-    adds = [a if a.stride(-1) == 1 else a.contiguous() for a in addends]
     out = output_buffer(out, (t, dim), stored_dtype(out_dtype), pairs.device)
     if t == 0:
         return out.to(out_dtype)

@@ -110,6 +110,13 @@ KERNELS: tuple[KernelSpec, ...] = (
         test_module="tests/kernels/test_moe_combine.py",
         compile_configs="dsv4_kernels.moe_combine:COMPILE_CONFIGS",
     ),
+    KernelSpec(  # the MoE output combined inside the mHC post launch that reads it (moe_combine, then hc_post)
+        name="hc_post_combine",
+        kernel="dsv4_kernels.hc_post_combine:hc_post_combine_kernel",
+        references=("dsv4_kernels.moe_combine_ref:moe_combine_ref", "dsv4_kernels.hc_mix_ref:hc_post_ref"),
+        test_module="tests/kernels/test_hc_post_combine.py",
+        compile_configs="dsv4_kernels.hc_post_combine:COMPILE_CONFIGS",
+    ),
     KernelSpec(  # one kernel, two forms: decode (one token per request) and chunked prefill
         name="paged_sparse_attention",
         kernel="dsv4_kernels.sparse_attention:paged_sparse_attention_kernel",

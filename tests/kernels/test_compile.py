@@ -18,7 +18,8 @@ What triton 3.7.1 emits (asserted below):
   computed transposed (out^T = W @ A^T), so the weight rows fill the MMA's M side: sm_90 uses
   `wgmma ... bf16` for every block (m64n16k16 for 16-slot decode blocks, m64n64k16 for prefill);
   sm_120 uses `mma.sync ... bf16`; the same with the expert-slot cache's second source (`*_slots`).
-- moe_align (the routes' layout, one program) and moe_combine (the MoE output's sums): no matrix instruction.
+- moe_align (the routes' layout, one program), moe_combine (the MoE output's sums) and hc_post_combine (those sums
+  inside the mHC post): no matrix instruction.
 - hc_mix: one token a program (decode: the split-K partial sums, then the rest) and hc_post use no
   matrix instruction; 16-token blocks take `mma.sync ... bf16` on both arches, 64-token blocks `wgmma ... m64n32k16 ... bf16` on sm_90.
 """
@@ -47,6 +48,17 @@ EXPECTED = {
     ("fp8_gemm", "decode_split8", 120): "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32",
     ("fp8_gemm", "prefill_prequant_w8", 120): "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32",
     ("fp8_gemm", "decode_prequant", 120): "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32",
+    # q_norm fused into wq_b's prologue: the same products
+    **{
+        ("fp8_gemm", c, 90): "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3"
+        for c in ("decode_norm", "decode_norm_split4")
+    },
+    **{
+        ("fp8_gemm", c, 120): "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32"
+        for c in ("decode_norm", "decode_norm_split4")
+    },
+    ("fp8_gemm", "prefill_norm", 90): "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3",
+    ("fp8_gemm", "prefill_norm_w8", 120): "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32",
     # P @ V of 64 heads: [64, BLOCK_N] @ [BLOCK_N, 512] on bf16 operands; 32-key blocks on sm_90, 16 on sm_120
     ("paged_sparse_attention", "decode_csa_bn32", 90): "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16",
     ("paged_sparse_attention", "prefill_csa_bn32", 90): "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16",
@@ -81,6 +93,7 @@ EXPECTED = {
     ("moe_align", "prefill", 120): "",
     # the MoE output: the routes' sum, the shared expert (and CPU experts') add and the cast, elementwise
     **{("moe_combine", c, sm): "" for c in ("shared", "hybrid", "rank_sum") for sm in (90, 120)},
+    **{("hc_post_combine", c, sm): "" for c in ("shared", "hybrid") for sm in (90, 120)},
     # mHC: one token a program sums on the FMA units ("" = no matrix instruction), as does hc_post; 16- and
     # 64-token blocks put [tokens, K] x [K, 32 mixes] on the tensor cores as three bf16 products
     **{("hc_mix", f"{form}_bn1", sm): "" for form in ("pre", "head") for sm in (90, 120)},
