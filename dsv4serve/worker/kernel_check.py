@@ -4,6 +4,9 @@ as a checkpoint stores them) and its logits compared with the torch path's. A br
 driver's libcuda not found, no C compiler for Triton's launcher, a ptxas failure) or a wrong result
 then stops the start with the kernel's name, the error and a fix, instead of killing the first request.
 
+A kernel whose launches change when another runs on Triton too (PARTNERS: the mHC with token_ops and the FP4 MoE,
+the attention with token_ops) is checked together with those of them the worker runs on Triton.
+
 What a failure does, by kernel:
 - a kernel left on auto whose torch path reads the same weights (attention, indexer, compressor, head,
   hc, token_ops, router) falls back to torch, with a warning naming it;
@@ -38,6 +41,12 @@ CHECK_VOCAB = 2048
 MIN_GREEDY_AGREEMENT = 0.5
 MAX_MEAN_LOGIT_GAP = 0.25  # mean |logit difference| over the mean |logit| of the torch path
 NO_FALLBACK = ("fp8_gemm", "fp4_moe")  # their torch path needs the weights dense
+# kernels that launch another form when a partner runs on Triton too: checked with those partners the worker runs
+# on Triton, so that the fused forms it will launch are the ones checked (hc with token_ops: the sub-layer norm in
+# the mHC launch; hc with fp4_moe: the MoE output summed in the post launch, dsv4_kernels.hc_post_combine;
+# attention with token_ops: a decode step's keys stored by the kv launch). A failure there is the kernel's: its
+# partners have verdicts of their own, from running alone.
+PARTNERS = {"hc": ("token_ops", "fp4_moe"), "attention": ("token_ops",)}
 HINTS = (
     (
         "libcuda.so cannot found",
@@ -122,7 +131,8 @@ def _compare(kernel: str, got: torch.Tensor, want: torch.Tensor) -> Verdict:
 
 
 def run_check(kernels: list[str], device: torch.device) -> list[Verdict]:
-    """Each kernel alone on Triton against the all-torch path, on the tiny random model."""
+    """Each kernel on Triton, alone or with its PARTNERS among `kernels`, against the all-torch path, on the tiny
+    random model."""
     from dsv4serve.model.random_init import random_model
 
     model = random_model(tiny_args(), device, seed=0, include_mtp=False)
@@ -130,8 +140,9 @@ def run_check(kernels: list[str], device: torch.device) -> list[Verdict]:
     want = _scenario(model, CHECK_NUMERICS)
     verdicts = []
     for kernel in kernels:
-        alone: dict[str, Backend] = {kernel: "triton"}
-        num = dataclasses.replace(CHECK_NUMERICS, backends=KernelBackends(**alone))
+        with_partners = [kernel] + [k for k in PARTNERS.get(kernel, ()) if k in kernels]
+        on: dict[str, Backend] = dict.fromkeys(with_partners, "triton")
+        num = dataclasses.replace(CHECK_NUMERICS, backends=KernelBackends(**on))
         try:
             verdicts.append(_compare(kernel, _scenario(model, num), want))
         except Exception as exc:
