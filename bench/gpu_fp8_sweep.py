@@ -34,17 +34,18 @@ sys.path.insert(0, str(REPO))  # bench.*, when run as a script
 from bench.kernel_timing import time_us  # noqa: E402
 
 COPIES_BYTES = 256 << 20  # each shape's weight copies together: past the H200's 60 MB L2
-# (name, N, K): the FP8 projections fp8_linear runs in a CSA layer (an HCA layer has all but the indexer's); wq_a
-# [1024 x 4096] and wkv [512 x 4096] run as one launch since 2026-12-07 (dsv4serve/model/joined_fp8.py; their own
-# tuned splits, 16 each on the H200, stand in for the joined shape's until this measures it)
+# (name, N, K, parts, normed): the FP8 projections fp8_linear runs in a CSA layer (an HCA layer has all but the
+# indexer's). wq_a [1024 x 4096] and wkv [512 x 4096] run as one launch since 2026-12-07 (dsv4serve/model/joined_fp8.py:
+# `parts`, whose own tuned splits, 16 each on the H200, stand in for the joined shape's until this measures it); the
+# two wq_b apply q_norm in their launch (`normed`: fp8_linear's norm, a K pass over the rows before the GEMM)
 SHAPES = (
-    ("attn.wq_a+wkv", 1536, 4096),
-    ("attn.wq_b", 32768, 1024),
-    ("attn.wo_b", 4096, 8192),
-    ("attn.indexer.wq_b", 8192, 1024),
-    ("ffn.shared_experts.w2", 4096, 2048),
+    ("attn.wq_a+wkv", 1536, 4096, (1024, 512), False),
+    ("attn.wq_b", 32768, 1024, (), True),
+    ("attn.wo_b", 4096, 8192, (), False),
+    ("attn.indexer.wq_b", 8192, 1024, (), True),
+    ("ffn.shared_experts.w2", 4096, 2048, (), False),
 )
-SMOKE_SHAPES = (("small_n", 256, 1024), ("wide_n", 1024, 256))
+SMOKE_SHAPES = (("small_n", 256, 1024, (), True), ("wide_n", 1024, 256, (128, 896), False))
 SPLITS = (1, 2, 4, 8, 16, 32)
 
 
@@ -71,22 +72,23 @@ def main() -> int:
     gen = torch.Generator(device=dev).manual_seed(0)
     rows = []
     for m in opts.rows:
-        for name, n, k in SMOKE_SHAPES if opts.cpu_smoke else SHAPES:
+        for name, n, k, parts, normed in SMOKE_SHAPES if opts.cpu_smoke else SHAPES:
             x = torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16)
+            norm = (0.5 + torch.rand(k, device=dev, generator=gen), 1e-6) if normed else None
             copies = 1 if opts.cpu_smoke else min(64, max(4, -(-COPIES_BYTES // (n * k))))
             ws = [(0.5 * torch.randn(n, k, device=dev, generator=gen)).to(torch.float8_e4m3fn) for _ in range(copies)]
             wss = torch.full((-(-n // 128), k // 128), 120, dtype=torch.uint8, device=dev)
             nbytes = ws[0].numel() + wss.numel()
-            ref = fp8_linear(x, ws[0], wss, split_k=1).float()
-            default = pick_split_k(m, n, k, dev)
+            ref = fp8_linear(x, ws[0], wss, split_k=1, norm=norm).float()
+            default = pick_split_k(m, n, k, dev, parts)
             timed = []
             for s in SPLITS:
                 if (k // 128) % s:
                     continue
-                y = fp8_linear(x, ws[0], wss, split_k=s).float()
+                y = fp8_linear(x, ws[0], wss, split_k=s, norm=norm).float()
                 same = torch.equal(y, ref)
                 close = bool(((y - ref).abs() <= 2.0**-7 * ref.abs() + 1e-3).all())
-                us = time_us([partial(fp8_linear, x, w, wss, split_k=s) for w in ws], opts.repeats)
+                us = time_us([partial(fp8_linear, x, w, wss, split_k=s, norm=norm) for w in ws], opts.repeats)
                 check = "same" if same else ("close" if close else "DIFFERS")
                 timed.append((us, s, check))
                 rows.append({"rows": m, "name": name, "N": n, "K": k, "split_k": s, "us": us,
