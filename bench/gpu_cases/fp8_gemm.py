@@ -105,6 +105,36 @@ def build(device: torch.device, shapes: list[tuple[str, int, int]], ms: tuple[in
     return out
 
 
+def norm_cases(device: torch.device, n: int, k: int, ms: tuple[int, ...]) -> list[GpuCase]:
+    """wq_b with q_norm in its launch (fp8_linear's `norm`) against token_ops.rms_norm then fp8_linear: the pair
+    it replaces, also the baseline (the same bf16 normed rows but for the order of the squares' sum)."""
+    from dsv4_kernels.fp8_gemm import fp8_linear
+    from dsv4_kernels.token_ops import rms_norm
+
+    gen = torch.Generator(device=device).manual_seed(1)
+    w, s = random_fp8_weight(n, k, device, gen)
+    norm = (0.5 + torch.rand(k, device=device, generator=gen), 1e-6)
+    out = []
+    for m in ms:
+        x = torch.randn(m, k, device=device, generator=gen).to(torch.bfloat16)
+        pair = partial(lambda x: fp8_linear(rms_norm(x, *norm), w, s), x)
+        out.append(
+            GpuCase(
+                f"fp8_gemm +norm {n}x{k} m={m}",
+                partial(fp8_linear, x, w, s, norm=norm),
+                reference=pair,
+                # where the two orders give r other bits, a normed value moves by a bf16 ulp and may cross an e4m3
+                # rounding: one input's e4m3 step (2^-3 of it, ~0.1 here) times its weight, against outputs ~10
+                atol=0.25,
+                rtol=2.0**-6,
+                bytes_moved=n * k + s.numel() + 2 * m * k + 2 * m * n,
+                baseline=pair,
+                baseline_name="rms_norm + fp8_linear",
+            )
+        )
+    return out
+
+
 def quant_exact_cases(device: torch.device, ks: list[int], ms: tuple[int, ...]) -> list[GpuCase]:
     """fp8_linear(x, identity) == the torch quantize-dequantize of x, bit for bit (see the module doc).
     x spans six decades per row, so blocks hit e4m3 subnormals, and bf16 inputs tie often (1 in 16)."""
@@ -176,6 +206,7 @@ def cases(device: torch.device) -> list[GpuCase]:
         build(device, shapes, (1, 8, 64, 4096))
         + quant_exact_cases(device, [k for _, _, k in shapes], (1, 64))
         + swiglu_cases(device, inter, dim, (1, 8))
+        + norm_cases(device, 32768, 1024, (1, 8))  # attn.wq_b [n_heads x head_dim, q_lora]
     )
 
 
@@ -185,4 +216,5 @@ def smoke_cases(device: torch.device) -> list[GpuCase]:
         build(device, [("tiny", 320, 256), ("ragged", 200, 160)], (1, 40))
         + quant_exact_cases(device, [160], (1,))
         + swiglu_cases(device, 256, 512, (1,))
+        + norm_cases(device, 256, 384, (1, 40))
     )

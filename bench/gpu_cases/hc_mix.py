@@ -5,7 +5,8 @@ hc_pre reads the streams (32 KiB a token) and fn (1.5 MiB, once per program, fro
 and writes x; bytes_moved counts the streams and fn once, so its GB/s is against the minimum traffic
 (the kernel reads each token's streams a second time for x, mostly from L2). At 1 and 64 tokens the
 time is one SM streaming fn (hc_mix.py's module doc): the GB/s there says how far that is from
-bandwidth. hc_post reads out and the streams and writes the new streams.
+bandwidth. hc_post reads out and the streams and writes the new streams; hc_post_combine reads the MoE's route
+outputs and shared expert output instead of out (the sum made in the launch), against the two launches as baseline.
 
 Reference: hc_mix_ref in fp32 (the model's torch path). Tolerance: x and the new streams within one
 bf16 ulp (rtol 2^-7: both sides round nearby fp32 values); post and comb to atol 1e-4: their fp32 sums
@@ -89,12 +90,39 @@ def _post_case(device, n, hc, d, gen) -> GpuCase:
     )
 
 
+def _post_combine_case(device, n, hc, d, gen) -> GpuCase:
+    """The MoE output (6 routes and the shared expert) summed inside the post launch (dsv4_kernels.hc_post_combine),
+    against the same sum and post as two launches (moe_combine, hc_post): its baseline."""
+    from dsv4_kernels.hc_post_combine import hc_post_combine
+    from dsv4_kernels.moe_combine import moe_combine
+    from dsv4_kernels.moe_combine_ref import moe_combine_ref
+
+    h = torch.randn(n, hc, d, device=device, generator=gen).to(torch.bfloat16)
+    pairs = torch.randn(n, 6, d, device=device, generator=gen).to(torch.bfloat16)
+    shared = (torch.randn(n, d, device=device, generator=gen).to(torch.bfloat16),)
+    post = 2 * torch.rand(n, hc, device=device, generator=gen)
+    comb = torch.rand(n, hc, hc, device=device, generator=gen)
+    comb = comb / comb.sum(-1, keepdim=True)
+    bf16 = torch.bfloat16
+    return GpuCase(
+        f"hc_post_combine N={n}",
+        partial(hc_post_combine, pairs, shared, bf16, h, post, comb),
+        reference=lambda: hc_post_ref(moe_combine_ref(pairs, shared, bf16), h, post, comb),
+        atol=1e-4,
+        rtol=2.0**-7,
+        bytes_moved=n * 7 * d * 2 + 2 * n * hc * d * 2 + n * (hc + hc * hc) * 4,
+        baseline=lambda: hc_post(moe_combine(pairs, shared, bf16), h, post, comb),
+        baseline_name="moe_combine + hc_post",
+    )
+
+
 def build(device: torch.device, hc: int, d: int, n_iters: int, hc_eps: float, norm_eps: float, ns) -> list[GpuCase]:
     gen = torch.Generator(device=device).manual_seed(16)
     out = []
     for n in ns:
         out += _pre_cases(device, n, hc, d, n_iters, hc_eps, norm_eps, gen)
         out.append(_post_case(device, n, hc, d, gen))
+        out.append(_post_combine_case(device, n, hc, d, gen))
     return out
 
 
