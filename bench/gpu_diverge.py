@@ -34,6 +34,10 @@ class Recorder:
 
     def _hook(self, name: str):
         def hook(module, args, output):
+            from dsv4serve.model.moe_output import Combined
+
+            if isinstance(output, Combined):  # an MoE output whose sum rides in the post launch: made here
+                output = output.value()
             t = output[0] if isinstance(output, (tuple, list)) and output else output
             if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] == 0:
                 return

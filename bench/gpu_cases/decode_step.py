@@ -64,6 +64,7 @@ from bench.gpu_cases._decode_engine import DecodeBench
 from bench.gpu_cases._sync_debug import describe_syncs, project_site, sync_debug
 from bench.gpu_cases.end_to_end import N_LAYERS, REAL_LAYERS, bench_args
 from dsv4serve.experts.kt_backend import kt_kernel_available
+from dsv4serve.model.moe_output import Combined
 
 BATCH_SIZES = (1, 8, 64)
 HYBRID_MAX_BATCH = 8  # --moe-backend hybrid (kt-kernel installed): eager steps, checked against the slots'
@@ -135,7 +136,8 @@ class StepProbe:
     def _step_keeping_moe_io(self) -> torch.Tensor:
         """The hybrid step with each MoE layer's input and output kept, for `moe_line`."""
 
-        def keep(module: torch.nn.Module, args: tuple, out: torch.Tensor) -> None:
+        def keep(module: torch.nn.Module, args: tuple, out: torch.Tensor | Combined) -> None:
+            out = out.value() if isinstance(out, Combined) else out  # a sum left to the post launch: made here
             self.moe_io.append((module, tuple(a.clone() if torch.is_tensor(a) else a for a in args), out.clone()))
 
         handles = [moe.register_forward_hook(keep) for moe in self.bench.moes]

@@ -38,6 +38,7 @@ from dsv4serve.model.attention import Attention
 from dsv4serve.model.backends import KernelBackends, default_backends, kernel_names, parse_backends
 from dsv4serve.model.kv_pool import CompressedCache, KvPool, LayerCache
 from dsv4serve.model.moe import MoE
+from dsv4serve.model.moe_output import Combined
 from dsv4serve.model.numerics import NUMERICS_ON, Numerics
 from dsv4serve.model.transformer import BatchRow, Transformer
 
@@ -157,9 +158,10 @@ def _shadowed_run(model: Transformer, backends: KernelBackends) -> dict[str, flo
             note(f"attention pool, layer {self.layer_id}", _gap(g, w))
         return want
 
-    def moe(self, x, token_ids, ref_num, route_rows=None):
-        want = moe_forward(self, x, token_ids, ref_num, route_rows)
-        note(f"moe out, layer {self.layer_id}", _gap(moe_forward(self, x, token_ids, num, route_rows), want))
+    def moe(self, x, token_ids, ref_num, route_rows=None, defer_combine=False):
+        want = moe_forward(self, x, token_ids, ref_num, route_rows)  # the torch path's output, never deferred
+        got = moe_forward(self, x, token_ids, num, route_rows, defer_combine=True)
+        note(f"moe out, layer {self.layer_id}", _gap(got.value() if isinstance(got, Combined) else got, want))
         return want
 
     def hc(name: str):  # the mHC functions as Block.forward and Transformer.logits call them (numerics, then the norm)
