@@ -19,9 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from dsv4_kernels.fp8_gemm_ref import FP8_BLOCK  # the weight scales' block along N (and K)
 from dsv4serve.model.layers import Linear
-
-WEIGHT_BLOCK = 128  # the FP8 weights' scale block along N (and K): formats.quant_fp8_block
 
 
 class JoinedFp8:
@@ -31,7 +30,7 @@ class JoinedFp8:
         if not self.fits(first, second):
             raise ValueError(
                 "joining needs both projections packed (pack_fp8 / load_fp8), one input width and device, "
-                f"and the first's rows whole {WEIGHT_BLOCK}-row scale blocks"
+                f"and the first's rows whole {FP8_BLOCK}-row scale blocks"
             )
         a, b = first.weight_fp8, second.weight_fp8
         sa, sb = first.weight_fp8_scale, second.weight_fp8_scale
@@ -41,7 +40,7 @@ class JoinedFp8:
         with torch.inference_mode(False), torch.no_grad():  # normal tensors: a later in-place load lands in them
             self.weight = torch.cat((a, b))
             self.scale = torch.cat((sa, sb))
-        cut = self.rows // WEIGHT_BLOCK
+        cut = self.rows // FP8_BLOCK
         first.weight_fp8, first.weight_fp8_scale = self.weight[: self.rows], self.scale[:cut]
         second.weight_fp8, second.weight_fp8_scale = self.weight[self.rows :], self.scale[cut:]
 
@@ -51,11 +50,11 @@ class JoinedFp8:
         a, b = first.weight_fp8, second.weight_fp8
         if a is None or b is None or first.weight_fp8_scale is None or second.weight_fp8_scale is None:
             return False
-        return a.shape[1] == b.shape[1] and a.device == b.device and a.shape[0] % WEIGHT_BLOCK == 0
+        return a.shape[1] == b.shape[1] and a.device == b.device and a.shape[0] % FP8_BLOCK == 0
 
     def holds(self) -> bool:
         """Both Linears still read views of the joined tensors (host-side pointer checks, no device work)."""
-        cut = self.rows // WEIGHT_BLOCK
+        cut = self.rows // FP8_BLOCK
         pairs = (
             (self.first.weight_fp8, self.weight),
             (self.second.weight_fp8, self.weight[self.rows :]),

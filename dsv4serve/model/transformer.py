@@ -80,8 +80,8 @@ class Block(nn.Module):
             h, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, self.hc_iters, self.hc_eps, self.norm_eps, num,
             self.ffn_norm,
         )  # fmt: skip
-        # the MoE output's combine rides in the post launch when that is on Triton (model/moe_output.py)
-        y = self.ffn(x, layout.token_ids, num, route_rows=layout.route_rows, defer_combine=num.backends.hc == "triton")
+        # the MoE output's combine left to hc_post, which sums it in its launch on Triton (model/moe_output.py)
+        y = self.ffn(x, layout.token_ids, num, route_rows=layout.route_rows, defer_combine=True)
         return hc_post(y, h, post, comb, num)
 
 

@@ -176,13 +176,13 @@ def fp8_gemm_kernel(
         for kb in range(kb_lo, kb_hi):
             a_mask = mask_m[None, :]
             b_mask = mask_n[:, None]
+            k_ok = offs_k < K - kb * BLOCK_K  # the norm weights' mask too
             if not EVEN_K:
-                k_ok = offs_k < K - kb * BLOCK_K
                 a_mask = a_mask & k_ok[:, None]
                 b_mask = b_mask & k_ok[None, :]
-            w_ptrs, w_mask = norm_ptr + kb * BLOCK_K + offs_k, offs_k < K - kb * BLOCK_K
+            w_ptrs = norm_ptr + kb * BLOCK_K + offs_k
             a, a_s = _a_tile(
-                a_ptrs, a_mask, a_scale_ptrs + kb, mask_m, w_ptrs, w_mask, inv_rms, 0, QUANT_A, ROUND_BITS, NORM
+                a_ptrs, a_mask, a_scale_ptrs + kb, mask_m, w_ptrs, k_ok, inv_rms, 0, QUANT_A, ROUND_BITS, NORM
             )
             b = tl.load(b_ptrs, mask=b_mask, other=0.0)
             b_s_raw = tl.load(b_scale_ptrs + kb, mask=mask_n, other=0)
@@ -210,13 +210,13 @@ def fp8_gemm_kernel(
         for kb in range(0, tl.cdiv(K, BLOCK_K)):
             a_mask = mask_m[:, None]
             b_mask = mask_n[None, :]
+            k_ok = offs_k < K - kb * BLOCK_K  # the norm weights' mask too
             if not EVEN_K:
-                k_ok = offs_k < K - kb * BLOCK_K
                 a_mask = a_mask & k_ok[None, :]
                 b_mask = b_mask & k_ok[:, None]
-            w_ptrs, w_mask = norm_ptr + kb * BLOCK_K + offs_k, offs_k < K - kb * BLOCK_K
+            w_ptrs = norm_ptr + kb * BLOCK_K + offs_k
             a, a_s = _a_tile(
-                a_ptrs, a_mask, a_scale_ptrs + kb, mask_m, w_ptrs, w_mask, inv_rms, 1, QUANT_A, ROUND_BITS, NORM
+                a_ptrs, a_mask, a_scale_ptrs + kb, mask_m, w_ptrs, k_ok, inv_rms, 1, QUANT_A, ROUND_BITS, NORM
             )
             b = tl.load(b_ptrs, mask=b_mask, other=0.0)
             b_s_raw = tl.load(b_scale_ptrs + kb, mask=mask_n, other=0)
