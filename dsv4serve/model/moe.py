@@ -35,6 +35,7 @@ from dsv4_kernels.formats import dequant_fp4, quant_fp4
 from dsv4serve.model.args import ModelArgs
 from dsv4serve.model.layers import Linear, TensorParallel
 from dsv4serve.model.moe_output import Combined
+from dsv4serve.model.moe_stacked import StackedExperts, stack
 from dsv4serve.model.numerics import Numerics, act_quant, as_share, in_fp64, linear, matmul, reduced, row_product
 
 FP4_PARTS = ("w1", "w3", "w2")
@@ -193,6 +194,7 @@ class MoE(nn.Module):
         self.shared_experts = Expert(args.dim, shared_dim, args.swiglu_limit)
         self.expert_source: ExpertSource | None = None
         self.cpu_experts: CpuExperts | None = None  # hybrid: some misses computed on the CPU
+        self.stacked: StackedExperts | None = None  # the resident experts' stacks for the torch path (`stack_experts`)
         # split over ranks (dsv4serve/parallel/shard_model.py): experts another rank owns (expert parallel),
         # left out of this rank's routed sum; the partial sums are then reduced over the ranks
         self.tp: TensorParallel | None = None
@@ -233,6 +235,7 @@ class MoE(nn.Module):
         if any(t.shape[0] != len(owned) for t in stacks.values()):
             raise ValueError(f"layer {self.layer_id}: packed experts must stack the {len(owned)} experts it holds")
         self.experts = nn.ModuleList()
+        self.stacked = None
         for name, tensor in stacks.items():
             setattr(self, name, tensor)
         self._map_owned(owned, next(iter(stacks.values())).device)
@@ -244,11 +247,18 @@ class MoE(nn.Module):
             local[owned] = torch.arange(len(owned))
             self.local_expert = local.to(device)
 
+    def stack_experts(self) -> None:
+        """Hold the resident routed experts' dense weights as stacks (moe_stacked.py): the torch path then runs
+        a step that uses every expert as two batched products. No copy: each expert's weights become views."""
+        if self.expert_source is None and len(self.experts) == self.n_routed_experts and not self.not_owned:
+            self.stacked = stack(self.experts)
+
     def use_expert_cache(self, source: ExpertSource) -> None:
         """From now on the routed experts come from `source`; the resident copies are dropped (their
         weights are then no longer part of the state dict)."""
         self.experts = nn.ModuleList()
         self.expert_source = source
+        self.stacked = None
         for part in FP4_PARTS:
             setattr(self, f"{part}_fp4", None)
             setattr(self, f"{part}_fp4_scale", None)
@@ -407,20 +417,37 @@ class MoE(nn.Module):
         if sum(counts[e] for e in used) < order.numel():
             pairs = torch.cat([order[sum(counts[:e]) : sum(counts[: e + 1])] for e in used])
         xs = x.index_select(0, torch.div(pairs, k, rounding_mode="floor"))  # [P, D] each pair's token
-        dense = self._cached(used) if self.expert_source is not None else [self._resident(e) for e in used]
-        bounds = list(itertools.accumulate((counts[e] for e in used), initial=0))
-        segments = [slice(a, b) for a, b in zip(bounds, bounds[1:])]
-        gate = torch.cat([linear(xs[s], w1, num, True, x_quantized=True) for s, (w1, _, _) in zip(segments, dense)])
-        up = torch.cat([linear(xs[s], w3, num, True, x_quantized=True) for s, (_, w3, _) in zip(segments, dense)])
+        stacks = self._stacks_for(counts, pairs is order, partial, num)
+        if stacks is not None:
+            where = stacks.place(ids, order, counts)
+            gate, up = stacks.gate_up(xs, where).to(num.compute_dtype).split(stacks.inter_dim, dim=1)
+        else:
+            dense = self._cached(used) if self.expert_source is not None else [self._resident(e) for e in used]
+            bounds = list(itertools.accumulate((counts[e] for e in used), initial=0))
+            segments = [slice(a, b) for a, b in zip(bounds, bounds[1:])]
+            gate = torch.cat([linear(xs[s], w1, num, True, x_quantized=True) for s, (w1, _, _) in zip(segments, dense)])
+            up = torch.cat([linear(xs[s], w3, num, True, x_quantized=True) for s, (_, w3, _) in zip(segments, dense)])
         act = swiglu(gate, up, self.swiglu_limit, weights.flatten().index_select(0, pairs)[:, None])
         act = act_quant(act.to(num.compute_dtype), num)  # w2's FP8 input (per token: the same for all at once)
         # w2 row parallel: with `partial` a rank's share, uncast until the sum over the ranks; unsplit, the same
         # roundings (numerics.row_product)
-        out = torch.cat([row_product(act[s], w2, num, partial) for s, (_, _, w2) in zip(segments, dense)])
+        if stacks is not None:
+            out = reduced(stacks.down(act, where), num)
+        else:
+            out = torch.cat([row_product(act[s], w2, num, partial) for s, (_, _, w2) in zip(segments, dense)])
         # back to pair order (pairs not computed here stay 0: adding +0.0 to a sum that starts at +0.0 is exact),
         # then each token's pairs by ascending expert, added one by one: no atomics, the loop's order
         by_pair = out.new_zeros(n_tokens * k, out.shape[1]).index_copy_(0, pairs, out).view(n_tokens, k, -1)
         return by_pair if partial else self._sum_pairs(by_pair, ids, y)
+
+    def _stacks_for(self, counts: list[int], every_pair: bool, partial: bool, num: Numerics) -> StackedExperts | None:
+        """The stacks when the step's pairs run best as two batched products over them (moe_stacked.py): experts
+        resident and stacked, every pair computed here (none skipped), unsplit, no batch invariance (which runs
+        each row alone), and the padded rows (experts x the busiest's pairs) at most twice the pairs."""
+        stacks = self.stacked
+        if stacks is None or partial or num.batch_invariant or not every_pair or self.expert_source is not None:
+            return None
+        return stacks if stacks.worth(counts) and stacks.holds(self.experts) else None
 
     @staticmethod
     def _sum_pairs(by_pair: torch.Tensor, ids: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:

@@ -19,6 +19,7 @@ from dsv4serve.model.attention import Attention
 from dsv4serve.model.backends import KernelBackends
 from dsv4serve.model.batch import BatchLayout, HostStaging, build_layout
 from dsv4serve.model.compressor import Compressor
+from dsv4serve.model.cpu_head import CpuHead
 from dsv4serve.model.hc import hc_head, hc_post, hc_pre
 from dsv4serve.model.kv_pool import KvPool, LayerCache, SequenceState
 from dsv4serve.model.layers import Linear, RMSNorm, TensorParallel
@@ -167,6 +168,7 @@ class Transformer(nn.Module):
         self._standalone_pools: dict[torch.dtype, KvPool] = {}
         # split over ranks (dsv4serve/parallel/shard_model.py): embed / head then hold this rank's vocabulary rows
         self.tp: TensorParallel | None = None
+        self._cpu_head: CpuHead | None = None  # the head's oneDNN-blocked copy for CPU batches (`use_kernels`)
 
     def new_state(self, num: Numerics) -> SequenceState:
         """A sequence in this model's own growable pool, for direct use of the model (tests, benchmarks);
@@ -195,11 +197,15 @@ class Transformer(nn.Module):
         `Numerics.backends` picks the path at each forward. The compressors' fused [wkv; wgate] weights are
         built here too (in bf16 with the compressor on Triton: its projection then runs on the head's
         kernel). The head on torch on the CPU is held K-major (layers.Linear.hold_k_major: MKL's fast layout
-        for it). With the FP8 GEMM on Triton each attention's wq_a and wkv are then held as one packed weight
-        (model/joined_fp8.py: one launch for both)."""
+        for one row), with a oneDNN-blocked copy for batches of rows (model/cpu_head.py); routed experts on
+        torch are held as stacks (model/moe_stacked.py). With the FP8 GEMM on Triton each attention's wq_a
+        and wkv are then held as one packed weight (model/joined_fp8.py: one launch for both)."""
         head = self.head.weight
         if backends.head == "torch" and head.device.type == "cpu":
             self.head.hold_k_major()
+            self._cpu_head = CpuHead.build(self.head.weight)
+        else:
+            self._cpu_head = None
         if backends.head == "triton" and head.dtype != torch.bfloat16:
             if torch.equal(head.to(torch.bfloat16).to(head.dtype), head):
                 self.head.weight = nn.Parameter(head.to(torch.bfloat16), requires_grad=False)
@@ -219,6 +225,8 @@ class Transformer(nn.Module):
                 and module.weight_fp8 is None
             ):
                 module.pack_fp8()
+            if backends.fp4_moe == "torch" and isinstance(module, MoE) and module.stacked is None:
+                module.stack_experts()
             if (
                 backends.fp4_moe == "triton"
                 and isinstance(module, MoE)
@@ -336,6 +344,8 @@ class Transformer(nn.Module):
 
             y = y if y.dtype in (torch.bfloat16, torch.float32) else y.float()  # the kernel upcasts bf16 exactly
             out = head_logits(y, weight, block_m=pick_block_m(y.shape[0], num.batch_invariant))
+        elif self._cpu_head is not None and self._cpu_head.source is weight and not num.batch_invariant:
+            out = self._cpu_head(y.float())  # a batch of rows through oneDNN's blocked copy, one row through MKL
         else:
             out = matmul(y.float(), weight.float(), num)
         if self.tp is None:
