@@ -211,18 +211,20 @@ class Compressor(nn.Module):
         pos, slots = layout.positions64, layout.slots64
         j = pos % ratio
         cache.pending_kv[slots, j] = kv
-        cache.pending_score[slots, j] = gate + self.ape.float()[j]
-        win_kv, win_score = cache.pending_kv[slots], cache.pending_score[slots]  # [B, ratio, coff * d]
-        entry_idx = pos // ratio
+        cache.pending_score[slots, j] = gate + self.ape.float().index_select(0, j)
+        # index_select, not x[slots]: the same rows, a third of advanced indexing's cost at 16 rows on the CPU
+        win_kv, win_score = cache.pending_kv.index_select(0, slots), cache.pending_score.index_select(0, slots)
+        entry_idx = pos // ratio  # win_*: [B, ratio, coff * d]
         if self.overlap:
             assert cache.prev_kv is not None and cache.prev_score is not None, "an overlapping cache keeps prev_*"
             d = self.head_dim
+            old_kv, old_score = cache.prev_kv.index_select(0, slots), cache.prev_score.index_select(0, slots)
             has_prev = (entry_idx > 0)[:, None, None]
-            prev_kv = torch.where(has_prev, cache.prev_kv[slots], 0.0)
-            prev_score = torch.where(has_prev, cache.prev_score[slots], float("-inf"))
+            prev_kv = torch.where(has_prev, old_kv, 0.0)
+            prev_score = torch.where(has_prev, old_score, float("-inf"))
             closes = (j == ratio - 1)[:, None, None]
-            cache.prev_kv[slots] = torch.where(closes, win_kv[..., :d], cache.prev_kv[slots])
-            cache.prev_score[slots] = torch.where(closes, win_score[..., :d], cache.prev_score[slots])
+            cache.prev_kv[slots] = torch.where(closes, win_kv[..., :d], old_kv)
+            cache.prev_score[slots] = torch.where(closes, win_score[..., :d], old_score)
             win_kv = torch.cat((prev_kv, win_kv[..., d:]), dim=1)
             win_score = torch.cat((prev_score, win_score[..., d:]), dim=1)
         entry = self._finish(self._pool(win_kv, win_score, num), pos, ratio, freqs, num)  # [B, d]
