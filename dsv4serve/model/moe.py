@@ -249,7 +249,11 @@ class MoE(nn.Module):
 
     def stack_experts(self) -> None:
         """Hold the resident routed experts' dense weights as stacks (moe_stacked.py): the torch path then runs
-        a step that uses every expert as two batched products. No copy: each expert's weights become views."""
+        a step that uses every expert as two batched products. No copy: each expert's weights become views.
+        Stacks that no longer hold the weights (cut over ranks, reloaded) are made anew."""
+        if self.stacked is not None and self.stacked.holds(self.experts):
+            return
+        self.stacked = None
         if self.expert_source is None and len(self.experts) == self.n_routed_experts and not self.not_owned:
             self.stacked = stack(self.experts)
 

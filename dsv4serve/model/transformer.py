@@ -225,7 +225,7 @@ class Transformer(nn.Module):
                 and module.weight_fp8 is None
             ):
                 module.pack_fp8()
-            if backends.fp4_moe == "torch" and isinstance(module, MoE) and module.stacked is None:
+            if backends.fp4_moe == "torch" and isinstance(module, MoE):
                 module.stack_experts()
             if (
                 backends.fp4_moe == "triton"

@@ -90,3 +90,6 @@ def test_the_loop_runs_where_the_stacks_would_pad_too_much_or_no_longer_hold():
     with torch.no_grad():  # a cut or a reload replaces an expert's weight: the stacks no longer hold it
         moe.experts[3].w2.weight = torch.nn.Parameter(moe.experts[3].w2.weight.clone(), requires_grad=False)
     assert moe._stacks_for(counts, True, False, num) is None
+    moe.stack_experts()  # made anew over the current weights (use_kernels after a cut or a reload)
+    assert moe._stacks_for(counts, True, False, num) is moe.stacked
+    assert moe.stacked is not None and torch.equal(moe.stacked.w2[3], moe.experts[3].w2.weight)
