@@ -2,8 +2,9 @@
 
 dsv4-tiny's head (129,280 x 128, fp32 values of a bf16 checkpoint) times y [rows, 128] on one torch thread,
 each batch size timed by both in alternation: MKL on the K-major weight (what every batch ran before), and
-`CpuHead` (MKL for one row; oneDNN's blocked copy from two rows, two or three padded to four). Prints ms per
-product (median) and the ratio; the largest |difference| of the logits against MKL's.
+`CpuHead` (one to three rows through its bf16 copy's compiled loops, model/head_bf16_cpu.py; oneDNN's blocked
+copy from four rows). Prints ms per product (median) and the ratio; the largest |difference| of the logits
+against MKL's (0: bit for bit MKL's).
 
     python bench/bench_cpu_head.py [--rows 1 2 3 4 8 16 64] [--repeats 15] [--json PATH]
 """

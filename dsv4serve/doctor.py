@@ -42,6 +42,7 @@ def gather(env: Environment) -> list[Check]:
         doctor_gpu.check_driver(build, driver, release),
         doctor_gpu.check_triton(),
         doctor_gpu.check_flashinfer(),
+        doctor_backends.check_cpu_loops(),
         doctor_backends.check_kt_kernel(),
     ]
     gpu_checks, largest_gpu_bytes = doctor_gpu.check_gpus(torch)

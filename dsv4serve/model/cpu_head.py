@@ -1,4 +1,5 @@
-"""The fp32 output head on the CPU's torch path: MKL for one row, oneDNN's blocked weight for more.
+"""The fp32 output head on the CPU's torch path: a bf16 copy through numba for one to three rows, oneDNN's
+blocked weight for more, MKL where neither serves.
 
 The head [vocab, dim] is the largest product of a CPU decode step (dsv4-tiny: 129,280 x 128 fp32, 66 MB).
 One row reads the whole weight for 2 x 129,280 x 128 FLOPs: memory-bound, and MKL's sgemm on the
@@ -13,14 +14,22 @@ The price is a second copy of the head (the blocked one; the K-major weight stay
 every other reader). The oneDNN calls (`torch.ops.mkldnn._reorder_linear_weight` / `_linear_pointwise`,
 what inductor's CPU freezing pass emits) are internal API of the pinned torch (pyproject), so `build`
 probes them once against MKL's product and returns None (MKL for every row, as before) when they are
-missing or disagree. Batch invariance keeps MKL (the caller runs its rows one at a time)."""
+missing or disagree. Batch invariance keeps MKL (the caller runs its rows one at a time).
+
+A head that is exact in bf16 (a checkpoint's) also gets a bf16 copy (half the bytes: model/head_bf16_cpu.py)
+that one to three rows stream through numba's compiled loops: one row ~1.4 ms against MKL's ~2.9, and the
+33 MB it streams evict less of the rest of the step's weights from the cache than the 66 MB did. `build` probes
+it against MKL too and leaves it out (logged) when it disagrees or cannot compile."""
 
 from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+
+from dsv4serve.model import head_bf16_cpu
 
 log = logging.getLogger(__name__)
 
@@ -41,54 +50,99 @@ def onednn_available() -> bool:
 
 
 class CpuHead:
-    """logits = y @ weight^T in fp32 for y [M, dim]: `weight` as given (K-major, MKL) below
-    MIN_ONEDNN_ROWS rows, the blocked copy from there. `source` is the weight it was built from: a
-    caller checks it is still the head's before using it (a reload replaces the parameter)."""
+    """logits = y @ weight^T in fp32 for y [M, dim]: the bf16 copy (`packed`) for up to head_bf16_cpu.MAX_ROWS
+    rows, `weight` as given (K-major, MKL) below MIN_ONEDNN_ROWS rows, the blocked copy from there; each path
+    when built. `source` is the weight it was built from: a caller checks it is still the head's before using
+    it (a reload replaces the parameter)."""
 
-    def __init__(self, source: torch.Tensor, blocked: torch.Tensor):
+    def __init__(self, source: torch.Tensor, blocked: torch.Tensor | None, packed: np.ndarray | None = None):
         self.source = source
         self._blocked = blocked
+        self._packed = packed
 
     @classmethod
     def build(cls, weight: torch.Tensor) -> CpuHead | None:
-        """The blocked copy of an fp32 CPU weight [vocab, dim], checked against MKL on PROBE_ROWS random
-        rows; None (with the reason logged) when oneDNN cannot serve it."""
+        """The blocked copy of an fp32 CPU weight [vocab, dim] and, when its values are bf16, the bf16 copy, each
+        checked against MKL on random rows; None (with the reasons logged) when neither serves."""
         if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
             return None
-        if not onednn_available():
-            log.info("head: oneDNN's blocked matmul is not in this torch build; MKL runs every batch")
-            return None
         with torch.inference_mode(False), torch.no_grad():
-            try:
-                blocked = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
-                head = cls(weight, blocked)
-                probe = torch.randn(PROBE_ROWS, weight.shape[1], generator=torch.Generator().manual_seed(0))
-                got, want = head._onednn(probe), F.linear(probe, weight)
-            except RuntimeError as exc:  # an op this build's oneDNN cannot run for the shape
-                log.warning("head: oneDNN's blocked matmul failed its probe (%s); MKL runs every batch", exc)
-                return None
-        err = float((got - want).abs().max())
-        bound = PROBE_RTOL * float(want.abs().max())
-        if not err <= bound:
-            log.warning("head: oneDNN's product is off MKL's by %.3g (bound %.3g); MKL runs every batch", err, bound)
+            blocked, packed = _blocked_copy(weight.detach()), _bf16_copy(weight.detach())
+        if blocked is None and packed is None:
             return None
-        log.info(
-            "head: batches of %d+ rows through oneDNN's blocked copy of the fp32 head (%.1f MiB more host memory)",
-            MIN_ONEDNN_ROWS,
-            weight.numel() * weight.element_size() / 2**20,
-        )
-        return head
+        return cls(weight, blocked, packed)
 
     def __call__(self, y: torch.Tensor) -> torch.Tensor:
         """y [M, dim] fp32 -> [M, vocab] fp32."""
         rows = y.shape[0]
-        if rows < MIN_ONEDNN_ROWS:
+        if self._packed is not None and 1 <= rows <= head_bf16_cpu.MAX_ROWS:
+            return head_bf16_cpu.logits(y, self._packed, self.source.shape[0])
+        if rows < MIN_ONEDNN_ROWS or self._blocked is None:
             return F.linear(y, self.source)
         if rows >= PAD_ROWS:
-            return self._onednn(y)
+            return _onednn(y, self._blocked)
         padded = y.new_zeros(PAD_ROWS, y.shape[1])
         padded[:rows] = y
-        return self._onednn(padded)[:rows]
+        return _onednn(padded, self._blocked)[:rows]
 
-    def _onednn(self, y: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(y.contiguous(), self._blocked, None, "none", [], "")
+
+def _onednn(y: torch.Tensor, blocked: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(y.contiguous(), blocked, None, "none", [], "")
+
+
+def _agrees(got: torch.Tensor, want: torch.Tensor) -> tuple[bool, float, float]:
+    err = float((got - want).abs().max())
+    bound = PROBE_RTOL * float(want.abs().max())
+    return err <= bound, err, bound
+
+
+def _probe(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    return torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(rows))
+
+
+def _blocked_copy(weight: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's blocked copy, checked against MKL on PROBE_ROWS rows; None when it cannot serve (logged)."""
+    if not onednn_available():
+        log.info("head: oneDNN's blocked matmul is not in this torch build; MKL runs batches of rows")
+        return None
+    try:
+        blocked = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT)
+        probe = _probe(weight, PROBE_ROWS)
+        ok, err, bound = _agrees(_onednn(probe, blocked), F.linear(probe, weight))
+    except RuntimeError as exc:  # an op this build's oneDNN cannot run for the shape
+        log.warning("head: oneDNN's blocked matmul failed its probe (%s); MKL runs batches of rows", exc)
+        return None
+    if not ok:
+        log.warning("head: oneDNN's product is off MKL's by %.3g (bound %.3g); MKL runs batches of rows", err, bound)
+        return None
+    log.info(
+        "head: batches of %d+ rows through oneDNN's blocked copy of the fp32 head (%.1f MiB more host memory)",
+        max(MIN_ONEDNN_ROWS, head_bf16_cpu.MAX_ROWS + 1),
+        weight.numel() * weight.element_size() / 2**20,
+    )
+    return blocked
+
+
+def _bf16_copy(weight: torch.Tensor) -> np.ndarray | None:
+    """The bf16 copy of a head whose values are bf16, checked against MKL on 1 and MAX_ROWS rows; None when the
+    values are not bf16 or the compiled loops disagree or fail (logged)."""
+    if not head_bf16_cpu.exact_in_bf16(weight):
+        log.info("head: the fp32 head is not exact in bf16 (not a checkpoint's?); no bf16 copy")
+        return None
+    packed = head_bf16_cpu.pack(weight)
+    try:
+        for rows in (1, head_bf16_cpu.MAX_ROWS):
+            probe = _probe(weight, rows)
+            ok, err, bound = _agrees(head_bf16_cpu.logits(probe, packed, weight.shape[0]), F.linear(probe, weight))
+            if not ok:
+                log.warning("head: the bf16 copy's product is off MKL's by %.3g (bound %.3g); not used", err, bound)
+                return None
+    except Exception as exc:  # numba failing to compile on this machine: the fp32 paths serve
+        log.warning("head: the bf16 copy's compiled loops failed (%s: %s); not used", type(exc).__name__, exc)
+        return None
+    log.info(
+        "head: 1-%d rows through a bf16 copy of the head (%.1f MiB more host memory)",
+        head_bf16_cpu.MAX_ROWS,
+        packed.nbytes / 2**20,
+    )
+    return packed

@@ -14,12 +14,12 @@ after, as before.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from dsv4serve.model.layers import RMSNorm
 from dsv4serve.model.moe_output import Combined
 from dsv4serve.model.numerics import Numerics, in_fp64, matmul
+from dsv4serve.model.sinkhorn_cpu import HC, sinkhorn_rounds_cpu
 
 
 def _mixes(h: torch.Tensor, fn: torch.Tensor, norm_eps: float, num: Numerics) -> torch.Tensor:
@@ -30,45 +30,24 @@ def _mixes(h: torch.Tensor, fn: torch.Tensor, norm_eps: float, num: Numerics) ->
 
 
 def sinkhorn(logits: torch.Tensor, n_iters: int, eps: float) -> torch.Tensor:
-    """[N, hc, hc] logits -> near doubly-stochastic comb: row softmax, then column/row rounds."""
+    """[N, hc, hc] logits -> near doubly-stochastic comb: row softmax, then column/row rounds (on the CPU
+    compiled, sinkhorn_cpu: the torch rounds bit for bit in one call instead of ~120 tiny ops)."""
     comb = in_fp64(lambda z: torch.softmax(z, dim=-1), logits).add_(eps)
-    cpu = comb.device.type == "cpu" and not comb.requires_grad
-    if cpu and comb.shape[1:] == (4, 4) and comb.shape[0] <= NUMPY_ROWS_MAX:
-        _rounds_numpy(comb.numpy(), n_iters, eps)
-    else:
+    fits = comb.dtype == torch.float32 and comb.shape[1:] == (HC, HC) and comb.is_contiguous()
+    on_cpu = fits and comb.device.type == "cpu" and not comb.requires_grad
+    # in place on comb's memory; False where numba cannot compile (sinkhorn_cpu.compiled): torch's rounds then
+    if not (on_cpu and sinkhorn_rounds_cpu(comb.numpy(), n_iters, eps)):
         sinkhorn_rounds(comb, n_iters, eps)
     return comb
 
 
 def sinkhorn_rounds(comb: torch.Tensor, n_iters: int, eps: float) -> None:
-    """The column / row rounds in torch, in place on comb [N, hc, hc] fp32 (20 rounds of tiny ops)."""
+    """The column / row rounds in torch, in place on comb [N, hc, hc] fp32 (20 rounds of tiny ops): the
+    reference of the compiled CPU rounds and of the mHC kernels."""
     comb.div_(comb.sum(dim=-2, keepdim=True).add_(eps))
     for _ in range(n_iters - 1):
         comb.div_(comb.sum(dim=-1, keepdim=True).add_(eps))
         comb.div_(comb.sum(dim=-2, keepdim=True).add_(eps))
-
-
-# The rounds in numpy on the CPU for up to this many tokens: the same IEEE fp32 sums (4 terms, left to right,
-# as torch sums them: tests/unit/test_hc_sinkhorn.py checks it bitwise), divisions and additions, at about half
-# the cost per op for these [N, 4, 4] tensors (~120 ops per site: ~30% of a decode step's torch ops).
-# Beyond it torch's ops cost about the same; hc_mult = 4 is DeepSeek-V4's (8 terms might be summed in another
-# order).
-NUMPY_ROWS_MAX = 32
-
-
-def _rounds_numpy(comb: np.ndarray, n_iters: int, eps: float) -> None:
-    """`sinkhorn_rounds` in numpy, in place on comb [N, 4, 4] float32 (the tensor's memory)."""
-    e = np.float32(eps)
-    rows = np.empty(comb.shape[:-1] + (1,), np.float32)
-    cols = np.empty(comb.shape[:-2] + (1, comb.shape[-1]), np.float32)
-    add, div, total = np.add, np.divide, np.add.reduce
-    total(comb, axis=-2, keepdims=True, out=cols)
-    div(comb, add(cols, e, out=cols), out=comb)
-    for _ in range(n_iters - 1):
-        total(comb, axis=-1, keepdims=True, out=rows)
-        div(comb, add(rows, e, out=rows), out=comb)
-        total(comb, axis=-2, keepdims=True, out=cols)
-        div(comb, add(cols, e, out=cols), out=comb)
 
 
 def hc_pre(

@@ -44,30 +44,46 @@ def rope_cos_sin(freqs: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Te
     return in_fp64(torch.cos, angles), in_fp64(torch.sin, angles)
 
 
+def pair_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The half tables cos / sin [N, R/2] -> the per-channel tables [N, R] that `rotate` reads: cos twice per
+    pair, and (-sin, sin): channel 2i takes -sin * x[2i+1], channel 2i+1 takes sin * x[2i]."""
+    return torch.stack((cos, cos), dim=-1).flatten(-2), torch.stack((-sin, sin), dim=-1).flatten(-2)
+
+
+def rotate(x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Rotate the trailing cos2.shape[-1] channels of x [N, ..., D] in pairs with the per-channel tables of
+    `pair_tables` ([N, R], broadcast over the middle dims); `inverse` applies the conjugate.
+
+    x * cos2 + swap(x) * sin2, in fp32: per channel the same two products and one sum as
+    (even c - odd s, even s + odd c) (a - b = a + (-b) and a + b = b + a hold exactly in IEEE arithmetic), bit
+    for bit, in about half the torch ops (a decode step rotates ~5 tensors a layer)."""
+    rd = cos2.shape[-1]
+    shape = (cos2.shape[0],) + (1,) * (x.dim() - 2) + (rd,)
+    c, s = cos2.view(shape), sin2.view(shape)
+    head = x[..., -rd:].float()
+    swapped = head.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)  # (x[2i+1], x[2i]) per pair
+    rotated = head * c
+    rotated = rotated.sub_(swapped * s) if inverse else rotated.add_(swapped * s)
+    out = x.clone(memory_format=torch.contiguous_format)  # contiguous, as the torch.cat it replaced
+    out[..., -rd:] = rotated  # rounded to x's dtype as .to() rounds
+    return out
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """Rotate the trailing 2*len(cos) channels of x [N, ..., D] in pairs (x[2i], x[2i+1]).
 
     cos / sin are [N, R/2] and broadcast over the middle dims. `inverse` applies the conjugate.
     """
-    rd = 2 * cos.shape[-1]
-    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
-    c, s = cos.view(shape), sin.view(shape)
-    if inverse:
-        s = -s
-    pairs = x[..., -rd:].float().unflatten(-1, (-1, 2))
-    even, odd = pairs[..., 0], pairs[..., 1]
-    rotated = torch.stack((even * c - odd * s, even * s + odd * c), dim=-1).flatten(-2)
-    return torch.cat((x[..., :-rd], rotated.to(x.dtype)), dim=-1)
+    return rotate(x, *pair_tables(cos, sin), inverse=inverse)
 
 
 @dataclass(frozen=True)
 class Rotation:
-    """The RoPE of a batch's tokens, computed once per layer: the torch tables (cos, sin), or, with the
-    token_ops kernels on Triton, their `Angles` (positions + freqs: the kernels evaluate cos / sin
-    themselves, so the tables cost no launch)."""
+    """The RoPE of a batch's tokens, computed once per layer: the torch path's per-channel tables
+    (`pair_tables`: made once for the layer's ~5 rotations), or, with the token_ops kernels on Triton, their
+    `Angles` (positions + freqs: the kernels evaluate cos / sin themselves, so the tables cost no launch)."""
 
-    cos: torch.Tensor | None = None
-    sin: torch.Tensor | None = None
+    pairs: tuple[torch.Tensor, torch.Tensor] | None = None  # (cos2, sin2) [N, rope_head_dim]
     angles: Any = None  # dsv4_kernels.token_ops.Angles
 
     @classmethod
@@ -76,8 +92,12 @@ class Rotation:
             from dsv4_kernels.token_ops import Angles
 
             return cls(angles=Angles.at(positions, freqs))
-        cos, sin = rope_cos_sin(freqs, positions)
-        return cls(cos, sin)
+        return cls.from_tables(*rope_cos_sin(freqs, positions))
+
+    @classmethod
+    def from_tables(cls, cos: torch.Tensor, sin: torch.Tensor) -> Rotation:
+        """The torch path's rotation from the half tables cos / sin [N, rope_head_dim / 2] (`rope_cos_sin`)."""
+        return cls(pairs=pair_tables(cos, sin))
 
     def apply(self, x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         """`apply_rope` with these angles (the token_ops `rope` kernel when they are kernel angles)."""
@@ -85,5 +105,5 @@ class Rotation:
             from dsv4_kernels.token_ops import rope
 
             return rope(x, self.angles, inverse=inverse)
-        assert self.cos is not None and self.sin is not None
-        return apply_rope(x, self.cos, self.sin, inverse=inverse)
+        assert self.pairs is not None
+        return rotate(x, *self.pairs, inverse=inverse)

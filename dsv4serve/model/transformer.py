@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from dsv4serve.model import sinkhorn_cpu
 from dsv4serve.model.args import ModelArgs
 from dsv4serve.model.attention import Attention
 from dsv4serve.model.backends import KernelBackends
@@ -168,7 +169,7 @@ class Transformer(nn.Module):
         self._standalone_pools: dict[torch.dtype, KvPool] = {}
         # split over ranks (dsv4serve/parallel/shard_model.py): embed / head then hold this rank's vocabulary rows
         self.tp: TensorParallel | None = None
-        self._cpu_head: CpuHead | None = None  # the head's oneDNN-blocked copy for CPU batches (`use_kernels`)
+        self._cpu_head: CpuHead | None = None  # the head's CPU copies: bf16 for 1-3 rows, oneDNN-blocked for more
 
     def new_state(self, num: Numerics) -> SequenceState:
         """A sequence in this model's own growable pool, for direct use of the model (tests, benchmarks);
@@ -197,8 +198,10 @@ class Transformer(nn.Module):
         `Numerics.backends` picks the path at each forward. The compressors' fused [wkv; wgate] weights are
         built here too (in bf16 with the compressor on Triton: its projection then runs on the head's
         kernel). The head on torch on the CPU is held K-major (layers.Linear.hold_k_major: MKL's fast layout
-        for one row), with a oneDNN-blocked copy for batches of rows (model/cpu_head.py); routed experts on
-        torch are held as stacks (model/moe_stacked.py). With the FP8 GEMM on Triton each attention's wq_a
+        for one row), with a bf16 copy for one to three rows and a oneDNN-blocked one for more (model/cpu_head.py,
+        its compiled loops built here); routed experts on
+        torch are held as stacks (model/moe_stacked.py); mHC's Sinkhorn rounds on the CPU are compiled (or
+        loaded from numba's cache) here (model/sinkhorn_cpu.py). With the FP8 GEMM on Triton each attention's wq_a
         and wkv are then held as one packed weight (model/joined_fp8.py: one launch for both)."""
         head = self.head.weight
         if backends.head == "torch" and head.device.type == "cpu":
@@ -206,6 +209,8 @@ class Transformer(nn.Module):
             self._cpu_head = CpuHead.build(self.head.weight)
         else:
             self._cpu_head = None
+        if backends.hc == "torch" and head.device.type == "cpu":
+            sinkhorn_cpu.compiled()  # numba's compile (or cache load) now, not in the first step
         if backends.head == "triton" and head.dtype != torch.bfloat16:
             if torch.equal(head.to(torch.bfloat16).to(head.dtype), head):
                 self.head.weight = nn.Parameter(head.to(torch.bfloat16), requires_grad=False)
@@ -345,7 +350,7 @@ class Transformer(nn.Module):
             y = y if y.dtype in (torch.bfloat16, torch.float32) else y.float()  # the kernel upcasts bf16 exactly
             out = head_logits(y, weight, block_m=pick_block_m(y.shape[0], num.batch_invariant))
         elif self._cpu_head is not None and self._cpu_head.source is weight and not num.batch_invariant:
-            out = self._cpu_head(y.float())  # a batch of rows through oneDNN's blocked copy, one row through MKL
+            out = self._cpu_head(y.float())  # 1-3 rows through its bf16 copy, more through oneDNN's blocked one
         else:
             out = matmul(y.float(), weight.float(), num)
         if self.tp is None:

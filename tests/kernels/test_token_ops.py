@@ -273,7 +273,7 @@ def _model_chains(args: ModelArgs, dtype: torch.dtype, n: int, gen: torch.Genera
                    lambda out: rope(o, at, True, out=out), None))  # fmt: skip
     qr = torch.randn(n, args.q_lora_rank, generator=gen).to(dtype)
     iq = indexer.wq_b(qr, num).unflatten(-1, (args.index_n_heads, args.index_head_dim))
-    chains.append(("indexer q", indexer.queries(x, qr, Rotation(cos, sin), num)[0], indexer_q_ref(iq, tables, True),
+    chains.append(("indexer q", indexer.queries(x, qr, Rotation.from_tables(cos, sin), num)[0], indexer_q_ref(iq, tables, True),
                    lambda out: indexer_q(iq, at, True, out=out), ("fp4", args.index_head_dim)))  # fmt: skip
     for comp, kind in ((kv_comp, "kv"), (idx_comp, "index")):  # tokens at positions, rotated at window starts
         pooled, starts = torch.randn(n, comp.head_dim, generator=gen), (positions // 4) * 4

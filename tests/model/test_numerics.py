@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from dsv4_kernels import formats as quant
+from dsv4_kernels.token_ops_ref import apply_rope_ref
 from dsv4serve.model.args import args_from_dicts
 from dsv4serve.model.numerics import fp4_quant_dequant, fp8_quant_dequant, hadamard
-from dsv4serve.model.rope import apply_rope, inv_freq, rope_cos_sin
+from dsv4serve.model.rope import Rotation, apply_rope, inv_freq, rope_cos_sin
 
 
 def _randn(*shape: int, seed: int = 0) -> torch.Tensor:
@@ -68,6 +69,24 @@ def test_rope_matches_transformers_and_inverts():
     got = apply_rope(x, cos, sin)
     assert torch.allclose(got, want, atol=1e-6) and torch.equal(got[..., :24], x[..., :24])
     assert torch.allclose(apply_rope(got, cos, sin, inverse=True), x, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 4, 128), (16, 4, 128), (3, 128), (7, 3, 32)])
+@pytest.mark.parametrize("inverse", [False, True])
+def test_rope_per_channel_tables_equal_the_pairwise_rotation(dtype, shape, inverse):
+    """`rotate` (x * cos2 + swap(x) * sin2, the torch path's form) against the pairwise formula of the kernels'
+    reference (even c - odd s, even s + odd c): bit for bit, the un-rotated channels untouched, a contiguous
+    result in x's dtype, also from a non-contiguous x."""
+    g = torch.Generator().manual_seed(shape[0] * 7 + inverse)
+    x = (torch.randn(*shape, generator=g) * 30).to(dtype)
+    freqs = torch.rand(shape[-1] // 4, generator=g)  # rotates half of the channels
+    cos, sin = rope_cos_sin(freqs, torch.randint(0, 1 << 20, (shape[0],), generator=g))
+    want = apply_rope_ref(x, cos, sin, inverse)
+    for got in (apply_rope(x, cos, sin, inverse), Rotation.from_tables(cos, sin).apply(x, inverse)):
+        assert got.dtype == dtype and got.is_contiguous() and torch.equal(got, want)
+    strided = x.transpose(0, -2).contiguous().transpose(0, -2) if x.dim() == 3 else x.t().contiguous().t()
+    assert torch.equal(apply_rope(strided, cos, sin, inverse), want)
 
 
 def test_yarn_band_of_the_real_config():

@@ -44,6 +44,7 @@ NATIVE_VERSION = "Linux version 6.8.0-45-generic (buildd@lcy02-amd64-075) (gcc 1
 NAMES = [
     "python",
     "torch",
+    "CPU loops",
     "NVIDIA driver",
     "triton",
     "flashinfer",
@@ -395,3 +396,22 @@ def test_h2d_bandwidth_on_cuda_is_positive_and_pinned_is_not_slower_than_half_of
 
     pinned, pageable = measure_h2d_bandwidth(torch, True), measure_h2d_bandwidth(torch, False)
     assert pinned > 0 and pageable > 0 and pinned > 0.5 * pageable
+
+
+def test_cpu_loops_line_warns_with_a_fix_when_numba_cannot_compile(monkeypatch):
+    from dsv4serve import doctor_backends
+    from dsv4serve.model import head_bf16_cpu, sinkhorn_cpu
+
+    assert doctor_backends.check_cpu_loops().status == "ok"  # numba compiles here (a dependency)
+
+    def broken() -> None:
+        raise RuntimeError("LLVM cannot target this CPU")
+
+    monkeypatch.setattr(head_bf16_cpu, "warm_up", broken)
+    check = doctor_backends.check_cpu_loops()
+    assert check.status == "warn" and "LLVM cannot target this CPU" in check.value and "numba" in check.fix
+    assert check.data["sinkhorn"] and not check.data["head_bf16"]
+    monkeypatch.undo()
+    monkeypatch.setattr(sinkhorn_cpu, "compiled", lambda: None)
+    check = doctor_backends.check_cpu_loops()
+    assert check.status == "warn" and "Sinkhorn" in check.value and not check.data["sinkhorn"]

@@ -1,0 +1,119 @@
+"""The CPU torch path's per-layer glue at decode sizes, old form against new, side by side, bit for bit.
+
+Two pieces a dsv4-tiny decode step runs several times a layer, each timed in both forms in alternation on one
+torch thread (microseconds per call, median), with the largest difference of their outputs (0: bit for bit):
+- mHC's Sinkhorn rounds ([rows, 4, 4] fp32, 20 iterations; 2 sites a layer): what the CPU ran before (the same
+  rounds as ~120 numpy calls up to 32 rows, `numpy_rounds` below as it was in model/hc.py; torch's ~120 tiny ops,
+  `hc.sinkhorn_rounds`, the reference, beyond) against one call of the numba-compiled loops
+  (`model/sinkhorn_cpu.py`);
+- RoPE on a [rows, heads, 128] tensor's last 64 channels (~5 a layer: q, kv, the inverse on the output, the
+  indexer's q, the compressors' entries): the pairwise form (`dsv4_kernels.token_ops_ref.apply_rope_ref`, what
+  `model/rope.apply_rope` was) against `Rotation.apply`, per-channel tables made once a layer (`rope.rotate`).
+
+    python bench/bench_cpu_glue.py [--rows 1 16 64] [--repeats 400] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `bench.report`
+from bench.report import format_table
+from dsv4_kernels.token_ops_ref import apply_rope_ref
+from dsv4serve.model import sinkhorn_cpu
+from dsv4serve.model.hc import sinkhorn_rounds
+from dsv4serve.model.rope import Rotation, rope_cos_sin
+
+ITERS, EPS, HEADS, HEAD_DIM, ROPE_DIM = 20, 1e-6, 4, 128, 64  # dsv4-tiny's
+NUMPY_ROWS_MAX = 32  # the most rows the numpy rounds took before
+
+
+def numpy_rounds(comb: np.ndarray, n_iters: int, eps: float) -> None:
+    """The rounds as model/hc.py ran them on the CPU before the compiled ones: in place on [N, 4, 4] float32."""
+    e = np.float32(eps)
+    rows = np.empty(comb.shape[:-1] + (1,), np.float32)
+    cols = np.empty(comb.shape[:-2] + (1, comb.shape[-1]), np.float32)
+    np.add.reduce(comb, axis=-2, keepdims=True, out=cols)
+    np.divide(comb, np.add(cols, e, out=cols), out=comb)
+    for _ in range(n_iters - 1):
+        np.add.reduce(comb, axis=-1, keepdims=True, out=rows)
+        np.divide(comb, np.add(rows, e, out=rows), out=comb)
+        np.add.reduce(comb, axis=-2, keepdims=True, out=cols)
+        np.divide(comb, np.add(cols, e, out=cols), out=comb)
+
+
+def _timed(paths: dict[str, Callable[[], torch.Tensor]], repeats: int) -> dict[str, float]:
+    """Median microseconds per call of each path, the paths called in turn (load hits them alike)."""
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    for fn in paths.values():
+        fn()  # warm-up (numba's compile or cache load)
+    for _ in range(repeats):
+        for name, fn in paths.items():
+            t0 = time.process_time()
+            fn()
+            times[name].append(1e6 * (time.process_time() - t0))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def _sinkhorn_paths(rows: int, gen: torch.Generator) -> dict[str, Callable[[], torch.Tensor]]:
+    start = torch.softmax(torch.randn(rows, 4, 4, generator=gen) * 3, dim=-1) + EPS
+
+    def before() -> torch.Tensor:
+        comb = start.clone()
+        if rows <= NUMPY_ROWS_MAX:
+            numpy_rounds(comb.numpy(), ITERS, EPS)
+        else:
+            sinkhorn_rounds(comb, ITERS, EPS)
+        return comb
+
+    def compiled() -> torch.Tensor:
+        comb = start.clone()
+        sinkhorn_cpu.sinkhorn_rounds_cpu(comb.numpy(), ITERS, EPS)
+        return comb
+
+    return {"old": before, "new": compiled}
+
+
+def _rope_paths(rows: int, gen: torch.Generator) -> dict[str, Callable[[], torch.Tensor]]:
+    x = torch.randn(rows, HEADS, HEAD_DIM, generator=gen)
+    cos, sin = rope_cos_sin(torch.rand(ROPE_DIM // 2, generator=gen), torch.arange(100, 100 + rows))
+    rot = Rotation.from_tables(cos, sin)  # its tables made once, as a layer makes them
+    return {"old": lambda: apply_rope_ref(x, cos, sin), "new": lambda: rot.apply(x)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--repeats", type=int, default=400)
+    parser.add_argument("--json", type=Path)
+    opts = parser.parse_args()
+    torch.set_num_threads(1)
+    results: dict[str, dict[int, dict[str, float]]] = {}
+    table = []
+    for piece, make in (("Sinkhorn rounds", _sinkhorn_paths), ("RoPE", _rope_paths)):
+        results[piece] = {}
+        for rows in opts.rows:
+            paths = make(rows, torch.Generator().manual_seed(rows))
+            with torch.inference_mode():
+                diff = float((paths["old"]() - paths["new"]()).abs().max())
+                us = _timed(paths, opts.repeats)
+            results[piece][rows] = {**{f"{k}_us": v for k, v in us.items()}, "max_abs_diff": diff}
+            table.append([piece, str(rows), f"{us['old']:.1f}", f"{us['new']:.1f}", f"{us['old'] / us['new']:.1f}x"])
+            table[-1].append(f"{diff:.1e}")
+    print(f"\nCPU, 1 thread, us per call (median of {opts.repeats}, CPU clock), old / new form in alternation")
+    print(format_table(["piece", "rows", "old", "new", "speed-up", "max |diff|"], table))
+    if opts.json:
+        opts.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
