@@ -3,10 +3,11 @@
 One decode row reads the whole head (dsv4-tiny: 129,280 x 128) for 2 FLOPs a weight: memory-bound. A
 checkpoint stores the head in bf16, so its fp32 values are exact in half the bytes: these kernels stream a
 bf16 copy (33 MB instead of 66) and widen each weight to fp32 in registers (a 16-bit shift), summing each
-logit over the model dimension in order, one fused multiply-add a term, in fp32. That is how MKL's sgemv sums a
-K-major weight on the CPUs measured here: the logits equal MKL's bit for bit there (bench/bench_cpu_head.py
-checks it); anywhere else they are fp32 sums of the same exact products (the start-up probe in
-model/cpu_head.py holds them to MKL's within 1e-4 of the largest logit). Each row is summed alone, so a row's
+logit over the model dimension in order in fp32, a product and a sum a term, each rounded (numba contracts
+nothing into fused multiply-adds: tests/unit/test_cpu_head.py checks the logits bit for bit against that sum
+in torch). MKL's sgemv sums a K-major weight the same way on the CPU measured here: the logits equal MKL's bit
+for bit there (bench/bench_cpu_head.py prints the difference); the start-up probe in model/cpu_head.py holds
+them to MKL's within 1e-4 of the largest logit on any CPU. Each row is summed alone, so a row's
 logits do not depend on the rows beside it. One row: ~1.4 ms against MKL's ~2.9 here; two rows: ~3.0
 against oneDNN's ~4.7; from four rows the product is compute-bound and oneDNN's blocked fp32 kernel is
 faster (these loops keep no register tile over rows).

@@ -45,7 +45,8 @@ def test_the_head_gives_mkls_logits_at_every_batch_size(rows, bf16):
 
 def test_the_bf16_copy_streams_the_heads_bf16_bits_through_the_compiled_loops(monkeypatch):
     """The compiled call itself (not a fallback), on a vocabulary that is no multiple of its blocks: the
-    packed copy holds exactly the head's bf16 bits, and its logits are MKL's within fp32 rounding."""
+    packed copy holds exactly the head's bf16 bits, and its logits are MKL's within fp32 rounding and, bit for
+    bit, the sum over dim in order with each product and each sum rounded to fp32."""
     weight = _weight(3)
     packed = head_bf16_cpu.pack(weight)
     assert packed.dtype.name == "uint16" and packed.shape == (
@@ -60,6 +61,10 @@ def test_the_bf16_copy_streams_the_heads_bf16_bits_through_the_compiled_loops(mo
         got = head_bf16_cpu.logits(y, packed, VOCAB)
         assert got.shape == (rows, VOCAB) and got.is_contiguous()
         torch.testing.assert_close(got, F.linear(y, weight), rtol=1e-5, atol=1e-5)
+        in_order = torch.zeros(rows, VOCAB)  # the kernels' arithmetic: over dim in order, product then sum
+        for k in range(DIM):
+            in_order = in_order + y[:, k : k + 1] * weight[:, k]
+        assert torch.equal(got, in_order)
     for bad in (torch.randn(4, DIM), torch.randn(1, DIM + 1), torch.randn(1, DIM, dtype=torch.float64)):
         with pytest.raises(ValueError, match="the bf16 head takes"):
             head_bf16_cpu.logits(bad, packed, VOCAB)
