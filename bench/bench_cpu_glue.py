@@ -1,6 +1,6 @@
 """The CPU torch path's per-layer glue at decode sizes, old form against new, side by side, bit for bit.
 
-Two pieces a dsv4-tiny decode step runs several times a layer, each timed in both forms in alternation on one
+Three pieces a dsv4-tiny decode step runs several times a layer, each timed in both forms in alternation on one
 torch thread (microseconds per call, median), with the largest difference of their outputs (0: bit for bit):
 - mHC's Sinkhorn rounds ([rows, 4, 4] fp32, 20 iterations; 2 sites a layer): what the CPU ran before (the same
   rounds as ~120 numpy calls up to 32 rows, `numpy_rounds` below as it was in model/hc.py; torch's ~120 tiny ops,
@@ -8,7 +8,11 @@ torch thread (microseconds per call, median), with the largest difference of the
   (`model/sinkhorn_cpu.py`);
 - RoPE on a [rows, heads, 128] tensor's last 64 channels (~5 a layer: q, kv, the inverse on the output, the
   indexer's q, the compressors' entries): the pairwise form (`dsv4_kernels.token_ops_ref.apply_rope_ref`, what
-  `model/rope.apply_rope` was) against `Rotation.apply`, per-channel tables made once a layer (`rope.rotate`).
+  `model/rope.apply_rope` was) against `Rotation.apply`, per-channel tables made once a layer (`rope.rotate`);
+- the 128-point Hadamard transform of the QAT simulation (the indexer's queries and its compressor's entries,
+  ~7 a step with numerics on) on [rows, heads, 128] bf16: its torch butterflies
+  (`dsv4_kernels.token_ops_ref.hadamard_ref`, what `numerics.hadamard` ran) against `numerics.hadamard` now
+  (numba-compiled, `model/hadamard_cpu.py`).
 
     python bench/bench_cpu_glue.py [--rows 1 16 64] [--repeats 400] [--json PATH]
 """
@@ -28,9 +32,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `bench.report`
 from bench.report import format_table
-from dsv4_kernels.token_ops_ref import apply_rope_ref
+from dsv4_kernels.token_ops_ref import apply_rope_ref, hadamard_ref
 from dsv4serve.model import sinkhorn_cpu
 from dsv4serve.model.hc import sinkhorn_rounds
+from dsv4serve.model.numerics import hadamard
 from dsv4serve.model.rope import Rotation, rope_cos_sin
 
 ITERS, EPS, HEADS, HEAD_DIM, ROPE_DIM = 20, 1e-6, 4, 128, 64  # dsv4-tiny's
@@ -90,6 +95,11 @@ def _rope_paths(rows: int, gen: torch.Generator) -> dict[str, Callable[[], torch
     return {"old": lambda: apply_rope_ref(x, cos, sin), "new": lambda: rot.apply(x)}
 
 
+def _hadamard_paths(rows: int, gen: torch.Generator) -> dict[str, Callable[[], torch.Tensor]]:
+    x = torch.randn(rows, HEADS, HEAD_DIM, generator=gen).to(torch.bfloat16)
+    return {"old": lambda: hadamard_ref(x).float(), "new": lambda: hadamard(x).float()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64])
@@ -99,7 +109,8 @@ def main() -> None:
     torch.set_num_threads(1)
     results: dict[str, dict[int, dict[str, float]]] = {}
     table = []
-    for piece, make in (("Sinkhorn rounds", _sinkhorn_paths), ("RoPE", _rope_paths)):
+    pieces = (("Sinkhorn rounds", _sinkhorn_paths), ("RoPE", _rope_paths), ("Hadamard", _hadamard_paths))
+    for piece, make in pieces:
         results[piece] = {}
         for rows in opts.rows:
             paths = make(rows, torch.Generator().manual_seed(rows))

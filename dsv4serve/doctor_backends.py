@@ -1,7 +1,8 @@
 """`dsv4serve doctor`: the CPU-side backends. The optional CPU expert backend (kt-kernel, --moe-backend hybrid):
 installed or not (and how to install it), its version against the one checked here, the CPU build it loads
 (AVX2, AVX-512 or AMX, from this CPU's flags), and the threads and NUMA nodes the worker would give it. The
-CPU torch path's compiled loops (numba: mHC's Sinkhorn rounds, the head's bf16 copy): whether they compile here.
+CPU torch path's compiled loops (numba: mHC's Sinkhorn rounds, the Hadamard transform, the head's bf16 copy):
+whether they compile here.
 """
 
 from __future__ import annotations
@@ -16,26 +17,33 @@ WHEEL_PYTHONS = ((3, 11), (3, 12))  # kt-kernel 0.7.2 ships wheels for CPython 3
 
 def check_cpu_loops() -> Check:
     """numba's loops of the CPU torch path, compiled (or loaded from numba's cache) here: without them the CPU
-    path runs torch's Sinkhorn rounds and MKL's fp32 head instead (the same values, slower)."""
-    from dsv4serve.model import head_bf16_cpu, sinkhorn_cpu
+    path runs torch's Sinkhorn rounds and Hadamard butterflies and MKL's fp32 head instead (the same values,
+    slower)."""
+    from dsv4serve.model import hadamard_cpu, head_bf16_cpu, sinkhorn_cpu
 
-    why = "numba could not compile the Sinkhorn rounds (the worker's log says why)"
+    why = "numba could not compile the Sinkhorn rounds or the Hadamard transform (the worker's log says why)"
     try:
         import numba
 
         version = numba.__version__
     except Exception as exc:  # a declared dependency missing or broken: report, never crash doctor
         version, why = None, f"{type(exc).__name__}: {exc}"
-    data = {"numba": version, "sinkhorn": sinkhorn_cpu.compiled() is not None, "head_bf16": False}
+    data = {
+        "numba": version,
+        "sinkhorn": sinkhorn_cpu.compiled() is not None,
+        "hadamard": hadamard_cpu.compiled() is not None,
+        "head_bf16": False,
+    }
     if version is not None:
         try:
             head_bf16_cpu.warm_up()
             data["head_bf16"] = True
         except Exception as exc:  # numba failing to compile on this machine
             why = f"{type(exc).__name__}: {exc}"
-    if data["sinkhorn"] and data["head_bf16"]:
-        return Check("CPU loops", "ok", f"numba {version}: mHC's Sinkhorn rounds and the bf16 head compile", data=data)
-    value = f"numba {version or 'missing'}: the CPU torch path runs torch's Sinkhorn rounds / MKL's head ({why})"
+    if data["sinkhorn"] and data["hadamard"] and data["head_bf16"]:
+        value = f"numba {version}: mHC's Sinkhorn rounds, the Hadamard transform and the bf16 head compile"
+        return Check("CPU loops", "ok", value, data=data)
+    value = f"numba {version or 'missing'}: the CPU torch path runs torch's ops for what did not compile ({why})"
     return Check("CPU loops", "warn", value, "pip install --force-reinstall numba (a dependency of dsv4serve)", data)
 
 

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from dsv4_kernels.formats import E2M1_VALUES, FP4_MAX, FP8_MAX
 from dsv4serve.model.backends import TORCH, KernelBackends
+from dsv4serve.model.hadamard_cpu import hadamard_cpu
 
 FP8_AMAX_FLOOR = 1e-4
 FP4_AMAX_FLOOR = 6.0 * 2.0**-126
@@ -141,6 +142,11 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
     if n & (n - 1):
         raise ValueError(f"Hadamard transform needs a power-of-two dim, got {n}")
     y = x.to(torch.promote_types(x.dtype, torch.float32))
+    if y.device.type == "cpu" and y.dtype == torch.float32 and not y.requires_grad:  # compiled (hadamard_cpu)
+        fresh = y if y.data_ptr() != x.data_ptr() else y.clone()  # transformed in place: never x's memory
+        flat = fresh.reshape(-1, n).contiguous()
+        if hadamard_cpu(flat.numpy()):
+            return flat.view(x.shape).to(x.dtype)
     h = 1
     while h < n:  # butterfly stages: pairs (i, i + h) inside blocks of 2h
         y = y.unflatten(-1, (-1, 2, h))

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dsv4serve.model import sinkhorn_cpu
+from dsv4serve.model import hadamard_cpu, sinkhorn_cpu
 from dsv4serve.model.args import ModelArgs
 from dsv4serve.model.attention import Attention
 from dsv4serve.model.backends import KernelBackends
@@ -198,11 +198,12 @@ class Transformer(nn.Module):
         `Numerics.backends` picks the path at each forward. The compressors' fused [wkv; wgate] weights are
         built here too (in bf16 with the compressor on Triton: its projection then runs on the head's
         kernel). The head on torch on the CPU is held K-major (layers.Linear.hold_k_major: MKL's fast layout
-        for one row), with a bf16 copy for one to three rows and a oneDNN-blocked one for more (model/cpu_head.py,
-        its compiled loops built here); routed experts on
-        torch are held as stacks (model/moe_stacked.py); mHC's Sinkhorn rounds on the CPU are compiled (or
-        loaded from numba's cache) here (model/sinkhorn_cpu.py). With the FP8 GEMM on Triton each attention's wq_a
-        and wkv are then held as one packed weight (model/joined_fp8.py: one launch for both)."""
+        for one row), with a bf16 copy for one to three rows and a oneDNN-blocked one for more
+        (model/cpu_head.py, its compiled loops built here); routed experts on torch are held as stacks
+        (model/moe_stacked.py); mHC's Sinkhorn rounds and the Hadamard transform on the CPU are compiled (or
+        loaded from numba's cache) here (model/sinkhorn_cpu.py, model/hadamard_cpu.py). With the FP8 GEMM on
+        Triton each attention's wq_a and wkv are then held as one packed weight (model/joined_fp8.py: one launch
+        for both)."""
         head = self.head.weight
         if backends.head == "torch" and head.device.type == "cpu":
             self.head.hold_k_major()
@@ -210,7 +211,8 @@ class Transformer(nn.Module):
         else:
             self._cpu_head = None
         if backends.hc == "torch" and head.device.type == "cpu":
-            sinkhorn_cpu.compiled()  # numba's compile (or cache load) now, not in the first step
+            sinkhorn_cpu.compiled()  # numba's compiles (or cache loads) now, not in the first step
+            hadamard_cpu.compiled()
         if backends.head == "triton" and head.dtype != torch.bfloat16:
             if torch.equal(head.to(torch.bfloat16).to(head.dtype), head):
                 self.head.weight = nn.Parameter(head.to(torch.bfloat16), requires_grad=False)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from dsv4_kernels import formats as quant
-from dsv4_kernels.token_ops_ref import apply_rope_ref
+from dsv4_kernels.token_ops_ref import apply_rope_ref, hadamard_ref
+from dsv4serve.model import hadamard_cpu
 from dsv4serve.model.args import args_from_dicts
 from dsv4serve.model.numerics import fp4_quant_dequant, fp8_quant_dequant, hadamard
 from dsv4serve.model.rope import Rotation, apply_rope, inv_freq, rope_cos_sin
@@ -69,6 +70,34 @@ def test_rope_matches_transformers_and_inverts():
     got = apply_rope(x, cos, sin)
     assert torch.allclose(got, want, atol=1e-6) and torch.equal(got[..., :24], x[..., :24])
     assert torch.allclose(apply_rope(got, cos, sin, inverse=True), x, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 4, 128), (16, 4, 128), (3, 64), (2, 2)])
+def test_the_compiled_hadamard_equals_the_torch_butterflies(dtype, shape):
+    """numerics.hadamard on the CPU (model/hadamard_cpu.py, numba) against the kernels' reference (the same
+    fp32 butterflies as torch ops): bit for bit, x untouched, also from a non-contiguous x; the compiled call
+    itself ran (not a fallback)."""
+    g = torch.Generator().manual_seed(shape[0])
+    for scale in (1e-3, 1.0, 3e4):
+        x = (torch.randn(*shape, generator=g) * scale).to(dtype)
+        before = x.clone()
+        got = hadamard(x)
+        assert got.dtype == dtype and torch.equal(got, hadamard_ref(x)) and torch.equal(x, before)
+    strided = x.transpose(0, -1).contiguous().transpose(0, -1)
+    assert torch.equal(hadamard(strided), hadamard_ref(x))
+    rows = x.float().reshape(-1, shape[-1]).clone()
+    assert hadamard_cpu.hadamard_cpu(rows.numpy()) and torch.equal(rows.view(shape).to(dtype), hadamard_ref(x))
+
+
+def test_without_numba_the_hadamard_runs_its_torch_ops(monkeypatch):
+    monkeypatch.setattr(hadamard_cpu, "compiled", lambda: None)
+    x = _randn(3, 128, seed=3)
+    rows = x.clone()
+    assert not hadamard_cpu.hadamard_cpu(rows.numpy()) and torch.equal(rows, x)
+    assert torch.equal(hadamard(x), hadamard_ref(x))
+    with pytest.raises(ValueError, match="contiguous float32"):
+        hadamard_cpu.hadamard_cpu(x.double().numpy())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

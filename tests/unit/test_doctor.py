@@ -415,3 +415,9 @@ def test_cpu_loops_line_warns_with_a_fix_when_numba_cannot_compile(monkeypatch):
     monkeypatch.setattr(sinkhorn_cpu, "compiled", lambda: None)
     check = doctor_backends.check_cpu_loops()
     assert check.status == "warn" and "Sinkhorn" in check.value and not check.data["sinkhorn"]
+    monkeypatch.undo()
+    from dsv4serve.model import hadamard_cpu
+
+    monkeypatch.setattr(hadamard_cpu, "compiled", lambda: None)
+    check = doctor_backends.check_cpu_loops()
+    assert check.status == "warn" and "Hadamard" in check.value and not check.data["hadamard"]
