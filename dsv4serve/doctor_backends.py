@@ -20,14 +20,16 @@ def check_cpu_loops() -> Check:
     path runs torch's Sinkhorn rounds and Hadamard butterflies and MKL's fp32 head instead (the same values,
     slower)."""
     from dsv4serve.model import hadamard_cpu, head_bf16_cpu, sinkhorn_cpu
+    from dsv4serve.model.numba_loops import failure
 
-    why = "numba could not compile the Sinkhorn rounds or the Hadamard transform (the worker's log says why)"
+    reasons = []
     try:
         import numba
 
         version = numba.__version__
     except Exception as exc:  # a declared dependency missing or broken: report, never crash doctor
-        version, why = None, f"{type(exc).__name__}: {exc}"
+        version = None
+        reasons.append(f"{type(exc).__name__}: {exc}")
     data = {
         "numba": version,
         "sinkhorn": sinkhorn_cpu.compiled() is not None,
@@ -39,11 +41,15 @@ def check_cpu_loops() -> Check:
             head_bf16_cpu.warm_up()
             data["head_bf16"] = True
         except Exception as exc:  # numba failing to compile on this machine
-            why = f"{type(exc).__name__}: {exc}"
-    if data["sinkhorn"] and data["hadamard"] and data["head_bf16"]:
+            reasons.append(f"{type(exc).__name__}: {exc}")
+    loops = {"sinkhorn": sinkhorn_cpu.WHAT, "hadamard": hadamard_cpu.WHAT, "head_bf16": head_bf16_cpu.WHAT}
+    missing = [what for key, what in loops.items() if not data[key]]
+    if not missing:
         value = f"numba {version}: mHC's Sinkhorn rounds, the Hadamard transform and the bf16 head compile"
         return Check("CPU loops", "ok", value, data=data)
-    value = f"numba {version or 'missing'}: the CPU torch path runs torch's ops for what did not compile ({why})"
+    reasons += [f"{what}: {failure(what)}" for what in missing if failure(what) and what != head_bf16_cpu.WHAT]
+    why = "; ".join(reasons) or "the worker's log says why"
+    value = f"numba {version or 'missing'}: no compiled {', '.join(missing)}; torch's ops run instead ({why})"
     return Check("CPU loops", "warn", value, "pip install --force-reinstall numba (a dependency of dsv4serve)", data)
 
 

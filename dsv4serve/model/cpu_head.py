@@ -70,6 +70,12 @@ class CpuHead:
             blocked, packed = _blocked_copy(weight.detach()), _bf16_copy(weight.detach())
         if blocked is None and packed is None:
             return None
+        if blocked is not None:  # from the first row count the bf16 copy does not take
+            log.info(
+                "head: batches of %d+ rows through oneDNN's blocked copy of the fp32 head (%.1f MiB more host memory)",
+                MIN_ONEDNN_ROWS if packed is None else head_bf16_cpu.MAX_ROWS + 1,
+                weight.numel() * weight.element_size() / 2**20,
+            )
         return cls(weight, blocked, packed)
 
     def __call__(self, y: torch.Tensor) -> torch.Tensor:
@@ -115,11 +121,6 @@ def _blocked_copy(weight: torch.Tensor) -> torch.Tensor | None:
     if not ok:
         log.warning("head: oneDNN's product is off MKL's by %.3g (bound %.3g); MKL runs batches of rows", err, bound)
         return None
-    log.info(
-        "head: batches of %d+ rows through oneDNN's blocked copy of the fp32 head (%.1f MiB more host memory)",
-        max(MIN_ONEDNN_ROWS, head_bf16_cpu.MAX_ROWS + 1),
-        weight.numel() * weight.element_size() / 2**20,
-    )
     return blocked
 
 

@@ -11,12 +11,11 @@ to fp32, in a few microseconds. Where numba cannot compile, numerics.hadamard ke
 from __future__ import annotations
 
 import functools
-import logging
 from collections.abc import Callable
 
 import numpy as np
 
-log = logging.getLogger(__name__)
+from dsv4serve.model.numba_loops import compile_loop
 
 
 def _transform(y: np.ndarray, scale: np.float32) -> None:  # pragma: no cover (runs compiled)
@@ -38,21 +37,14 @@ def _transform(y: np.ndarray, scale: np.float32) -> None:  # pragma: no cover (r
             v[i] = v[i] * scale
 
 
+WHAT = "Hadamard transform"  # its name in numba_loops' log and doctor's line
+
+
 @functools.cache
 def compiled() -> Callable[[np.ndarray, np.float32], None] | None:
     """The compiled transform (compiled or loaded from numba's cache on the first call); None where numba cannot
     compile it (logged once)."""
-    try:
-        import numba  # lazy: only the CPU's torch path needs it
-
-        transform = numba.njit(cache=True, nogil=True, boundscheck=False)(_transform)
-        transform(np.ones((1, 2), np.float32), np.float32(0.5))  # compile now
-    except Exception as exc:  # numba missing or failing here: numerics.hadamard's torch ops serve, slower
-        log.warning(
-            "numba cannot compile the CPU's Hadamard transform (%s: %s); torch's ops run", type(exc).__name__, exc
-        )
-        return None
-    return transform
+    return compile_loop(_transform, (np.ones((1, 2), np.float32), np.float32(0.5)), WHAT, "torch's ops run")
 
 
 def hadamard_cpu(y: np.ndarray) -> bool:

@@ -24,6 +24,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from dsv4serve.model.numba_loops import compile_loop, failure
+
 BLOCK = 64  # vocabulary rows a block (4 AVX-512 registers of fp32 accumulators)
 MAX_ROWS = 3  # the rows these kernels take; from four oneDNN's fp32 kernel wins (module doc)
 
@@ -64,12 +66,20 @@ def _few_rows(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:  # pragma:
                 out[r, b * BLOCK + j] = acc[r, j]
 
 
-@functools.cache
-def _compiled() -> tuple[Callable[..., None], Callable[..., None]]:
-    import numba  # lazy: only the CPU's torch path needs it
+WHAT = "bf16 head"  # its name in numba_loops' log and doctor's line
+FALLBACK = "the fp32 head serves"
 
-    jit = numba.njit(cache=True, nogil=True, boundscheck=False)
-    return jit(_one_row), jit(_few_rows)
+
+@functools.cache
+def compiled() -> tuple[Callable[..., None], Callable[..., None]] | None:
+    """The two loops, compiled (or loaded from numba's cache) on the first call; None where numba cannot compile
+    them (logged once): model/cpu_head.py then keeps the fp32 head."""
+    w = np.zeros((1, 2, BLOCK), np.uint16)
+    one_row = compile_loop(_one_row, (np.zeros(2, np.float32), w, np.empty(BLOCK, np.float32)), WHAT, FALLBACK)
+    few_rows = compile_loop(
+        _few_rows, (np.zeros((2, 2), np.float32), w, np.empty((2, BLOCK), np.float32)), WHAT, FALLBACK
+    )
+    return None if one_row is None or few_rows is None else (one_row, few_rows)
 
 
 def warm_up() -> None:
@@ -101,7 +111,10 @@ def logits(y: torch.Tensor, packed: np.ndarray, vocab: int) -> torch.Tensor:
         raise ValueError(
             f"the bf16 head takes 1-{MAX_ROWS} fp32 rows of {packed.shape[1]}, not {tuple(y.shape)} {y.dtype}"
         )
-    one_row, few_rows = _compiled()
+    loops = compiled()
+    if loops is None:
+        raise RuntimeError(f"numba could not compile the {WHAT}'s loops: {failure(WHAT)}")
+    one_row, few_rows = loops
     x = y.detach().contiguous().numpy()
     out = np.empty((rows, packed.shape[0] * BLOCK), np.float32)
     if rows == 1:

@@ -15,12 +15,11 @@ cannot compile, the torch rounds run instead (logged).
 from __future__ import annotations
 
 import functools
-import logging
 from collections.abc import Callable
 
 import numpy as np
 
-log = logging.getLogger(__name__)
+from dsv4serve.model.numba_loops import compile_loop
 
 HC = 4  # DeepSeek-V4's hc_mult: the order of 4-term sums is the one checked against torch's
 
@@ -48,21 +47,16 @@ def _rounds(comb: np.ndarray, n_iters: int, eps: np.float32) -> None:  # pragma:
                     c[i, k] = c[i, k] / s
 
 
+WHAT = "mHC Sinkhorn rounds"  # its name in numba_loops' log and doctor's line
+
+
 @functools.cache
 def compiled() -> Callable[[np.ndarray, int, np.float32], None] | None:
     """The compiled rounds, compiled (or loaded from numba's cache) on the first call; None when numba cannot
     compile them on this machine (logged once): hc.sinkhorn then runs torch's rounds, the same values."""
-    try:
-        import numba  # lazy: ~0.3 s to import, and only the CPU's torch path needs it
-
-        rounds = numba.njit(cache=True, nogil=True)(_rounds)
-        rounds(np.full((1, HC, HC), 0.25, np.float32), 1, np.float32(1e-6))  # compile now
-    except Exception as exc:  # numba missing or failing here: the torch rounds serve, slower
-        log.warning(
-            "mHC: numba cannot compile the CPU's Sinkhorn rounds (%s: %s); torch's rounds run", type(exc).__name__, exc
-        )
-        return None
-    return rounds
+    return compile_loop(
+        _rounds, (np.full((1, HC, HC), 0.25, np.float32), 1, np.float32(1e-6)), WHAT, "torch's rounds run"
+    )
 
 
 def supports(comb: np.ndarray) -> bool:

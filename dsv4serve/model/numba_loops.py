@@ -1,0 +1,41 @@
+"""The CPU torch path's loops compiled by numba (model/sinkhorn_cpu.py, hadamard_cpu.py, head_bf16_cpu.py): one
+way to compile them, with numba's on-disk cache, once per process, and to stand down where numba cannot.
+
+`compile_loop` compiles a plain-Python loop function without fast-math (the IEEE operations as written: every
+loop here is held bit for bit to a torch reference) and runs it once on sample arguments so that the compile (or
+the cache load) happens now. Where numba is missing or cannot compile, it logs the reason once, records it for
+`dsv4serve doctor` (`failure`), and returns None: the caller's torch ops serve instead.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+_failures: dict[str, str] = {}  # what -> why it did not compile
+
+
+def compile_loop(
+    fn: Callable[..., None], sample: tuple[Any, ...], what: str, instead: str
+) -> Callable[..., None] | None:
+    """fn compiled (numba.njit, cached on disk, GIL released) and run once on `sample`; None where it fails (logged:
+    `what` did not compile, `instead` serves)."""
+    try:
+        import numba  # lazy: ~0.3 s to import, and only the CPU's torch path needs it
+
+        loop = numba.njit(cache=True, nogil=True, boundscheck=False)(fn)
+        loop(*sample)
+    except Exception as exc:  # numba missing or failing on this machine: the caller's torch ops serve, slower
+        _failures[what] = f"{type(exc).__name__}: {exc}"
+        log.warning("numba cannot compile the CPU's %s (%s); %s", what, _failures[what], instead)
+        return None
+    _failures.pop(what, None)
+    return loop
+
+
+def failure(what: str) -> str | None:
+    """Why `what` did not compile in this process (None: it compiled, or was not tried)."""
+    return _failures.get(what)
