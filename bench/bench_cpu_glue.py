@@ -1,6 +1,6 @@
 """The CPU torch path's per-layer glue at decode sizes, old form against new, side by side, bit for bit.
 
-Three pieces a dsv4-tiny decode step runs several times a layer, each timed in both forms in alternation on one
+Four pieces a dsv4-tiny decode step runs once or several times a layer, each timed in both forms in alternation on one
 torch thread (microseconds per call, median), with the largest difference of their outputs (0: bit for bit):
 - mHC's Sinkhorn rounds ([rows, 4, 4] fp32, 20 iterations; 2 sites a layer): what the CPU ran before (the same
   rounds as ~120 numpy calls up to 32 rows, `numpy_rounds` below as it was in model/hc.py; torch's ~120 tiny ops,
@@ -12,7 +12,10 @@ torch thread (microseconds per call, median), with the largest difference of the
 - the 128-point Hadamard transform of the QAT simulation (the indexer's queries and its compressor's entries,
   ~7 a step with numerics on) on [rows, heads, 128] bf16: its torch butterflies
   (`dsv4_kernels.token_ops_ref.hadamard_ref`, what `numerics.hadamard` ran) against `numerics.hadamard` now
-  (numba-compiled, `model/hadamard_cpu.py`).
+  (numba-compiled, `model/hadamard_cpu.py`);
+- a layer's routed experts (`MoE._routed_torch`, 8 experts, top-2, MXFP4-valued weights, the FP8 simulation on, no
+  batch invariance: the server's CPU default): its torch ops (the per-expert loop, or the stacks' padded `bmm`
+  where most experts are busy) against the one numba-compiled call (`model/moe_cpu.py`).
 
     python bench/bench_cpu_glue.py [--rows 1 16 64] [--repeats 400] [--json PATH]
 """
@@ -20,6 +23,7 @@ torch thread (microseconds per call, median), with the largest difference of the
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -33,10 +37,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `bench.report`
 from bench.report import format_table
 from dsv4_kernels.token_ops_ref import apply_rope_ref, hadamard_ref
-from dsv4serve.model import sinkhorn_cpu
+from dsv4serve.model import moe_cpu, sinkhorn_cpu
+from dsv4serve.model.args import args_from_dicts
 from dsv4serve.model.hc import sinkhorn_rounds
-from dsv4serve.model.numerics import hadamard
+from dsv4serve.model.moe import MoE
+from dsv4serve.model.numerics import NUMERICS_ON, act_quant, fp4_quant_dequant, hadamard
 from dsv4serve.model.rope import Rotation, rope_cos_sin
+from dsv4serve.tiny.spec import TINY_CONFIG, inference_config
 
 ITERS, EPS, HEADS, HEAD_DIM, ROPE_DIM = 20, 1e-6, 4, 128, 64  # dsv4-tiny's
 NUMPY_ROWS_MAX = 32  # the most rows the numpy rounds took before
@@ -100,6 +107,31 @@ def _hadamard_paths(rows: int, gen: torch.Generator) -> dict[str, Callable[[], t
     return {"old": lambda: hadamard_ref(x).float(), "new": lambda: hadamard(x).float()}
 
 
+def _routed_paths(rows: int, gen: torch.Generator) -> dict[str, Callable[[], torch.Tensor]]:
+    args = args_from_dicts(TINY_CONFIG, inference_config(TINY_CONFIG))
+    num = dataclasses.replace(NUMERICS_ON, batch_invariant=False)
+    moe = MoE(args.n_hash_layers, args).eval()  # a scored layer
+    with torch.no_grad():
+        for name, p in moe.named_parameters():
+            value = torch.randn(p.shape, generator=gen) * 0.05
+            p.copy_(fp4_quant_dequant(value) if name.startswith("experts.") else value)
+    moe.stack_experts()  # as Transformer.use_kernels holds them (K-major stacks; compiles the loop)
+    x = torch.randn(rows, args.dim, generator=gen).to(num.compute_dtype)
+    with torch.inference_mode():
+        weights, ids = moe.gate(x, torch.zeros(rows, dtype=torch.long), num, None)
+    xq = act_quant(x, num)
+    compiled = moe_cpu.compiled
+
+    def torch_ops() -> torch.Tensor:
+        moe_cpu.compiled = lambda: None  # type: ignore[assignment]  # as where numba cannot compile
+        try:
+            return moe._routed_torch(xq, weights, ids, num)
+        finally:
+            moe_cpu.compiled = compiled  # type: ignore[assignment]
+
+    return {"old": torch_ops, "new": lambda: moe._routed_torch(xq, weights, ids, num)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64])
@@ -109,7 +141,12 @@ def main() -> None:
     torch.set_num_threads(1)
     results: dict[str, dict[int, dict[str, float]]] = {}
     table = []
-    pieces = (("Sinkhorn rounds", _sinkhorn_paths), ("RoPE", _rope_paths), ("Hadamard", _hadamard_paths))
+    pieces = (
+        ("Sinkhorn rounds", _sinkhorn_paths),
+        ("RoPE", _rope_paths),
+        ("Hadamard", _hadamard_paths),
+        ("routed experts", _routed_paths),
+    )
     for piece, make in pieces:
         results[piece] = {}
         for rows in opts.rows:

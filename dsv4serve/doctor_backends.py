@@ -17,9 +17,9 @@ WHEEL_PYTHONS = ((3, 11), (3, 12))  # kt-kernel 0.7.2 ships wheels for CPython 3
 
 def check_cpu_loops() -> Check:
     """numba's loops of the CPU torch path, compiled (or loaded from numba's cache) here: without them the CPU
-    path runs torch's Sinkhorn rounds and Hadamard butterflies and MKL's fp32 head instead (the same values,
-    slower)."""
-    from dsv4serve.model import hadamard_cpu, head_bf16_cpu, sinkhorn_cpu
+    path runs torch's Sinkhorn rounds, Hadamard butterflies and routed-expert ops and MKL's fp32 head instead (the
+    same values, slower)."""
+    from dsv4serve.model import hadamard_cpu, head_bf16_cpu, moe_cpu, sinkhorn_cpu
     from dsv4serve.model.numba_loops import failure
 
     reasons = []
@@ -34,6 +34,7 @@ def check_cpu_loops() -> Check:
         "numba": version,
         "sinkhorn": sinkhorn_cpu.compiled() is not None,
         "hadamard": hadamard_cpu.compiled() is not None,
+        "routed_experts": moe_cpu.compiled() is not None,
         "head_bf16": False,
     }
     if version is not None:
@@ -42,10 +43,18 @@ def check_cpu_loops() -> Check:
             data["head_bf16"] = True
         except Exception as exc:  # numba failing to compile on this machine
             reasons.append(f"{type(exc).__name__}: {exc}")
-    loops = {"sinkhorn": sinkhorn_cpu.WHAT, "hadamard": hadamard_cpu.WHAT, "head_bf16": head_bf16_cpu.WHAT}
+    loops = {
+        "sinkhorn": sinkhorn_cpu.WHAT,
+        "hadamard": hadamard_cpu.WHAT,
+        "routed_experts": moe_cpu.WHAT,
+        "head_bf16": head_bf16_cpu.WHAT,
+    }
     missing = [what for key, what in loops.items() if not data[key]]
     if not missing:
-        value = f"numba {version}: mHC's Sinkhorn rounds, the Hadamard transform and the bf16 head compile"
+        value = (
+            f"numba {version}: mHC's Sinkhorn rounds, the Hadamard transform, the routed experts and the bf16 head "
+            "compile"
+        )
         return Check("CPU loops", "ok", value, data=data)
     reasons += [f"{what}: {failure(what)}" for what in missing if failure(what) and what != head_bf16_cpu.WHAT]
     why = "; ".join(reasons) or "the worker's log says why"

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv4_kernels.formats import dequant_fp4, quant_fp4
+from dsv4serve.model import moe_cpu
 from dsv4serve.model.args import ModelArgs
 from dsv4serve.model.layers import Linear, TensorParallel
 from dsv4serve.model.moe_output import Combined
@@ -256,6 +257,8 @@ class MoE(nn.Module):
         self.stacked = None
         if self.expert_source is None and len(self.experts) == self.n_routed_experts and not self.not_owned:
             self.stacked = stack(self.experts)
+        if self.stacked is not None and self.stacked.w13.device.type == "cpu":
+            moe_cpu.compiled()  # numba's compile (or cache load) now, not in the first step
 
     def use_expert_cache(self, source: ExpertSource) -> None:
         """From now on the routed experts come from `source`; the resident copies are dropped (their
@@ -406,11 +409,18 @@ class MoE(nn.Module):
         Only the GEMMs run per expert, on its (token, expert) pairs in token order; the work between them
         (SwiGLU, routing weight, w2's FP8 input: elementwise or per token) runs once over every pair, and
         each token's outputs are summed in ascending expert order: the values of an expert-by-expert loop,
-        in a number of ops that grows by 3 GEMMs, not ~35 ops, per expert used.
+        in a number of ops that grows by 3 GEMMs, not ~35 ops, per expert used. On the CPU, with the experts
+        stacked in fp32 and no batch invariance, all of it is one compiled call (moe_cpu.py, `_compiled_for`).
 
         `partial` (experts split over ranks, `_split_experts`): each pair's w2 product uncast, [N, k, D] fp32 by
         pair (the pairs of `skip` 0), not summed: the sum over the ranks comes first."""
         n_tokens, k = ids.shape
+        if not partial and not skip and (compiled := self._compiled_for(num)) is not None:
+            y = moe_cpu.routed_experts(
+                x, ids, weights, compiled.w13, compiled.w2, self.swiglu_limit, num.compute_dtype, num.fp8_act
+            )
+            if y is not None:
+                return y
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         counts = torch.bincount(ids.flatten(), minlength=self.n_routed_experts).tolist()
         used = [e for e, count in enumerate(counts) if count and e not in skip]
@@ -443,6 +453,22 @@ class MoE(nn.Module):
         # then each token's pairs by ascending expert, added one by one: no atomics, the loop's order
         by_pair = out.new_zeros(n_tokens * k, out.shape[1]).index_copy_(0, pairs, out).view(n_tokens, k, -1)
         return by_pair if partial else self._sum_pairs(by_pair, ids, y)
+
+    def _compiled_for(self, num: Numerics) -> StackedExperts | None:
+        """The stacks where the step's pairs run as one compiled call (moe_cpu.py): experts resident, stacked in
+        fp32 on the CPU and still the experts' weights, no batch invariance (which runs each row's products as
+        one-row GEMMs), compute dtype fp32 or bf16."""
+        stacks = self.stacked
+        if (
+            stacks is None
+            or num.batch_invariant
+            or self.expert_source is not None
+            or stacks.w13.device.type != "cpu"
+            or stacks.w13.dtype != torch.float32
+            or num.compute_dtype not in (torch.float32, torch.bfloat16)
+        ):
+            return None
+        return stacks if stacks.holds(self.experts) else None
 
     def _stacks_for(self, counts: list[int], every_pair: bool, partial: bool, num: Numerics) -> StackedExperts | None:
         """The stacks when the step's pairs run best as two batched products over them (moe_stacked.py): experts

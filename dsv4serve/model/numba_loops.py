@@ -19,13 +19,22 @@ _failures: dict[str, str] = {}  # what -> why it did not compile
 
 
 def compile_loop(
-    fn: Callable[..., None], sample: tuple[Any, ...], what: str, instead: str
+    fn: Callable[..., None],
+    sample: tuple[Any, ...],
+    what: str,
+    instead: str,
+    helpers: tuple[Callable[..., Any], ...] = (),
 ) -> Callable[..., None] | None:
     """fn compiled (numba.njit, cached on disk, GIL released) and run once on `sample`; None where it fails (logged:
-    `what` did not compile, `instead` serves)."""
+    `what` did not compile, `instead` serves). `helpers`: functions of fn's module that fn calls, compiled first and
+    put in their own names' place in that module (numba resolves fn's calls there)."""
     try:
         import numba  # lazy: ~0.3 s to import, and only the CPU's torch path needs it
 
+        for helper in helpers:
+            if helper.__globals__ is not fn.__globals__:
+                raise ValueError(f"{helper.__name__} is not in {fn.__module__}")
+            fn.__globals__[helper.__name__] = numba.njit(cache=True, nogil=True, boundscheck=False)(helper)
         loop = numba.njit(cache=True, nogil=True, boundscheck=False)(fn)
         loop(*sample)
     except Exception as exc:  # numba missing or failing on this machine: the caller's torch ops serve, slower

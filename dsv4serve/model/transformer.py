@@ -199,9 +199,10 @@ class Transformer(nn.Module):
         built here too (in bf16 with the compressor on Triton: its projection then runs on the head's
         kernel). The head on torch on the CPU is held K-major (layers.Linear.hold_k_major: MKL's fast layout
         for one row), with a bf16 copy for one to three rows and a oneDNN-blocked one for more
-        (model/cpu_head.py, its compiled loops built here); routed experts on torch are held as stacks
-        (model/moe_stacked.py); mHC's Sinkhorn rounds and the Hadamard transform on the CPU are compiled (or
-        loaded from numba's cache) here (model/sinkhorn_cpu.py, model/hadamard_cpu.py). With the FP8 GEMM on
+        (model/cpu_head.py, its compiled loops built here); routed experts on torch are held as K-major stacks
+        (model/moe_stacked.py), their numba-compiled loop (model/moe_cpu.py), mHC's Sinkhorn rounds and the
+        Hadamard transform on the CPU compiled (or loaded from numba's cache) here (model/sinkhorn_cpu.py,
+        model/hadamard_cpu.py). With the FP8 GEMM on
         Triton each attention's wq_a and wkv are then held as one packed weight (model/joined_fp8.py: one launch
         for both)."""
         head = self.head.weight

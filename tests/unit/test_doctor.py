@@ -421,3 +421,10 @@ def test_cpu_loops_line_warns_with_a_fix_when_numba_cannot_compile(monkeypatch):
     monkeypatch.setattr(hadamard_cpu, "compiled", lambda: None)
     check = doctor_backends.check_cpu_loops()
     assert check.status == "warn" and "Hadamard" in check.value and not check.data["hadamard"]
+    monkeypatch.undo()
+    from dsv4serve.model import moe_cpu
+
+    monkeypatch.setattr(moe_cpu, "compiled", lambda: None)
+    check = doctor_backends.check_cpu_loops()
+    assert check.status == "warn" and "routed experts" in check.value and not check.data["routed_experts"]
+    assert check.data["hadamard"] and check.data["sinkhorn"]

@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 import torch
 
+from dsv4serve.model import moe_cpu
 from dsv4serve.model.args import args_from_dicts
 from dsv4serve.model.moe import MoE
 from dsv4serve.model.moe_stacked import StackedExperts
@@ -45,6 +46,7 @@ def test_a_step_with_most_experts_busy_runs_the_stacks_to_the_loops_bits(base, n
     x, weights, ids = _routes(loop, n_tokens, num)
     counts = torch.bincount(ids.flatten(), minlength=ARGS.n_routed_experts).tolist()
     assert StackedExperts.worth(counts)  # this routing takes the stacked path
+    monkeypatch.setattr(moe_cpu, "compiled", lambda: None)  # the stacks' torch ops, not the compiled call
     used = []
     real = StackedExperts.gate_up
     monkeypatch.setattr(StackedExperts, "gate_up", lambda self, *a: used.append(1) or real(self, *a))
@@ -71,8 +73,9 @@ def test_the_stacks_hold_the_experts_weights_without_a_copy():
             assert w.untyped_storage().data_ptr() == stacks.w13.untyped_storage().data_ptr()
         assert expert.w2.weight.untyped_storage().data_ptr() == stacks.w2.untyped_storage().data_ptr()
         assert torch.equal(
-            stacks.w13[e], torch.cat((before[f"experts.{e}.w1.weight"], before[f"experts.{e}.w3.weight"]))
-        )
+            stacks.w13[e], torch.cat((before[f"experts.{e}.w1.weight"], before[f"experts.{e}.w3.weight"])).t()
+        )  # K-major: [D, 2I]
+        assert stacks.w13.is_contiguous() and stacks.w2.is_contiguous()
 
 
 def test_the_loop_runs_where_the_stacks_would_pad_too_much_or_no_longer_hold():
@@ -92,4 +95,4 @@ def test_the_loop_runs_where_the_stacks_would_pad_too_much_or_no_longer_hold():
     assert moe._stacks_for(counts, True, False, num) is None
     moe.stack_experts()  # made anew over the current weights (use_kernels after a cut or a reload)
     assert moe._stacks_for(counts, True, False, num) is moe.stacked
-    assert moe.stacked is not None and torch.equal(moe.stacked.w2[3], moe.experts[3].w2.weight)
+    assert moe.stacked is not None and torch.equal(moe.stacked.w2[3].t(), moe.experts[3].w2.weight)

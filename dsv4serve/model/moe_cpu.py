@@ -1,0 +1,274 @@
+"""The routed experts of a decode step on the CPU's torch path in one numba call: MoE._routed_torch's arithmetic
+(gate / up, clamped SwiGLU, routing weight, w2's FP8 input, w2, each token's sum by ascending expert), without its
+~70 torch ops a layer.
+
+On dsv4-tiny a layer's routed experts are ~0.35 ms at one decoding row and ~0.75 ms at 16 (of which ~0.05 ms
+arithmetic): the per-expert GEMMs, or the stacks' two padded `bmm`, and the glue around them (bincount, sort,
+placement, SwiGLU, the FP8 simulation, the sum by pair). Here every pair (token, expert) runs in one call: the
+pairs grouped by expert so that each expert's weights are read once, each product a sum over K in ascending order
+vectorized across the outputs, which needs the stacks K-major ([E, D, 2I] and [E, I, D], moe_stacked.py).
+
+The roundings are the torch path's: gate and up rounded to the compute dtype (bf16: round to nearest even), the
+clamp, silu in fp64 rounded to fp32 (`numerics.in_fp64`: x / (1 + exp(-x))), times up, times the routing weight,
+rounded to the compute dtype, the FP8 quantize-dequantize of w2's input in blocks of 128 (`numerics.act_quant`:
+ue8m0 scale, e4m3 round to nearest even), w2's product rounded to the compute dtype, and each token's outputs
+added in fp32 by ascending expert onto zeros. The sums over K run in ascending order; MKL's run in its own: with
+the FP8 / MXFP4 simulation on, products of few significant bits whose fp32 sums do not round on dsv4-tiny, the
+values are the torch path's bit for bit (tests/unit/test_moe_cpu.py); without it, within fp32 rounding. No
+fast-math (numba_loops): no fused multiply-add, no reordering.
+
+Each row's arithmetic is independent of the other rows (a fixed order), but differs from the one-row GEMMs that
+--batch-invariant runs, so MoE uses this call only without batch invariance, on resident dense fp32 experts
+(`MoE._compiled_for`). Where numba cannot compile it, the torch path runs (logged; doctor's "CPU loops" line).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from dsv4_kernels.formats import FP8_MAX
+from dsv4serve.model.numba_loops import compile_loop
+from dsv4serve.model.numerics import ACT_BLOCK, FP8_AMAX_FLOOR
+
+E4M3_MIN_NORMAL_BITS = 0x3C800000  # 2^-6 in fp32: below it e4m3 values are multiples of 2^-9 (subnormals)
+SUBNORMAL_SHIFTER = np.float32(2.0**14)  # (a + 2^14) - 2^14 rounds 0 <= a < 2^-6 to a multiple of 2^-9, to even
+LOG2E = 1.4426950408889634
+LN2_HI = 6.93147180369123816490e-01  # fdlibm's ln 2 in two parts: k * LN2_HI is exact for |k| < 2^20
+LN2_LO = 1.90821492927058770002e-10
+EXP_TAYLOR = np.array([1.0 / math.factorial(j) for j in range(14)])  # exp's Taylor coefficients, degree 13
+
+
+def _to_bf16(v: np.ndarray) -> None:  # pragma: no cover (runs compiled)
+    """v float32 rounded in place to bf16 values (round to nearest even; NaN stays NaN), as `.to(torch.bfloat16)`."""
+    u = v.view(np.uint32)
+    for i in range(u.shape[0]):
+        b = u[i]
+        if (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+            u[i] = (b | np.uint32(0x00400000)) & np.uint32(0xFFFF0000)
+        else:
+            u[i] = (b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
+
+
+def _fp8_quant_dequant(v: np.ndarray, block: int, floor: np.float32, fp8_max: np.float32, scratch: np.ndarray) -> None:
+    """v float32 in place: numerics.fp8_quant_dequant over blocks of `block` (a partial last block its own).
+    scratch: one float32 (its uint32 view makes the ue8m0 scale)."""  # pragma: no cover (runs compiled)
+    su = scratch.view(np.uint32)
+    u = v.view(np.uint32)
+    for b0 in range(0, v.shape[0], block):
+        b1 = min(b0 + block, v.shape[0])
+        amax = np.float32(0.0)
+        for i in range(b0, b1):
+            a = abs(v[i])
+            if a > amax or a != a:
+                amax = a
+        scratch[0] = max(amax, floor) / fp8_max
+        su[0] = (su[0] + np.uint32(0x7FFFFF)) & np.uint32(0xFF800000)  # the power of two at or above
+        scale = scratch[0]
+        for i in range(b0, b1):
+            v[i] = min(max(v[i] / scale, -fp8_max), fp8_max)  # exact but for the clamp: a power of two
+        for i in range(b0, b1):  # to e4m3, to nearest even
+            b = u[i]
+            if (b & np.uint32(0x7FFFFFFF)) < np.uint32(E4M3_MIN_NORMAL_BITS):  # subnormal: multiples of 2^-9
+                v[i] = (abs(v[i]) + SUBNORMAL_SHIFTER) - SUBNORMAL_SHIFTER  # fp32's ulp at 2^14 is 2^-9
+                u[i] = u[i] | (b & np.uint32(0x80000000))
+            else:  # 3 mantissa bits
+                u[i] = (b + np.uint32(0x7FFFF) + ((b >> np.uint32(20)) & np.uint32(1))) & np.uint32(0xFFF00000)
+        for i in range(b0, b1):
+            v[i] = v[i] * scale
+
+
+def _swiglu(
+    h: np.ndarray,
+    limit: np.float32,
+    weight: np.float32,
+    out: np.ndarray,
+    g64: np.ndarray,
+    p64: np.ndarray,
+    s64: np.ndarray,
+) -> None:  # pragma: no cover (runs compiled)
+    """h [2I] float32 (gate, then up) -> out [I] float32: weight * (silu(gate) * up), gate and up clamped first
+    (limit > 0), silu in fp64 rounded to fp32 as numerics.in_fp64(F.silu): g / (1 + exp(-g)).
+
+    exp(x) is computed here as p(r) * 2^k (k = rint(x / ln 2), r = x - k ln 2 in two parts, p the Taylor polynomial
+    of degree 13 on |r| <= ln 2 / 2: within a few fp64 ulp) so that the loops vectorize: libm's scalar exp was ~40%
+    of the call. Rounded to fp32, the quotient is torch's but where it lies within a few fp64 ulp of a tie between
+    two fp32 values (about one value in 2^25; tests/unit/test_moe_cpu.py checks 2^20 values and the edges).
+    g64, p64, s64: fp64 scratch of I values (s64's int64 view holds 2^k's bits)."""
+    inter = out.shape[0]
+    k64 = s64.view(np.int64)
+    for i in range(inter):
+        g = h[i]
+        if limit > 0:
+            g = min(g, limit)
+        g64[i] = np.float64(g)
+    for i in range(inter):
+        x = min(max(-g64[i], -745.0), 710.0)  # below: 1 + exp(x) is 1 in fp64; above: exp(x) is inf
+        k = np.rint(x * LOG2E)
+        r = (x - k * LN2_HI) - k * LN2_LO
+        p = EXP_TAYLOR[13]
+        for j in range(12, -1, -1):
+            p = p * r + EXP_TAYLOR[j]
+        p64[i] = p
+        k64[i] = min(max(np.int64(k) + 1023, 0), 2047) << 52  # 2^k's bits (0: +0.0, 2047: inf)
+    for i in range(inter):
+        u = h[inter + i]
+        if limit > 0:
+            u = min(max(u, -limit), limit)
+        silu = np.float32(g64[i] / (1.0 + p64[i] * s64[i]))
+        out[i] = weight * (silu * u)
+
+
+def _routed(
+    x: np.ndarray,
+    ids: np.ndarray,
+    weights: np.ndarray,
+    w13: np.ndarray,
+    w2: np.ndarray,
+    limit: np.float32,
+    bf16: bool,
+    fp8: bool,
+    y: np.ndarray,
+) -> None:  # pragma: no cover (runs compiled)
+    """x [N, D] f32 (w1 / w3's input, already through act_quant), ids [N, k] int64, weights [N, k] f32, w13 [E, D,
+    2I] f32 (w1's columns, then w3's), w2 [E, I, D] f32 -> y [N, D] f32 (written): the routed experts' sum."""
+    n_tokens, k = ids.shape
+    n_experts, dim, two_inter = w13.shape
+    inter = two_inter // 2
+    pairs = n_tokens * k
+    counts = np.zeros(n_experts + 1, np.int64)
+    for p in range(pairs):
+        e = ids[p // k, p % k]
+        if e < 0 or e >= n_experts:
+            raise ValueError("an expert id is out of range")
+        counts[e + 1] += 1
+    for e in range(n_experts):
+        counts[e + 1] += counts[e]  # now each expert's first slot in `order`
+    order = np.empty(pairs, np.int64)
+    fill = counts[:n_experts].copy()
+    for p in range(pairs):
+        e = ids[p // k, p % k]
+        order[fill[e]] = p
+        fill[e] += 1
+    busiest = 0
+    for e in range(n_experts):
+        busiest = max(busiest, counts[e + 1] - counts[e])
+    h = np.empty((busiest, two_inter), np.float32)
+    act = np.empty((busiest, inter), np.float32)
+    out = np.empty((pairs, dim), np.float32)  # each pair's w2 product, by pair n * k + j
+    scratch = np.empty(1, np.float32)
+    g64, p64, s64 = np.empty(inter), np.empty(inter), np.empty(inter)
+    for e in range(n_experts):
+        first, count = counts[e], counts[e + 1] - counts[e]
+        if count == 0:
+            continue
+        h[:count] = 0.0
+        for d in range(dim):  # gate / up: sum over D ascending, across the outputs at once
+            row = w13[e, d]
+            for m in range(count):
+                p = order[first + m]
+                xd = x[p // k, d]
+                acc = h[m]
+                for i in range(two_inter):
+                    acc[i] = acc[i] + xd * row[i]
+        for m in range(count):
+            p = order[first + m]
+            hm = h[m]
+            if bf16:
+                _to_bf16(hm)
+            a = act[m]
+            _swiglu(hm, limit, weights[p // k, p % k], a, g64, p64, s64)
+            if bf16:
+                _to_bf16(a)
+            if fp8:
+                _fp8_quant_dequant(a, ACT_BLOCK, np.float32(FP8_AMAX_FLOOR), np.float32(FP8_MAX), scratch)
+            o = out[p]
+            o[:] = 0.0
+            for i in range(inter):  # w2: sum over I ascending, across the outputs at once
+                ai = a[i]
+                row = w2[e, i]
+                for c in range(dim):
+                    o[c] = o[c] + ai * row[c]
+            if bf16:
+                _to_bf16(o)
+    rank = np.empty(k, np.int64)
+    for t in range(n_tokens):  # each token's pairs by ascending expert (stable), added onto zeros
+        for j in range(k):  # insertion sort of the k pairs
+            m = j
+            while m > 0 and ids[t, rank[m - 1]] > ids[t, j]:
+                rank[m] = rank[m - 1]
+                m -= 1
+            rank[m] = j
+        for c in range(dim):
+            y[t, c] = 0.0
+        for j in range(k):
+            p = t * k + rank[j]
+            for c in range(dim):
+                y[t, c] = y[t, c] + out[p, c]
+
+
+WHAT = "routed experts"  # its name in numba_loops' log and doctor's line
+
+
+def _sample() -> tuple:
+    x = np.zeros((1, 2), np.float32)
+    return (
+        x,
+        np.zeros((1, 1), np.int64),
+        np.ones((1, 1), np.float32),
+        np.zeros((1, 2, 2), np.float32),
+        np.zeros((1, 1, 2), np.float32),
+        np.float32(10.0),
+        True,
+        True,
+        np.empty_like(x),
+    )
+
+
+@functools.cache
+def compiled() -> Callable[..., None] | None:
+    """The compiled loop (compiled or loaded from numba's cache on the first call); None where numba cannot compile
+    it on this machine (logged once): MoE then runs the torch path."""
+    return compile_loop(
+        _routed, _sample(), WHAT, "the routed experts run as torch ops", helpers=(_to_bf16, _fp8_quant_dequant, _swiglu)
+    )
+
+
+def routed_experts(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    swiglu_limit: float,
+    compute_dtype: torch.dtype,
+    fp8_act: bool,
+) -> torch.Tensor | None:
+    """The routed experts' sum [N, D] fp32 of x [N, D] (act_quant's output, any float dtype) over ids / weights
+    [N, k], from K-major stacks w13 [E, D, 2I] and w2 [E, I, D] fp32 on the CPU; None where the loop did not
+    compile (the caller's torch path serves)."""
+    loop = compiled()
+    if loop is None:
+        return None
+    if compute_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"the compiled routed experts round to fp32 or bf16, not {compute_dtype}")
+    for name, t in (("w13", w13), ("w2", w2)):
+        if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous fp32 CPU stack, got {t.dtype} on {t.device}")
+    y = torch.empty(x.shape, dtype=torch.float32)
+    loop(
+        x.float().contiguous().numpy(),
+        ids.to(torch.int64).contiguous().numpy(),
+        weights.float().contiguous().numpy(),
+        w13.numpy(),
+        w2.numpy(),
+        np.float32(swiglu_limit),
+        compute_dtype == torch.bfloat16,
+        fp8_act,
+        y.numpy(),
+    )
+    return y
