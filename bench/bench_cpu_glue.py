@@ -1,6 +1,6 @@
 """The CPU torch path's per-layer glue at decode sizes, old form against new, side by side, bit for bit.
 
-Four pieces a dsv4-tiny decode step runs once or several times a layer, each timed in both forms in alternation on one
+Five pieces a dsv4-tiny decode step runs once or several times a layer, each timed in both forms in alternation on one
 torch thread (microseconds per call, median), with the largest difference of their outputs (0: bit for bit):
 - mHC's Sinkhorn rounds ([rows, 4, 4] fp32, 20 iterations; 2 sites a layer): what the CPU ran before (the same
   rounds as ~120 numpy calls up to 32 rows, `numpy_rounds` below as it was in model/hc.py; torch's ~120 tiny ops,
@@ -15,7 +15,10 @@ torch thread (microseconds per call, median), with the largest difference of the
   (numba-compiled, `model/hadamard_cpu.py`);
 - a layer's routed experts (`MoE._routed_torch`, 8 experts, top-2, MXFP4-valued weights, the FP8 simulation on, no
   batch invariance: the server's CPU default): its torch ops (the per-expert loop, or the stacks' padded `bmm`
-  where most experts are busy) against the one numba-compiled call (`model/moe_cpu.py`).
+  where most experts are busy) against the one numba-compiled call (`model/moe_cpu.py`);
+- a CSA compressor's decode update up to its pooled windows (ratio 4, overlapping, d = 128; 5 compressors a step:
+  CSA's and its indexer's, HCA's): its torch ops (`Compressor._carry_pool_torch`) against the one numba-compiled
+  call (`model/compressor_cpu.py`), from the same carry.
 
     python bench/bench_cpu_glue.py [--rows 1 16 64] [--repeats 400] [--json PATH]
 """
@@ -30,6 +33,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -37,9 +41,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `bench.report`
 from bench.report import format_table
 from dsv4_kernels.token_ops_ref import apply_rope_ref, hadamard_ref
-from dsv4serve.model import moe_cpu, sinkhorn_cpu
+from dsv4serve.model import compressor_cpu, moe_cpu, sinkhorn_cpu
 from dsv4serve.model.args import args_from_dicts
+from dsv4serve.model.compressor import Compressor
 from dsv4serve.model.hc import sinkhorn_rounds
+from dsv4serve.model.kv_pool import CompressedCache
 from dsv4serve.model.moe import MoE
 from dsv4serve.model.numerics import NUMERICS_ON, act_quant, fp4_quant_dequant, hadamard
 from dsv4serve.model.rope import Rotation, rope_cos_sin
@@ -47,6 +53,7 @@ from dsv4serve.tiny.spec import TINY_CONFIG, inference_config
 
 ITERS, EPS, HEADS, HEAD_DIM, ROPE_DIM = 20, 1e-6, 4, 128, 64  # dsv4-tiny's
 NUMPY_ROWS_MAX = 32  # the most rows the numpy rounds took before
+CARRY = ("pending_kv", "pending_score", "prev_kv", "prev_score")  # what a compressor's decode update writes
 
 
 def numpy_rounds(comb: np.ndarray, n_iters: int, eps: float) -> None:
@@ -132,6 +139,35 @@ def _routed_paths(rows: int, gen: torch.Generator) -> dict[str, Callable[[], tor
     return {"old": torch_ops, "new": lambda: moe._routed_torch(xq, weights, ids, num)}
 
 
+def _compressor_paths(rows: int, gen: torch.Generator) -> dict[str, Callable[[], torch.Tensor]]:
+    args = args_from_dicts(TINY_CONFIG, inference_config(TINY_CONFIG))
+    num = dataclasses.replace(NUMERICS_ON, batch_invariant=False)
+    comp = Compressor(args, 4, HEAD_DIM, rotate=False)
+    with torch.no_grad():
+        comp.ape.copy_(torch.randn(comp.ape.shape, generator=gen))
+    kv, gate = torch.randn(2, rows, 2 * HEAD_DIM, generator=gen)
+    start = CompressedCache.empty(4, 64, HEAD_DIM, 4 * rows, rows, torch.bfloat16, torch.device("cpu"))
+    for t in start.tensors():
+        t.copy_(torch.randn(t.shape, generator=gen))
+    pos = torch.arange(rows) * 7 + 30  # rows at different window offsets, every one past its first window
+    layout = SimpleNamespace(positions64=pos, slots64=torch.arange(rows))
+
+    def fresh() -> CompressedCache:
+        return dataclasses.replace(start, **{f: getattr(start, f).clone() for f in CARRY})
+
+    def torch_ops() -> torch.Tensor:
+        return comp._carry_pool_torch(kv, gate, layout, fresh(), num)  # type: ignore[arg-type]
+
+    def compiled() -> torch.Tensor:
+        c = fresh()
+        carry = (c.pending_kv, c.pending_score, c.prev_kv, c.prev_score)
+        pooled = compressor_cpu.carry_and_pool(kv, gate, comp.ape, pos, layout.slots64, carry, HEAD_DIM)
+        assert pooled is not None, "numba did not compile the compressor's update"
+        return pooled
+
+    return {"old": torch_ops, "new": compiled}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64])
@@ -146,6 +182,7 @@ def main() -> None:
         ("RoPE", _rope_paths),
         ("Hadamard", _hadamard_paths),
         ("routed experts", _routed_paths),
+        ("compressor update", _compressor_paths),
     )
     for piece, make in pieces:
         results[piece] = {}

@@ -20,6 +20,7 @@ import logging
 import torch
 from torch import nn
 
+from dsv4serve.model import compressor_cpu
 from dsv4serve.model.args import ModelArgs
 from dsv4serve.model.backends import KernelBackends
 from dsv4serve.model.batch import BatchLayout
@@ -197,7 +198,8 @@ class Compressor(nn.Module):
         entry of the row's current window is computed for every row and written at its index p // ratio
         (its page holds position p, so it exists): a window that did not close yet writes a partial entry
         nobody reads (reads stop at (t + 1) // ratio) and that its closing overwrites. The overlap half
-        moves to `prev` only for the rows whose window closed. On Triton: all of it in one launch."""
+        moves to `prev` only for the rows whose window closed. On Triton: all of it in one launch; on the CPU
+        without batch invariance, all of it up to the pooled windows in one compiled call (compressor_cpu.py)."""
         if num.backends.compressor == "triton":
             from dsv4_kernels.compressor_decode import compressor_decode  # lazy: kernels build on import
 
@@ -207,6 +209,22 @@ class Compressor(nn.Module):
                 freqs, self._entry_mode(num), num.compute_dtype, self.head_dim - self.rope_head_dim,
             )  # fmt: skip
             return
+        pos = layout.positions64
+        pooled = None
+        if kv.device.type == "cpu" and not num.batch_invariant:  # compiled (compressor_cpu.py): the same values
+            carry = (cache.pending_kv, cache.pending_score, cache.prev_kv, cache.prev_score)
+            pooled = compressor_cpu.carry_and_pool(kv, gate, self.ape, pos, layout.slots64, carry, self.head_dim)
+        if pooled is None:
+            pooled = self._carry_pool_torch(kv, gate, layout, cache, num)
+        entry = self._finish(pooled, pos, self.ratio, freqs, num)  # [B, d]
+        entry_idx = pos // self.ratio
+        pages = layout.table64.gather(1, (entry_idx // cache.per_page)[:, None])[:, 0]
+        cache.entries[pages, entry_idx % cache.per_page] = entry.to(cache.entries.dtype)
+
+    def _carry_pool_torch(
+        self, kv: torch.Tensor, gate: torch.Tensor, layout: BatchLayout, cache: CompressedCache, num: Numerics
+    ) -> torch.Tensor:
+        """update_decode's carry writes and each row's current window pooled [B, d] fp32, as torch ops."""
         ratio = self.ratio
         pos, slots = layout.positions64, layout.slots64
         j = pos % ratio
@@ -227,9 +245,7 @@ class Compressor(nn.Module):
             cache.prev_score[slots] = torch.where(closes, win_score[..., :d], old_score)
             win_kv = torch.cat((prev_kv, win_kv[..., d:]), dim=1)
             win_score = torch.cat((prev_score, win_score[..., d:]), dim=1)
-        entry = self._finish(self._pool(win_kv, win_score, num), pos, ratio, freqs, num)  # [B, d]
-        pages = layout.table64.gather(1, (entry_idx // cache.per_page)[:, None])[:, 0]
-        cache.entries[pages, entry_idx % cache.per_page] = entry.to(cache.entries.dtype)
+        return self._pool(win_kv, win_score, num)
 
     @staticmethod
     def _pool(kv: torch.Tensor, score: torch.Tensor, num: Numerics) -> torch.Tensor:

@@ -25,7 +25,6 @@ Each row's arithmetic is independent of the other rows (a fixed order), but diff
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 
 import numpy as np
@@ -33,14 +32,11 @@ import torch
 
 from dsv4_kernels.formats import FP8_MAX
 from dsv4serve.model.numba_loops import compile_loop
+from dsv4serve.model.numba_math import exp_inplace
 from dsv4serve.model.numerics import ACT_BLOCK, FP8_AMAX_FLOOR
 
 E4M3_MIN_NORMAL_BITS = 0x3C800000  # 2^-6 in fp32: below it e4m3 values are multiples of 2^-9 (subnormals)
 SUBNORMAL_SHIFTER = np.float32(2.0**14)  # (a + 2^14) - 2^14 rounds 0 <= a < 2^-6 to a multiple of 2^-9, to even
-LOG2E = 1.4426950408889634
-LN2_HI = 6.93147180369123816490e-01  # fdlibm's ln 2 in two parts: k * LN2_HI is exact for |k| < 2^20
-LN2_LO = 1.90821492927058770002e-10
-EXP_TAYLOR = np.array([1.0 / math.factorial(j) for j in range(14)])  # exp's Taylor coefficients, degree 13
 
 
 def _to_bf16(v: np.ndarray) -> None:  # pragma: no cover (runs compiled)
@@ -92,34 +88,22 @@ def _swiglu(
     s64: np.ndarray,
 ) -> None:  # pragma: no cover (runs compiled)
     """h [2I] float32 (gate, then up) -> out [I] float32: weight * (silu(gate) * up), gate and up clamped first
-    (limit > 0), silu in fp64 rounded to fp32 as numerics.in_fp64(F.silu): g / (1 + exp(-g)).
-
-    exp(x) is computed here as p(r) * 2^k (k = rint(x / ln 2), r = x - k ln 2 in two parts, p the Taylor polynomial
-    of degree 13 on |r| <= ln 2 / 2: within a few fp64 ulp) so that the loops vectorize: libm's scalar exp was ~40%
-    of the call. Rounded to fp32, the quotient is torch's but where it lies within a few fp64 ulp of a tie between
-    two fp32 values (about one value in 2^25; tests/unit/test_moe_cpu.py checks 2^20 values and the edges).
-    g64, p64, s64: fp64 scratch of I values (s64's int64 view holds 2^k's bits)."""
+    (limit > 0), silu in fp64 rounded to fp32 as numerics.in_fp64(F.silu): g / (1 + exp(-g)), exp by
+    numba_math.exp_inplace (vectorized; rounded to fp32, torch's values: tests/unit/test_moe_cpu.py checks 2^20
+    and the edges). g64, p64, s64: fp64 scratch of I values."""
     inter = out.shape[0]
-    k64 = s64.view(np.int64)
     for i in range(inter):
         g = h[i]
         if limit > 0:
             g = min(g, limit)
         g64[i] = np.float64(g)
-    for i in range(inter):
-        x = min(max(-g64[i], -745.0), 710.0)  # below: 1 + exp(x) is 1 in fp64; above: exp(x) is inf
-        k = np.rint(x * LOG2E)
-        r = (x - k * LN2_HI) - k * LN2_LO
-        p = EXP_TAYLOR[13]
-        for j in range(12, -1, -1):
-            p = p * r + EXP_TAYLOR[j]
-        p64[i] = p
-        k64[i] = min(max(np.int64(k) + 1023, 0), 2047) << 52  # 2^k's bits (0: +0.0, 2047: inf)
+        p64[i] = -g64[i]
+    exp_inplace(p64, s64)
     for i in range(inter):
         u = h[inter + i]
         if limit > 0:
             u = min(max(u, -limit), limit)
-        silu = np.float32(g64[i] / (1.0 + p64[i] * s64[i]))
+        silu = np.float32(g64[i] / (1.0 + p64[i]))
         out[i] = weight * (silu * u)
 
 
@@ -234,7 +218,11 @@ def compiled() -> Callable[..., None] | None:
     """The compiled loop (compiled or loaded from numba's cache on the first call); None where numba cannot compile
     it on this machine (logged once): MoE then runs the torch path."""
     return compile_loop(
-        _routed, _sample(), WHAT, "the routed experts run as torch ops", helpers=(_to_bf16, _fp8_quant_dequant, _swiglu)
+        _routed,
+        _sample(),
+        WHAT,
+        "the routed experts run as torch ops",
+        helpers=(_to_bf16, _fp8_quant_dequant, exp_inplace, _swiglu),
     )
 
 

@@ -26,15 +26,18 @@ def compile_loop(
     helpers: tuple[Callable[..., Any], ...] = (),
 ) -> Callable[..., None] | None:
     """fn compiled (numba.njit, cached on disk, GIL released) and run once on `sample`; None where it fails (logged:
-    `what` did not compile, `instead` serves). `helpers`: functions of fn's module that fn calls, compiled first and
-    put in their own names' place in that module (numba resolves fn's calls there)."""
+    `what` did not compile, `instead` serves). `helpers`: the plain functions fn calls (and those they call, listed
+    first), each bound to its own name in fn's module: compiled first and put in that name's place there (numba
+    resolves fn's calls in fn's module)."""
     try:
         import numba  # lazy: ~0.3 s to import, and only the CPU's torch path needs it
 
         for helper in helpers:
-            if helper.__globals__ is not fn.__globals__:
-                raise ValueError(f"{helper.__name__} is not in {fn.__module__}")
-            fn.__globals__[helper.__name__] = numba.njit(cache=True, nogil=True, boundscheck=False)(helper)
+            bound = fn.__globals__.get(helper.__name__)
+            if bound is not helper and getattr(bound, "py_func", None) is not helper:
+                raise ValueError(f"{helper.__name__} is not what {fn.__module__} calls by that name")
+            if bound is helper:  # not compiled yet in this process
+                fn.__globals__[helper.__name__] = numba.njit(cache=True, nogil=True, boundscheck=False)(helper)
         loop = numba.njit(cache=True, nogil=True, boundscheck=False)(fn)
         loop(*sample)
     except Exception as exc:  # numba missing or failing on this machine: the caller's torch ops serve, slower

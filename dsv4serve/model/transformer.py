@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dsv4serve.model import hadamard_cpu, sinkhorn_cpu
+from dsv4serve.model import compressor_cpu, hadamard_cpu, sinkhorn_cpu
 from dsv4serve.model.args import ModelArgs
 from dsv4serve.model.attention import Attention
 from dsv4serve.model.backends import KernelBackends
@@ -202,7 +202,7 @@ class Transformer(nn.Module):
         (model/cpu_head.py, its compiled loops built here); routed experts on torch are held as K-major stacks
         (model/moe_stacked.py), their numba-compiled loop (model/moe_cpu.py), mHC's Sinkhorn rounds and the
         Hadamard transform on the CPU compiled (or loaded from numba's cache) here (model/sinkhorn_cpu.py,
-        model/hadamard_cpu.py). With the FP8 GEMM on
+        model/hadamard_cpu.py) and the compressors' decode update (model/compressor_cpu.py). With the FP8 GEMM on
         Triton each attention's wq_a and wkv are then held as one packed weight (model/joined_fp8.py: one launch
         for both)."""
         head = self.head.weight
@@ -214,6 +214,8 @@ class Transformer(nn.Module):
         if backends.hc == "torch" and head.device.type == "cpu":
             sinkhorn_cpu.compiled()  # numba's compiles (or cache loads) now, not in the first step
             hadamard_cpu.compiled()
+        if backends.compressor == "torch" and head.device.type == "cpu":
+            compressor_cpu.compiled()
         if backends.head == "triton" and head.dtype != torch.bfloat16:
             if torch.equal(head.to(torch.bfloat16).to(head.dtype), head):
                 self.head.weight = nn.Parameter(head.to(torch.bfloat16), requires_grad=False)

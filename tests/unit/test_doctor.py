@@ -428,3 +428,9 @@ def test_cpu_loops_line_warns_with_a_fix_when_numba_cannot_compile(monkeypatch):
     check = doctor_backends.check_cpu_loops()
     assert check.status == "warn" and "routed experts" in check.value and not check.data["routed_experts"]
     assert check.data["hadamard"] and check.data["sinkhorn"]
+    monkeypatch.undo()
+    from dsv4serve.model import compressor_cpu
+
+    monkeypatch.setattr(compressor_cpu, "compiled", lambda: None)
+    check = doctor_backends.check_cpu_loops()
+    assert check.status == "warn" and "compressor" in check.value and not check.data["compressor"]
