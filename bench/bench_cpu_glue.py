@@ -1,6 +1,6 @@
 """The CPU torch path's per-layer glue at decode sizes, old form against new, side by side, bit for bit.
 
-Five pieces a dsv4-tiny decode step runs once or several times a layer, each timed in both forms in alternation on one
+Six pieces a dsv4-tiny decode step runs once or several times a layer, each timed in both forms in alternation on one
 torch thread (microseconds per call, median), with the largest difference of their outputs (0: bit for bit):
 - mHC's Sinkhorn rounds ([rows, 4, 4] fp32, 20 iterations; 2 sites a layer): what the CPU ran before (the same
   rounds as ~120 numpy calls up to 32 rows, `numpy_rounds` below as it was in model/hc.py; torch's ~120 tiny ops,
@@ -13,6 +13,9 @@ torch thread (microseconds per call, median), with the largest difference of the
   ~7 a step with numerics on) on [rows, heads, 128] bf16: its torch butterflies
   (`dsv4_kernels.token_ops_ref.hadamard_ref`, what `numerics.hadamard` ran) against `numerics.hadamard` now
   (numba-compiled, `model/hadamard_cpu.py`);
+- the FP8 activation simulation (numerics.fp8_quant_dequant, before every FP8 / FP4 projection and on the KV's nope
+  dims, ~25 a step) on [rows, 128] bf16: its torch ops (`numerics.fp8_quant_dequant_torch`) against the one
+  numba-compiled call (`model/fp8_cpu.py`);
 - a layer's routed experts (`MoE._routed_torch`, 8 experts, top-2, MXFP4-valued weights, the FP8 simulation on, no
   batch invariance: the server's CPU default): its torch ops (the per-expert loop, or the stacks' padded `bmm`
   where most experts are busy) against the one numba-compiled call (`model/moe_cpu.py`);
@@ -47,7 +50,15 @@ from dsv4serve.model.compressor import Compressor
 from dsv4serve.model.hc import sinkhorn_rounds
 from dsv4serve.model.kv_pool import CompressedCache
 from dsv4serve.model.moe import MoE
-from dsv4serve.model.numerics import NUMERICS_ON, act_quant, fp4_quant_dequant, hadamard
+from dsv4serve.model.numerics import (
+    ACT_BLOCK,
+    NUMERICS_ON,
+    act_quant,
+    fp4_quant_dequant,
+    fp8_quant_dequant,
+    fp8_quant_dequant_torch,
+    hadamard,
+)
 from dsv4serve.model.rope import Rotation, rope_cos_sin
 from dsv4serve.tiny.spec import TINY_CONFIG, inference_config
 
@@ -112,6 +123,14 @@ def _rope_paths(rows: int, gen: torch.Generator) -> dict[str, Callable[[], torch
 def _hadamard_paths(rows: int, gen: torch.Generator) -> dict[str, Callable[[], torch.Tensor]]:
     x = torch.randn(rows, HEADS, HEAD_DIM, generator=gen).to(torch.bfloat16)
     return {"old": lambda: hadamard_ref(x).float(), "new": lambda: hadamard(x).float()}
+
+
+def _fp8_paths(rows: int, gen: torch.Generator) -> dict[str, Callable[[], torch.Tensor]]:
+    x = (torch.randn(rows, HEADS * 32, generator=gen) * 3).to(torch.bfloat16)  # dsv4-tiny's dim, 128
+    return {
+        "old": lambda: fp8_quant_dequant_torch(x, ACT_BLOCK).float(),
+        "new": lambda: fp8_quant_dequant(x, ACT_BLOCK).float(),
+    }
 
 
 def _routed_paths(rows: int, gen: torch.Generator) -> dict[str, Callable[[], torch.Tensor]]:
@@ -181,6 +200,7 @@ def main() -> None:
         ("Sinkhorn rounds", _sinkhorn_paths),
         ("RoPE", _rope_paths),
         ("Hadamard", _hadamard_paths),
+        ("FP8 simulation", _fp8_paths),
         ("routed experts", _routed_paths),
         ("compressor update", _compressor_paths),
     )

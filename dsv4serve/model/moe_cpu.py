@@ -32,11 +32,8 @@ import torch
 
 from dsv4_kernels.formats import FP8_MAX
 from dsv4serve.model.numba_loops import compile_loop
-from dsv4serve.model.numba_math import exp_inplace
+from dsv4serve.model.numba_math import exp_inplace, fp8_quant_dequant_row
 from dsv4serve.model.numerics import ACT_BLOCK, FP8_AMAX_FLOOR
-
-E4M3_MIN_NORMAL_BITS = 0x3C800000  # 2^-6 in fp32: below it e4m3 values are multiples of 2^-9 (subnormals)
-SUBNORMAL_SHIFTER = np.float32(2.0**14)  # (a + 2^14) - 2^14 rounds 0 <= a < 2^-6 to a multiple of 2^-9, to even
 
 
 def _to_bf16(v: np.ndarray) -> None:  # pragma: no cover (runs compiled)
@@ -48,34 +45,6 @@ def _to_bf16(v: np.ndarray) -> None:  # pragma: no cover (runs compiled)
             u[i] = (b | np.uint32(0x00400000)) & np.uint32(0xFFFF0000)
         else:
             u[i] = (b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
-
-
-def _fp8_quant_dequant(v: np.ndarray, block: int, floor: np.float32, fp8_max: np.float32, scratch: np.ndarray) -> None:
-    """v float32 in place: numerics.fp8_quant_dequant over blocks of `block` (a partial last block its own).
-    scratch: one float32 (its uint32 view makes the ue8m0 scale)."""  # pragma: no cover (runs compiled)
-    su = scratch.view(np.uint32)
-    u = v.view(np.uint32)
-    for b0 in range(0, v.shape[0], block):
-        b1 = min(b0 + block, v.shape[0])
-        amax = np.float32(0.0)
-        for i in range(b0, b1):
-            a = abs(v[i])
-            if a > amax or a != a:
-                amax = a
-        scratch[0] = max(amax, floor) / fp8_max
-        su[0] = (su[0] + np.uint32(0x7FFFFF)) & np.uint32(0xFF800000)  # the power of two at or above
-        scale = scratch[0]
-        for i in range(b0, b1):
-            v[i] = min(max(v[i] / scale, -fp8_max), fp8_max)  # exact but for the clamp: a power of two
-        for i in range(b0, b1):  # to e4m3, to nearest even
-            b = u[i]
-            if (b & np.uint32(0x7FFFFFFF)) < np.uint32(E4M3_MIN_NORMAL_BITS):  # subnormal: multiples of 2^-9
-                v[i] = (abs(v[i]) + SUBNORMAL_SHIFTER) - SUBNORMAL_SHIFTER  # fp32's ulp at 2^14 is 2^-9
-                u[i] = u[i] | (b & np.uint32(0x80000000))
-            else:  # 3 mantissa bits
-                u[i] = (b + np.uint32(0x7FFFF) + ((b >> np.uint32(20)) & np.uint32(1))) & np.uint32(0xFFF00000)
-        for i in range(b0, b1):
-            v[i] = v[i] * scale
 
 
 def _swiglu(
@@ -169,7 +138,7 @@ def _routed(
             if bf16:
                 _to_bf16(a)
             if fp8:
-                _fp8_quant_dequant(a, ACT_BLOCK, np.float32(FP8_AMAX_FLOOR), np.float32(FP8_MAX), scratch)
+                fp8_quant_dequant_row(a, ACT_BLOCK, np.float32(FP8_AMAX_FLOOR), np.float32(FP8_MAX), scratch)
             o = out[p]
             o[:] = 0.0
             for i in range(inter):  # w2: sum over I ascending, across the outputs at once
@@ -222,7 +191,7 @@ def compiled() -> Callable[..., None] | None:
         _sample(),
         WHAT,
         "the routed experts run as torch ops",
-        helpers=(_to_bf16, _fp8_quant_dequant, exp_inplace, _swiglu),
+        helpers=(_to_bf16, fp8_quant_dequant_row, exp_inplace, _swiglu),
     )
 
 

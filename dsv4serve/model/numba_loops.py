@@ -37,8 +37,8 @@ def compile_loop(
             if bound is not helper and getattr(bound, "py_func", None) is not helper:
                 raise ValueError(f"{helper.__name__} is not what {fn.__module__} calls by that name")
             if bound is helper:  # not compiled yet in this process
-                fn.__globals__[helper.__name__] = numba.njit(cache=True, nogil=True, boundscheck=False)(helper)
-        loop = numba.njit(cache=True, nogil=True, boundscheck=False)(fn)
+                fn.__globals__[helper.__name__] = _jit(numba, helper)
+        loop = _jit(numba, fn)
         loop(*sample)
     except Exception as exc:  # numba missing or failing on this machine: the caller's torch ops serve, slower
         _failures[what] = f"{type(exc).__name__}: {exc}"
@@ -46,6 +46,14 @@ def compile_loop(
         return None
     _failures.pop(what, None)
     return loop
+
+
+def _jit(numba: Any, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """fn compiled lazily: cached on disk, the GIL released, no bounds checks, IEEE division (x / 0 is inf or NaN, as
+    in torch; numba's default raises ZeroDivisionError and checks every divisor). numba's disk cache (files beside
+    each module in __pycache__) is keyed by the source file's stamp, not by these options: after changing them,
+    delete those files."""
+    return numba.njit(fn, cache=True, nogil=True, boundscheck=False, error_model="numpy")
 
 
 def failure(what: str) -> str | None:

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from dsv4_kernels.formats import E2M1_VALUES, FP4_MAX, FP8_MAX
 from dsv4serve.model.backends import TORCH, KernelBackends
+from dsv4serve.model.fp8_cpu import fp8_quant_dequant_cpu
 from dsv4serve.model.hadamard_cpu import hadamard_cpu
 
 FP8_AMAX_FLOOR = 1e-4
@@ -91,7 +92,18 @@ def _blocks_back(q: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def fp8_quant_dequant(x: torch.Tensor, block: int) -> torch.Tensor:
-    """Round x to e4m3 with one ue8m0 scale per `block` channels; same shape and dtype as x."""
+    """Round x to e4m3 with one ue8m0 scale per `block` channels; same shape and dtype as x. On the CPU one compiled
+    call (model/fp8_cpu.py), bit for bit these ops."""
+    if x.device.type == "cpu" and x.numel():
+        y = fp8_quant_dequant_cpu(x, block, FP8_AMAX_FLOOR, FP8_MAX)
+        if y is not None:
+            return y
+    return fp8_quant_dequant_torch(x, block)
+
+
+def fp8_quant_dequant_torch(x: torch.Tensor, block: int) -> torch.Tensor:
+    """fp8_quant_dequant as torch ops: every device's path but the CPU's compiled one, and the reference that one is
+    held to (tests/unit/test_fp8_cpu.py)."""
     xb, k = _blocked(x.float(), block)
     scale = _pow2_ceil(xb.abs().amax(dim=-1, keepdim=True).clamp_min_(FP8_AMAX_FLOOR).div_(FP8_MAX))
     q = (xb / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()

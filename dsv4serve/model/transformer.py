@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dsv4serve.model import compressor_cpu, hadamard_cpu, sinkhorn_cpu
+from dsv4serve.model import compressor_cpu, fp8_cpu, hadamard_cpu, sinkhorn_cpu
 from dsv4serve.model.args import ModelArgs
 from dsv4serve.model.attention import Attention
 from dsv4serve.model.backends import KernelBackends
@@ -202,7 +202,8 @@ class Transformer(nn.Module):
         (model/cpu_head.py, its compiled loops built here); routed experts on torch are held as K-major stacks
         (model/moe_stacked.py), their numba-compiled loop (model/moe_cpu.py), mHC's Sinkhorn rounds and the
         Hadamard transform on the CPU compiled (or loaded from numba's cache) here (model/sinkhorn_cpu.py,
-        model/hadamard_cpu.py) and the compressors' decode update (model/compressor_cpu.py). With the FP8 GEMM on
+        model/hadamard_cpu.py), the compressors' decode update (model/compressor_cpu.py) and the FP8 simulation
+        (model/fp8_cpu.py). With the FP8 GEMM on
         Triton each attention's wq_a and wkv are then held as one packed weight (model/joined_fp8.py: one launch
         for both)."""
         head = self.head.weight
@@ -216,6 +217,8 @@ class Transformer(nn.Module):
             hadamard_cpu.compiled()
         if backends.compressor == "torch" and head.device.type == "cpu":
             compressor_cpu.compiled()
+        if head.device.type == "cpu":
+            fp8_cpu.compiled()  # numerics.fp8_quant_dequant's, on every CPU path
         if backends.head == "triton" and head.dtype != torch.bfloat16:
             if torch.equal(head.to(torch.bfloat16).to(head.dtype), head):
                 self.head.weight = nn.Parameter(head.to(torch.bfloat16), requires_grad=False)

@@ -434,3 +434,9 @@ def test_cpu_loops_line_warns_with_a_fix_when_numba_cannot_compile(monkeypatch):
     monkeypatch.setattr(compressor_cpu, "compiled", lambda: None)
     check = doctor_backends.check_cpu_loops()
     assert check.status == "warn" and "compressor" in check.value and not check.data["compressor"]
+    monkeypatch.undo()
+    from dsv4serve.model import fp8_cpu
+
+    monkeypatch.setattr(fp8_cpu, "compiled", lambda: None)
+    check = doctor_backends.check_cpu_loops()
+    assert check.status == "warn" and "FP8" in check.value and not check.data["fp8"]
