@@ -1,11 +1,14 @@
 """The CPU torch path's per-layer glue at decode sizes, old form against new, side by side, bit for bit.
 
-Six pieces a dsv4-tiny decode step runs once or several times a layer, each timed in both forms in alternation on one
+Seven pieces a dsv4-tiny decode step runs once or several times a layer, each timed in both forms in alternation on one
 torch thread (microseconds per call, median), with the largest difference of their outputs (0: bit for bit):
 - mHC's Sinkhorn rounds ([rows, 4, 4] fp32, 20 iterations; 2 sites a layer): what the CPU ran before (the same
   rounds as ~120 numpy calls up to 32 rows, `numpy_rounds` below as it was in model/hc.py; torch's ~120 tiny ops,
   `hc.sinkhorn_rounds`, the reference, beyond) against one call of the numba-compiled loops
   (`model/sinkhorn_cpu.py`);
+- mHC's gates and stream mix after the mixes (hc_pre: 2 sites a layer; [rows, 24] mixes, [rows, 4, 128] bf16
+  streams): its torch ops, the Sinkhorn rounds compiled in both (`hc.hc_pre`'s path with `hc_cpu` off) against the
+  one numba-compiled call (`model/hc_cpu.py`);
 - RoPE on a [rows, heads, 128] tensor's last 64 channels (~5 a layer: q, kv, the inverse on the output, the
   indexer's q, the compressors' entries): the pairwise form (`dsv4_kernels.token_ops_ref.apply_rope_ref`, what
   `model/rope.apply_rope` was) against `Rotation.apply`, per-channel tables made once a layer (`rope.rotate`);
@@ -44,10 +47,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `bench.report`
 from bench.report import format_table
 from dsv4_kernels.token_ops_ref import apply_rope_ref, hadamard_ref
-from dsv4serve.model import compressor_cpu, moe_cpu, sinkhorn_cpu
+from dsv4serve.model import compressor_cpu, hc_cpu, moe_cpu, sinkhorn_cpu
 from dsv4serve.model.args import args_from_dicts
 from dsv4serve.model.compressor import Compressor
-from dsv4serve.model.hc import sinkhorn_rounds
+from dsv4serve.model.hc import hc_pre, sinkhorn_rounds
 from dsv4serve.model.kv_pool import CompressedCache
 from dsv4serve.model.moe import MoE
 from dsv4serve.model.numerics import (
@@ -111,6 +114,25 @@ def _sinkhorn_paths(rows: int, gen: torch.Generator) -> dict[str, Callable[[], t
         return comb
 
     return {"old": before, "new": compiled}
+
+
+def _hc_paths(rows: int, gen: torch.Generator) -> dict[str, Callable[[], torch.Tensor]]:
+    h = torch.randn(rows, 4, HEAD_DIM, generator=gen).to(torch.bfloat16)
+    fn, scale, base = torch.randn(24, 4 * HEAD_DIM, generator=gen) * 0.05, torch.rand(3, generator=gen), torch.randn(24)
+    compiled = hc_cpu.compiled
+
+    def run() -> torch.Tensor:
+        x, post, comb = hc_pre(h, fn, scale, base, ITERS, EPS, EPS, NUMERICS_ON)
+        return torch.cat((x.float().flatten(), post.flatten(), comb.flatten()))
+
+    def torch_ops() -> torch.Tensor:
+        hc_cpu.compiled = lambda: None  # type: ignore[assignment]  # as where numba cannot compile
+        try:
+            return run()
+        finally:
+            hc_cpu.compiled = compiled  # type: ignore[assignment]
+
+    return {"old": torch_ops, "new": run}
 
 
 def _rope_paths(rows: int, gen: torch.Generator) -> dict[str, Callable[[], torch.Tensor]]:
@@ -198,6 +220,7 @@ def main() -> None:
     table = []
     pieces = (
         ("Sinkhorn rounds", _sinkhorn_paths),
+        ("mHC gates + mix", _hc_paths),
         ("RoPE", _rope_paths),
         ("Hadamard", _hadamard_paths),
         ("FP8 simulation", _fp8_paths),

@@ -17,9 +17,9 @@ WHEEL_PYTHONS = ((3, 11), (3, 12))  # kt-kernel 0.7.2 ships wheels for CPython 3
 
 def check_cpu_loops() -> Check:
     """numba's loops of the CPU torch path, compiled (or loaded from numba's cache) here: without them the CPU
-    path runs torch's Sinkhorn rounds, Hadamard butterflies, FP8 simulation, routed-expert and compressor ops and
-    MKL's fp32 head instead (the same values, slower)."""
-    from dsv4serve.model import compressor_cpu, fp8_cpu, hadamard_cpu, head_bf16_cpu, moe_cpu, sinkhorn_cpu
+    path runs torch's Sinkhorn rounds, mHC gates, Hadamard butterflies, FP8 simulation, routed-expert and
+    compressor ops and MKL's fp32 head instead (the same values, slower)."""
+    from dsv4serve.model import compressor_cpu, fp8_cpu, hadamard_cpu, hc_cpu, head_bf16_cpu, moe_cpu, sinkhorn_cpu
     from dsv4serve.model.numba_loops import failure
 
     reasons = []
@@ -33,6 +33,7 @@ def check_cpu_loops() -> Check:
     data = {
         "numba": version,
         "sinkhorn": sinkhorn_cpu.compiled() is not None,
+        "hc_gates": hc_cpu.compiled() is not None,
         "hadamard": hadamard_cpu.compiled() is not None,
         "routed_experts": moe_cpu.compiled() is not None,
         "compressor": compressor_cpu.compiled() is not None,
@@ -47,6 +48,7 @@ def check_cpu_loops() -> Check:
             reasons.append(f"{type(exc).__name__}: {exc}")
     loops = {
         "sinkhorn": sinkhorn_cpu.WHAT,
+        "hc_gates": hc_cpu.WHAT,
         "hadamard": hadamard_cpu.WHAT,
         "routed_experts": moe_cpu.WHAT,
         "compressor": compressor_cpu.WHAT,
@@ -56,8 +58,8 @@ def check_cpu_loops() -> Check:
     missing = [what for key, what in loops.items() if not data[key]]
     if not missing:
         value = (
-            f"numba {version}: mHC's Sinkhorn rounds, the Hadamard transform, the FP8 simulation, the routed "
-            "experts, the compressors' decode update and the bf16 head compile"
+            f"numba {version}: mHC's Sinkhorn rounds and gates, the Hadamard transform, the FP8 simulation, the "
+            "routed experts, the compressors' decode update and the bf16 head compile"
         )
         return Check("CPU loops", "ok", value, data=data)
     reasons += [f"{what}: {failure(what)}" for what in missing if failure(what) and what != head_bf16_cpu.WHAT]

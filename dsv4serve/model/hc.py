@@ -6,7 +6,8 @@ All mixing runs in fp32; the streams themselves stay in the compute dtype.
 
 With `num.backends.hc == "triton"` each of hc_pre, hc_post and hc_head is one Triton kernel launch
 (dsv4_kernels.hc_mix; its tokens-per-program choice follows `num.batch_invariant`); the torch path
-below, about 120 small ops per hc_pre (80 of them the Sinkhorn rounds), is the reference it matches.
+below, about 120 small ops per hc_pre (80 of them the Sinkhorn rounds), is the reference it matches; on the CPU
+everything after the mixes is one compiled call (hc_cpu.py), bit for bit those ops.
 hc_pre and hc_head take the sub-layer's RMSNorm (`norm`) that their x goes through next: with token_ops on
 Triton too, the mHC launch that writes x applies it (one launch a site fewer); otherwise the norm module runs
 after, as before.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from dsv4serve.model import hc_cpu
 from dsv4serve.model.layers import RMSNorm
 from dsv4serve.model.moe_output import Combined
 from dsv4serve.model.numerics import Numerics, in_fp64, matmul
@@ -72,6 +74,9 @@ def hc_pre(
         return (x if fused or norm is None else norm(x, num)), post, comb
     hc = h.shape[1]
     m = _mixes(h, fn, norm_eps, num)
+    if h.device.type == "cpu" and (done := hc_cpu.gates_and_mix(m, scale, base, h, hc_eps, n_iters)) is not None:
+        x, post, comb = done  # compiled: the ops below in one call (hc_cpu.py)
+        return (x if norm is None else norm(x, num)), post, comb
     scale, base = scale.float(), base.float()
     pre = in_fp64(torch.sigmoid, m[:, :hc] * scale[0] + base[:hc]) + hc_eps
     post = 2 * in_fp64(torch.sigmoid, m[:, hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
@@ -125,6 +130,9 @@ def hc_head(
         x = hc_mix.hc_head(h, fn, scale, base, hc_eps, norm_eps, block_n=block_n, norm=fused)
         return x if fused or norm is None else norm(x, num)
     m = _mixes(h, fn, norm_eps, num)
+    if h.device.type == "cpu" and (done := hc_cpu.gates_and_mix(m, scale, base, h, hc_eps, 0)) is not None:
+        x = done[0]  # compiled: the ops below in one call (hc_cpu.py)
+        return x if norm is None else norm(x, num)
     pre = in_fp64(torch.sigmoid, m * scale.float() + base.float()) + hc_eps
     x = (pre.unsqueeze(-1) * h.float()).sum(dim=1).to(h.dtype)
     return x if norm is None else norm(x, num)

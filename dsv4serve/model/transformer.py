@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dsv4serve.model import compressor_cpu, fp8_cpu, hadamard_cpu, sinkhorn_cpu
+from dsv4serve.model import compressor_cpu, fp8_cpu, hadamard_cpu, hc_cpu, sinkhorn_cpu
 from dsv4serve.model.args import ModelArgs
 from dsv4serve.model.attention import Attention
 from dsv4serve.model.backends import KernelBackends
@@ -200,7 +200,7 @@ class Transformer(nn.Module):
         kernel). The head on torch on the CPU is held K-major (layers.Linear.hold_k_major: MKL's fast layout
         for one row), with a bf16 copy for one to three rows and a oneDNN-blocked one for more
         (model/cpu_head.py, its compiled loops built here); routed experts on torch are held as K-major stacks
-        (model/moe_stacked.py), their numba-compiled loop (model/moe_cpu.py), mHC's Sinkhorn rounds and the
+        (model/moe_stacked.py), their numba-compiled loop (model/moe_cpu.py), mHC's Sinkhorn rounds and gates and the
         Hadamard transform on the CPU compiled (or loaded from numba's cache) here (model/sinkhorn_cpu.py,
         model/hadamard_cpu.py), the compressors' decode update (model/compressor_cpu.py) and the FP8 simulation
         (model/fp8_cpu.py). With the FP8 GEMM on
@@ -214,6 +214,7 @@ class Transformer(nn.Module):
             self._cpu_head = None
         if backends.hc == "torch" and head.device.type == "cpu":
             sinkhorn_cpu.compiled()  # numba's compiles (or cache loads) now, not in the first step
+            hc_cpu.compiled()
             hadamard_cpu.compiled()
         if backends.compressor == "torch" and head.device.type == "cpu":
             compressor_cpu.compiled()

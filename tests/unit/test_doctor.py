@@ -440,3 +440,9 @@ def test_cpu_loops_line_warns_with_a_fix_when_numba_cannot_compile(monkeypatch):
     monkeypatch.setattr(fp8_cpu, "compiled", lambda: None)
     check = doctor_backends.check_cpu_loops()
     assert check.status == "warn" and "FP8" in check.value and not check.data["fp8"]
+    monkeypatch.undo()
+    from dsv4serve.model import hc_cpu
+
+    monkeypatch.setattr(hc_cpu, "compiled", lambda: None)
+    check = doctor_backends.check_cpu_loops()
+    assert check.status == "warn" and "mHC gates" in check.value and not check.data["hc_gates"]
