@@ -141,7 +141,7 @@ def carry_and_pool(
         t is None or t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() for t in state
     ):
         return None
-    pooled = torch.empty(kv.shape[0], head_dim, dtype=torch.float32)
+    pooled = torch.empty(kv.shape[0], head_dim, dtype=torch.float32, device=pending_kv.device)
     unused = np.zeros((1, 1, 1), np.float32)
     loop(
         kv.float().contiguous().numpy(),

@@ -111,13 +111,20 @@ def gates_and_mix(
     not fit it (hc = 4, G = hc or (2 + hc) hc)."""
     loop = compiled()
     n_rows, hc = h.shape[0], h.shape[1]
-    if loop is None or hc != HC or m.shape[1] not in (hc, (2 + hc) * hc) or m.dtype != torch.float32:
+    if (
+        loop is None
+        or hc != HC
+        or m.shape[1] not in (hc, (2 + hc) * hc)
+        or m.dtype != torch.float32
+        or m.device.type != "cpu"
+        or h.device.type != "cpu"
+    ):
         return None
     full = m.shape[1] > hc
-    pre = torch.empty(n_rows, hc)
-    post = torch.empty(n_rows if full else 0, hc)
-    comb = torch.empty(n_rows if full else 0, hc, hc)
-    x = torch.empty(n_rows, h.shape[2])
+    pre = torch.empty(n_rows, hc, device=m.device)
+    post = torch.empty(n_rows if full else 0, hc, device=m.device)
+    comb = torch.empty(n_rows if full else 0, hc, hc, device=m.device)
+    x = torch.empty(n_rows, h.shape[2], device=m.device)
     loop(
         m.contiguous().numpy(),
         scale.detach().float().contiguous().numpy(),

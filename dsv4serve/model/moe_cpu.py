@@ -216,7 +216,7 @@ def routed_experts(
     for name, t in (("w13", w13), ("w2", w2)):
         if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
             raise ValueError(f"{name} must be a contiguous fp32 CPU stack, got {t.dtype} on {t.device}")
-    y = torch.empty(x.shape, dtype=torch.float32)
+    y = torch.empty(x.shape, dtype=torch.float32, device=w13.device)
     loop(
         x.float().contiguous().numpy(),
         ids.to(torch.int64).contiguous().numpy(),
