@@ -14,12 +14,19 @@ of a one-token RequestOutput, `IncrementalDetokenizer.push`, `ChatChoice.on_even
 reasoning / tool-call parser), the chunk envelope and `sse` framing. Not included: the asyncio
 queue hops and uvicorn's socket write.
 
-    python bench/bench_overhead.py [--levels 1 16 64] [--steps 30] [--clock wall|cpu] [--json PATH]
+`--loops-off moe_cpu fp8_cpu ...` adds, for each level, an engine whose steps run with those compiled CPU loops
+(dsv4serve.model.<name>.compiled) standing down, as where numba cannot compile: its torch ops instead. Both settings'
+steps alternate in the one process, so a machine's swings hit them alike (the x one ratio is within a setting).
+
+    python bench/bench_overhead.py [--levels 1 16 64] [--steps 30] [--clock wall|cpu] [--loops-off NAME ...]
+        [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import importlib
 import json
 import statistics
 import sys
@@ -95,6 +102,7 @@ class Level:
     num_running: int
     loop: EngineLoop
     timers: Timers
+    loops_off: tuple[str, ...] = ()  # compiled CPU loops standing down in this level's steps (`--loops-off`)
     samples: dict[str, list[float]] = field(
         default_factory=lambda: {"step": [], "forward": [], "schedule": [], "sample": [], "overhead": []}
     )
@@ -139,10 +147,22 @@ def start_level(
     return Level(num_running, loop, timers)
 
 
+def _no_loop() -> None:
+    return None
+
+
 def timed_step(level: Level) -> None:
+    modules = [importlib.import_module(f"dsv4serve.model.{name}") for name in level.loops_off]
+    compiled = [m.compiled for m in modules]
+    for m in modules:
+        m.compiled = _no_loop  # as where numba cannot compile: the torch ops run
     level.timers.reset()
     t0 = level.timers.clock()
-    level.loop.step()
+    try:
+        level.loop.step()
+    finally:
+        for m, real in zip(modules, compiled):
+            m.compiled = real
     step = level.timers.clock() - t0
     s = level.timers.seconds
     level.samples["step"].append(1e3 * step)
@@ -177,16 +197,19 @@ def engine_rows(levels: list[Level]) -> tuple[dict, list[list[str]]]:
     """Per level: the JSON summary and a table row. `x one` is the decode throughput against one running
     request's: N * median step(1) / median step(N) (the issue-16 target: >= 10 at 16)."""
     summary, rows = {}, []
-    one = [statistics.median(lv.samples["step"]) for lv in levels if lv.num_running == 1]
     for lv in levels:
+        one = [
+            statistics.median(o.samples["step"]) for o in levels if o.num_running == 1 and o.loops_off == lv.loops_off
+        ]
         s = {name: spread(v) for name, v in lv.samples.items()}
         share = [o / st for o, st in zip(lv.samples["overhead"], lv.samples["step"])]
         speedup = lv.num_running * one[0] / s["step"]["median"] if one else None
-        summary[lv.num_running] = {**s, "overhead_share": spread(share), "throughput_vs_one": speedup}
+        key = f"{lv.num_running}" + (f" loops off: {' '.join(lv.loops_off)}" if lv.loops_off else "")
+        summary[key] = {**s, "overhead_share": spread(share), "throughput_vs_one": speedup}
         o = s["overhead"]
         rows.append(
             [
-                str(lv.num_running),
+                str(lv.num_running) + (" (loops off)" if lv.loops_off else ""),
                 "-" if speedup is None else f"{speedup:.1f}x",
                 f"{s['step']['median']:.1f}",
                 f"{s['forward']['median']:.1f}",
@@ -212,6 +235,14 @@ def main() -> None:
         default="wall",
         help="cpu: this process's CPU time (one torch thread), robust to other processes taking the cores",
     )
+    parser.add_argument(
+        "--loops-off",
+        nargs="+",
+        default=[],
+        metavar="NAME",
+        help="also run each level with these compiled CPU loops standing down (e.g. moe_cpu compressor_cpu fp8_cpu "
+        "hc_cpu sinkhorn_cpu hadamard_cpu), alternating with the levels as they are",
+    )
     parser.add_argument("--json", type=Path, help="write the numbers here")
     opts = parser.parse_args()
     torch.set_num_threads(1)
@@ -219,6 +250,12 @@ def main() -> None:
     max_tokens = opts.warmup + opts.steps + 8
     clock = time.process_time if opts.clock == "cpu" else time.perf_counter
     levels = [start_level(model_path, n, max_tokens, clock) for n in opts.levels]
+    if opts.loops_off:
+        for name in opts.loops_off:
+            importlib.import_module(f"dsv4serve.model.{name}").compiled  # noqa: B018  # a wrong name fails now
+        for n in opts.levels:
+            level = start_level(model_path, n, max_tokens, clock)
+            levels.append(dataclasses.replace(level, loops_off=tuple(opts.loops_off)))
     for _ in range(opts.warmup):
         for lv in levels:
             lv.loop.step()
