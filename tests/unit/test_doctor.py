@@ -412,37 +412,19 @@ def test_cpu_loops_line_warns_with_a_fix_when_numba_cannot_compile(monkeypatch):
     assert check.status == "warn" and "LLVM cannot target this CPU" in check.value and "numba" in check.fix
     assert check.data["sinkhorn"] and not check.data["head_bf16"]
     monkeypatch.undo()
-    monkeypatch.setattr(sinkhorn_cpu, "compiled", lambda: None)
-    check = doctor_backends.check_cpu_loops()
-    assert check.status == "warn" and "Sinkhorn" in check.value and not check.data["sinkhorn"]
-    monkeypatch.undo()
-    from dsv4serve.model import hadamard_cpu
+    from dsv4serve.model import compressor_cpu, fp8_cpu, hadamard_cpu, hc_cpu, moe_cpu
 
-    monkeypatch.setattr(hadamard_cpu, "compiled", lambda: None)
-    check = doctor_backends.check_cpu_loops()
-    assert check.status == "warn" and "Hadamard" in check.value and not check.data["hadamard"]
-    monkeypatch.undo()
-    from dsv4serve.model import moe_cpu
-
-    monkeypatch.setattr(moe_cpu, "compiled", lambda: None)
-    check = doctor_backends.check_cpu_loops()
-    assert check.status == "warn" and "routed experts" in check.value and not check.data["routed_experts"]
-    assert check.data["hadamard"] and check.data["sinkhorn"]
-    monkeypatch.undo()
-    from dsv4serve.model import compressor_cpu
-
-    monkeypatch.setattr(compressor_cpu, "compiled", lambda: None)
-    check = doctor_backends.check_cpu_loops()
-    assert check.status == "warn" and "compressor" in check.value and not check.data["compressor"]
-    monkeypatch.undo()
-    from dsv4serve.model import fp8_cpu
-
-    monkeypatch.setattr(fp8_cpu, "compiled", lambda: None)
-    check = doctor_backends.check_cpu_loops()
-    assert check.status == "warn" and "FP8" in check.value and not check.data["fp8"]
-    monkeypatch.undo()
-    from dsv4serve.model import hc_cpu
-
-    monkeypatch.setattr(hc_cpu, "compiled", lambda: None)
-    check = doctor_backends.check_cpu_loops()
-    assert check.status == "warn" and "mHC gates" in check.value and not check.data["hc_gates"]
+    loops = [
+        (sinkhorn_cpu, "sinkhorn", "Sinkhorn"),
+        (hadamard_cpu, "hadamard", "Hadamard"),
+        (moe_cpu, "routed_experts", "routed experts"),
+        (compressor_cpu, "compressor", "compressor"),
+        (fp8_cpu, "fp8", "FP8"),
+        (hc_cpu, "hc_gates", "mHC gates"),
+    ]
+    for module, key, named in loops:  # each loop standing down alone: named, and only it
+        monkeypatch.setattr(module, "compiled", lambda: None)
+        check = doctor_backends.check_cpu_loops()
+        assert check.status == "warn" and named in check.value and not check.data[key]
+        assert all(check.data[other] for _, other, _ in loops if other != key)
+        monkeypatch.undo()
