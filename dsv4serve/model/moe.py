@@ -1,5 +1,6 @@
-"""Mixture of experts (dsv4-model.md §2.8): sqrt-softplus router, bias-only selection, hash routing
-on the first `n_hash_layers` layers, clamped SwiGLU experts, routed scaling, one shared expert.
+"""Mixture of experts (dsv4-model.md §2.8): the router (model/router.py: sqrt-softplus scores, bias-only
+selection, hash routing on the first `n_hash_layers` layers, routed scaling), clamped SwiGLU experts, one shared
+expert.
 
 The routed experts are either resident (dense `experts` modules, or the stacked MXFP4 copies the
 kernel reads) or, when the memory plan offloads them, behind an expert-slot cache
@@ -12,10 +13,8 @@ or, with a cache, on its slots and bank tensors (the kernel picks the source per
 quantizes x itself, so x is quantized once: `act_quant` runs in torch only for an input that torch
 code reads (the torch experts, or the shared expert when its FP8 GEMM is not the fused kernel).
 
-With `num.backends.router == "triton"` the gate is dsv4_kernels.router (fp32 logits, the score function
-in fp64, top-k with bias or the hash ids, normalized weights: two launches, one on a hash layer); with
-`fp8_gemm` on Triton the shared expert is two FP8 launches (dsv4_kernels.fp8_swiglu: w1 and w3 with
-the clamped SwiGLU and w2's input quantization in the epilogue, then w2).
+With `fp8_gemm` on Triton the shared expert is two FP8 launches (dsv4_kernels.fp8_swiglu: w1 and w3 with the
+clamped SwiGLU and w2's input quantization in the epilogue, then w2).
 
 On torch (the reference) the experts run one by one in ascending order, each on the same dequantized
 values whether resident or lent by the cache, so those two paths give identical results.
@@ -37,7 +36,8 @@ from dsv4serve.model.args import ModelArgs
 from dsv4serve.model.layers import Linear, TensorParallel
 from dsv4serve.model.moe_output import Combined
 from dsv4serve.model.moe_stacked import StackedExperts, stack
-from dsv4serve.model.numerics import Numerics, act_quant, as_share, in_fp64, linear, matmul, reduced, row_product
+from dsv4serve.model.numerics import Numerics, act_quant, as_share, in_fp64, linear, reduced, row_product
+from dsv4serve.model.router import Gate
 
 FP4_PARTS = ("w1", "w3", "w2")
 
@@ -63,71 +63,6 @@ class CpuExperts(Protocol):
         """Start the CPU part of the layer (x [N, D] through act_quant, ids / weights [N, k]): a HybridJob
         (`cpu_experts`, `device_routes(ids, weights)`, `wait(device)` -> [N, D] fp32), or None."""
         ...
-
-
-class Gate(nn.Module):
-    tid2eid: torch.Tensor  # hash layers: [vocab, k] int64, a buffer
-
-    def __init__(self, layer_id: int, args: ModelArgs):
-        super().__init__()
-        self.topk = args.n_activated_experts
-        self.score_func = args.score_func
-        self.route_scale = args.route_scale
-        self.norm_topk_prob = args.norm_topk_prob
-        self.hash = args.is_hash_layer(layer_id)
-        self.weight = nn.Parameter(torch.empty(args.n_routed_experts, args.dim))
-        self.bias: nn.Parameter | None
-        if self.hash:
-            self.register_buffer("tid2eid", torch.zeros(args.vocab_size, self.topk, dtype=torch.int64))
-            self.bias = None
-        else:
-            self.bias = nn.Parameter(torch.zeros(args.n_routed_experts))
-
-    def forward(
-        self, x: torch.Tensor, token_ids: torch.Tensor, num: Numerics, route_rows: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [N, D] -> (weights [N, k] fp32, expert ids [N, k] int64); `route_rows` [N] int32: token t takes
-        token route_rows[t]'s routing (model/batch.py's BatchLayout.route_rows)."""
-        if num.backends.router == "triton":
-            return self._kernel(x, token_ids, route_rows)
-        if route_rows is not None:  # two gathers: the torch path runs padded buckets only on the CPU
-            x, token_ids = x.index_select(0, route_rows), token_ids.index_select(0, route_rows)
-        logits = matmul(x.float(), self.weight.float(), num)
-        if self.score_func == "softmax":
-            scores = in_fp64(lambda z: z.softmax(dim=-1), logits)
-        elif self.score_func == "sigmoid":
-            scores = in_fp64(torch.sigmoid, logits)
-        else:
-            scores = in_fp64(lambda z: F.softplus(z).sqrt(), logits)
-        if self.bias is None:
-            ids = self.tid2eid[token_ids].long()
-        else:
-            ids = (scores + self.bias.float()).topk(self.topk, dim=-1).indices  # bias selects only
-        weights = scores.gather(1, ids)
-        if self.score_func != "softmax" and self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights * self.route_scale, ids
-
-    def _kernel(
-        self, x: torch.Tensor, token_ids: torch.Tensor, route_rows: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The same in two Triton launches (one on a hash layer without softmax), no host sync. Exact
-        ties of score + bias go to the lower expert id (torch's CPU topk orders them arbitrarily)."""
-        from dsv4_kernels.router import router  # lazy: kernel modules build their kernels on import
-
-        table, tokens = (self.tid2eid, token_ids) if self.hash else (None, None)
-        return router(
-            x,
-            self.weight,
-            self.bias,
-            self.topk,
-            self.score_func,
-            self.route_scale,
-            self.norm_topk_prob,
-            table,
-            tokens,
-            route_rows=route_rows,
-        )
 
 
 class Expert(nn.Module):

@@ -1,4 +1,4 @@
-"""Torch reference of the MoE router (dsv4-model.md §2.8), as `dsv4serve.model.moe.Gate` computes it:
+"""Torch reference of the MoE router (dsv4-model.md §2.8), as `dsv4serve.model.router.Gate` computes it:
 
   logits = x @ W^T                      fp32 (x upcast from the compute dtype, W as the model holds it)
   scores = f(logits)                    evaluated in fp64, rounded to fp32; f = sqrt(softplus) (the

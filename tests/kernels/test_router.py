@@ -31,8 +31,8 @@ from dsv4_kernels.router import pick_splits, router, router_logits, router_selec
 from dsv4_kernels.router_ref import SCORE_FUNCS, router_ref, scores_ref, topk_ids_ref
 from dsv4_kernels.testing import into_poisoned
 from dsv4serve.model.backends import KernelBackends
-from dsv4serve.model.moe import Gate
 from dsv4serve.model.numerics import NUMERICS_ON
+from dsv4serve.model.router import Gate
 from dsv4serve.worker.kernel_check import tiny_args
 
 ROUTE_SCALE = 1.5
