@@ -8,7 +8,7 @@ half read (zeros and -inf before the first window), then replaced by this window
 the window's slots ([previous half; B half] or the ratio carry rows) pooled per channel: softmax over the slots
 in fp64 rounded to fp32 (`numerics.in_fp64`; exp by numba_math.exp_inplace), times kv, summed over the slots in
 ascending order in fp32 from zero, which is torch's `sum(dim=1)` order here: bit for bit the torch ops' pooled
-windows and carry (tests/unit/test_compressor_cpu.py). Used without batch invariance (Compressor.update_decode),
+windows and carry (tests/model/test_compressor_cpu.py). Used without batch invariance (Compressor.update_decode),
 as moe_cpu.py; torch's ops where numba cannot compile (logged; doctor's "CPU loops" line).
 """
 

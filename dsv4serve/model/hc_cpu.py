@@ -20,7 +20,7 @@ import torch
 
 from dsv4serve.model.numba_loops import compile_loop
 from dsv4serve.model.numba_math import exp_inplace
-from dsv4serve.model.sinkhorn_cpu import HC, _rounds
+from dsv4serve.model.sinkhorn_cpu import HC, rounds_loop
 
 
 def _gates(
@@ -68,7 +68,7 @@ def _gates(
                     total = total + e[2 * hc + a * hc + b]
                 for b in range(hc):
                     comb[r, a, b] = np.float32(e[2 * hc + a * hc + b] / total) + eps
-            _rounds(comb[r : r + 1], n_iters, eps)
+            rounds_loop(comb[r : r + 1], n_iters, eps)
         for d in range(x.shape[1]):
             x[r, d] = 0.0
         for i in range(hc):
@@ -100,7 +100,7 @@ def _sample() -> tuple:
 def compiled() -> Callable[..., None] | None:
     """The compiled gates (compiled or loaded from numba's cache on the first call); None where numba cannot compile
     them on this machine (logged once): hc then runs its torch ops."""
-    return compile_loop(_gates, _sample(), WHAT, "the mHC's torch ops run", helpers=(exp_inplace, _rounds))
+    return compile_loop(_gates, _sample(), WHAT, "the mHC's torch ops run", helpers=(exp_inplace, rounds_loop))
 
 
 def gates_and_mix(

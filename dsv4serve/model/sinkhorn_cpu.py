@@ -24,7 +24,7 @@ from dsv4serve.model.numba_loops import compile_loop
 HC = 4  # DeepSeek-V4's hc_mult: the order of 4-term sums is the one checked against torch's
 
 
-def _rounds(comb: np.ndarray, n_iters: int, eps: np.float32) -> None:  # pragma: no cover (runs compiled)
+def rounds_loop(comb: np.ndarray, n_iters: int, eps: np.float32) -> None:  # pragma: no cover (runs compiled)
     """In place on comb [N, 4, 4] float32 (C-contiguous): a column round, then (n_iters - 1) row + column
     rounds, as hc.sinkhorn_rounds."""
     for r in range(comb.shape[0]):
@@ -55,7 +55,7 @@ def compiled() -> Callable[[np.ndarray, int, np.float32], None] | None:
     """The compiled rounds, compiled (or loaded from numba's cache) on the first call; None when numba cannot
     compile them on this machine (logged once): hc.sinkhorn then runs torch's rounds, the same values."""
     return compile_loop(
-        _rounds, (np.full((1, HC, HC), 0.25, np.float32), 1, np.float32(1e-6)), WHAT, "torch's rounds run"
+        rounds_loop, (np.full((1, HC, HC), 0.25, np.float32), 1, np.float32(1e-6)), WHAT, "torch's rounds run"
     )
 
 
