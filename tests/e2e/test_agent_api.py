@@ -190,7 +190,7 @@ def _tokenizing_windows(server, tiny_dir) -> dict[str, float]:
     chars = (MAX_MODEL_LEN - 1) * 128 - 1000
     text = "ab " * (chars // 3)
     big = {"messages": [{"role": "user", "content": text}], "max_tokens": 1}
-    stream_body = {"messages": HELLO, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    stream_body = {"messages": HELLO, "max_tokens": 1000, "ignore_eos": True, "stream": True}
     window_s = 3.0
 
     async def run():
