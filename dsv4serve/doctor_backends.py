@@ -1,8 +1,8 @@
 """`dsv4serve doctor`: the CPU-side backends. The optional CPU expert backend (kt-kernel, --moe-backend hybrid):
 installed or not (and how to install it), its version against the one checked here, the CPU build it loads
 (AVX2, AVX-512 or AMX, from this CPU's flags), and the threads and NUMA nodes the worker would give it. The
-CPU torch path's compiled loops (numba: mHC's Sinkhorn rounds, the Hadamard transform, the head's bf16 copy):
-whether they compile here.
+CPU torch path's compiled loops (numba: mHC's Sinkhorn rounds, the Hadamard transform, ...; llvmlite: the head's
+bf16 copy): whether they compile here.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ WHEEL_PYTHONS = ((3, 11), (3, 12))  # kt-kernel 0.7.2 ships wheels for CPython 3
 
 
 def check_cpu_loops() -> Check:
-    """numba's loops of the CPU torch path, compiled (or loaded from numba's cache) here: without them the CPU
-    path runs torch's Sinkhorn rounds, mHC gates, Hadamard butterflies, FP8 simulation, routed-expert and
-    compressor ops and MKL's fp32 head instead (the same values, slower)."""
+    """The CPU torch path's compiled loops (numba's, loaded from its cache after the first time; the bf16 head's
+    kernels, llvmlite's) here: without them the CPU path runs torch's Sinkhorn rounds, mHC gates, Hadamard
+    butterflies, FP8 simulation, routed-expert and compressor ops and the fp32 head instead (slower)."""
     from dsv4serve.model import compressor_cpu, fp8_cpu, hadamard_cpu, hc_cpu, head_bf16_cpu, moe_cpu, sinkhorn_cpu
     from dsv4serve.model.numba_loops import failure
 
@@ -40,12 +40,11 @@ def check_cpu_loops() -> Check:
         "fp8": fp8_cpu.compiled() is not None,
         "head_bf16": False,
     }
-    if version is not None:
-        try:
-            head_bf16_cpu.warm_up()
-            data["head_bf16"] = True
-        except Exception as exc:  # numba failing to compile on this machine
-            reasons.append(f"{type(exc).__name__}: {exc}")
+    try:
+        head_bf16_cpu.warm_up()
+        data["head_bf16"] = True
+    except Exception as exc:  # llvmlite (numba's compiler) failing on this machine
+        reasons.append(f"{type(exc).__name__}: {exc}")
     loops = {
         "sinkhorn": sinkhorn_cpu.WHAT,
         "hc_gates": hc_cpu.WHAT,
@@ -59,7 +58,7 @@ def check_cpu_loops() -> Check:
     if not missing:
         value = (
             f"numba {version}: mHC's Sinkhorn rounds and gates, the Hadamard transform, the FP8 simulation, the "
-            "routed experts, the compressors' decode update and the bf16 head compile"
+            "routed experts and the compressors' decode update compile; llvmlite compiles the bf16 head"
         )
         return Check("CPU loops", "ok", value, data=data)
     reasons += [f"{what}: {failure(what)}" for what in missing if failure(what) and what != head_bf16_cpu.WHAT]

@@ -1,25 +1,22 @@
-"""The fp32 output head on the CPU's torch path: a bf16 copy through numba for one to three rows, oneDNN's
-blocked weight for more, MKL where neither serves.
+"""The fp32 output head on the CPU's torch path: a bf16 copy through compiled kernels for a checkpoint's head,
+oneDNN's blocked weight for a head that is not exact in bf16, MKL where neither serves.
 
 The head [vocab, dim] is the largest product of a CPU decode step (dsv4-tiny: 129,280 x 128 fp32, 66 MB).
-One row reads the whole weight for 2 x 129,280 x 128 FLOPs: memory-bound, and MKL's sgemm on the
-K-major weight (`Linear.hold_k_major`) streams it fastest (~2.8 ms, one thread). From a few rows on the
-product is compute-bound, and there MKL's sgemm on that layout runs far below the core's peak (16 rows:
-12.5 ms, ~42 GFLOP/s of ~80 a square sgemm reaches here) while oneDNN's matmul on a weight reordered
-once into its blocked layout runs 7.6 ms (64 rows: 32.3 -> 22.6). oneDNN's one- and two-row forms are
-slower than its four-row one (4.4 / 5.6 against 4.0 ms), so two or three rows are padded to four.
-Measured side by side: `python bench/bench_cpu_head.py`.
+A checkpoint's head is exact in bf16: it gets a bf16 copy (half the bytes) that every batch size streams through
+model/head_bf16_cpu.py's kernels (one row ~0.8 ms against MKL's ~2.9; sixteen ~2 ms against oneDNN's ~4.7, from
+a bf16 row of y; bench/bench_cpu_head.py), and no other copy: the blocked one below is built only without it.
 
-The price is a second copy of the head (the blocked one; the K-major weight stays for one row and for
-every other reader). The oneDNN calls (`torch.ops.mkldnn._reorder_linear_weight` / `_linear_pointwise`,
-what inductor's CPU freezing pass emits) are internal API of the pinned torch (pyproject), so `build`
-probes them once against MKL's product and returns None (MKL for every row, as before) when they are
-missing or disagree. Batch invariance keeps MKL (the caller runs its rows one at a time).
+Otherwise: one row is memory-bound, and MKL's sgemm on the K-major weight (`Linear.hold_k_major`) streams it
+fastest (~2.8 ms, one thread). From a few rows on the product is compute-bound, and there MKL's sgemm on that
+layout runs far below the core's peak (16 rows: 12.5 ms) while oneDNN's matmul on a weight reordered once into
+its blocked layout runs 7.6 ms (64 rows: 32.3 -> 22.6). oneDNN's one- and two-row forms are slower than its
+four-row one (4.4 / 5.6 against 4.0 ms), so two or three rows are padded to four. The oneDNN calls
+(`torch.ops.mkldnn._reorder_linear_weight` / `_linear_pointwise`, what inductor's CPU freezing pass emits) are
+internal API of the pinned torch (pyproject), so `build` probes them once against MKL's product and leaves them
+out when they are missing or disagree. Batch invariance keeps MKL (the caller runs its rows one at a time).
 
-A head that is exact in bf16 (a checkpoint's) also gets a bf16 copy (half the bytes: model/head_bf16_cpu.py)
-that one to three rows stream through numba's compiled loops: one row ~1.4 ms against MKL's ~2.9, and the
-33 MB it streams evict less of the rest of the step's weights from the cache than the 66 MB did. `build` probes
-it against MKL too and leaves it out (logged) when it disagrees or cannot compile."""
+`build` probes the bf16 copy against MKL too (fp32 and bf16 rows) and leaves it out (logged) when it disagrees
+or cannot compile."""
 
 from __future__ import annotations
 
@@ -50,10 +47,10 @@ def onednn_available() -> bool:
 
 
 class CpuHead:
-    """logits = y @ weight^T in fp32 for y [M, dim]: the bf16 copy (`packed`) for up to head_bf16_cpu.MAX_ROWS
-    rows, `weight` as given (K-major, MKL) below MIN_ONEDNN_ROWS rows, the blocked copy from there; each path
-    when built. `source` is the weight it was built from: a caller checks it is still the head's before using
-    it (a reload replaces the parameter)."""
+    """logits = y @ weight^T in fp32 for y [M, dim]: the bf16 copy (`packed`) for every M when built; without it
+    `weight` as given (K-major, MKL) below MIN_ONEDNN_ROWS rows and the blocked copy from there, when built.
+    `source` is the weight it was built from: a caller checks it is still the head's before using it (a reload
+    replaces the parameter)."""
 
     def __init__(self, source: torch.Tensor, blocked: torch.Tensor | None, packed: np.ndarray | None = None):
         self.source = source
@@ -67,22 +64,24 @@ class CpuHead:
         if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
             return None
         with torch.inference_mode(False), torch.no_grad():
-            blocked, packed = _blocked_copy(weight.detach()), _bf16_copy(weight.detach())
+            packed = _bf16_copy(weight.detach())
+            blocked = _blocked_copy(weight.detach()) if packed is None else None
         if blocked is None and packed is None:
             return None
-        if blocked is not None:  # from the first row count the bf16 copy does not take
+        if blocked is not None:
             log.info(
                 "head: batches of %d+ rows through oneDNN's blocked copy of the fp32 head (%.1f MiB more host memory)",
-                MIN_ONEDNN_ROWS if packed is None else head_bf16_cpu.MAX_ROWS + 1,
+                MIN_ONEDNN_ROWS,
                 weight.numel() * weight.element_size() / 2**20,
             )
         return cls(weight, blocked, packed)
 
     def __call__(self, y: torch.Tensor) -> torch.Tensor:
-        """y [M, dim] fp32 -> [M, vocab] fp32."""
+        """y [M, dim] fp32 or bf16 -> [M, vocab] fp32 (a bf16 y's values exactly)."""
         rows = y.shape[0]
-        if self._packed is not None and 1 <= rows <= head_bf16_cpu.MAX_ROWS:
+        if self._packed is not None and rows >= 1:
             return head_bf16_cpu.logits(y, self._packed, self.source.shape[0])
+        y = y.float()
         if rows < MIN_ONEDNN_ROWS or self._blocked is None:
             return F.linear(y, self.source)
         if rows >= PAD_ROWS:
@@ -125,25 +124,22 @@ def _blocked_copy(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def _bf16_copy(weight: torch.Tensor) -> np.ndarray | None:
-    """The bf16 copy of a head whose values are bf16, checked against MKL on 1 and MAX_ROWS rows; None when the
-    values are not bf16 or the compiled loops disagree or fail (logged)."""
-    if not head_bf16_cpu.exact_in_bf16(weight):
-        log.info("head: the fp32 head is not exact in bf16 (not a checkpoint's?); no bf16 copy")
+    """The bf16 copy of a head whose values are bf16, checked against MKL on fp32 and bf16 rows (one, and a tile
+    and a rest); None when the values are not bf16 or the kernels disagree or fail (logged)."""
+    if not head_bf16_cpu.exact_in_bf16(weight) or weight.shape[1] % 2:
+        log.info("head: the fp32 head is not exact in bf16 (not a checkpoint's?) or has an odd dim; no bf16 copy")
         return None
     packed = head_bf16_cpu.pack(weight)
     try:
-        for rows in (1, head_bf16_cpu.MAX_ROWS):
-            probe = _probe(weight, rows)
-            ok, err, bound = _agrees(head_bf16_cpu.logits(probe, packed, weight.shape[0]), F.linear(probe, weight))
+        for rows, dtype in ((1, torch.float32), (PROBE_ROWS, torch.float32), (1, torch.bfloat16), (9, torch.bfloat16)):
+            probe = _probe(weight, rows).to(dtype)
+            got = head_bf16_cpu.logits(probe, packed, weight.shape[0])
+            ok, err, bound = _agrees(got, F.linear(probe.float(), weight))
             if not ok:
                 log.warning("head: the bf16 copy's product is off MKL's by %.3g (bound %.3g); not used", err, bound)
                 return None
-    except Exception as exc:  # numba failing to compile on this machine: the fp32 paths serve
-        log.warning("head: the bf16 copy's compiled loops failed (%s: %s); not used", type(exc).__name__, exc)
+    except Exception as exc:  # llvmlite failing to compile on this machine: the fp32 paths serve
+        log.warning("head: the bf16 copy's kernels failed (%s: %s); not used", type(exc).__name__, exc)
         return None
-    log.info(
-        "head: 1-%d rows through a bf16 copy of the head (%.1f MiB more host memory)",
-        head_bf16_cpu.MAX_ROWS,
-        packed.nbytes / 2**20,
-    )
+    log.info("head: every batch through a bf16 copy of the head (%.1f MiB more host memory)", packed.nbytes / 2**20)
     return packed

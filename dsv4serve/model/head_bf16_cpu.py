@@ -1,92 +1,105 @@
-"""The output head's product for one to three rows on the CPU, from a bf16 copy of the head, compiled by numba.
+"""The output head's product on the CPU from a bf16 copy of the head, for any number of rows: two kernels
+(model/head_bf16_ir.py) compiled once per process by LLVM through llvmlite (numba's compiler, a dependency).
 
-One decode row reads the whole head (dsv4-tiny: 129,280 x 128) for 2 FLOPs a weight: memory-bound. A
-checkpoint stores the head in bf16, so its fp32 values are exact in half the bytes: these kernels stream a
-bf16 copy (33 MB instead of 66) and widen each weight to fp32 in registers (a 16-bit shift), summing each
-logit over the model dimension in order in fp32, a product and a sum a term, each rounded (numba contracts
-nothing into fused multiply-adds: tests/unit/test_cpu_head.py checks the logits bit for bit against that sum
-in torch). MKL's sgemv sums a K-major weight the same way on the CPU measured here: the logits equal MKL's bit
-for bit there (bench/bench_cpu_head.py prints the difference); the start-up probe in model/cpu_head.py holds
-them to MKL's within 1e-4 of the largest logit on any CPU. Each row is summed alone, so a row's
-logits do not depend on the rows beside it. One row: ~1.4 ms against MKL's ~2.9 here; two rows: ~3.0
-against oneDNN's ~4.7; from four rows the product is compute-bound and oneDNN's blocked fp32 kernel is
-faster (these loops keep no register tile over rows).
+A checkpoint stores the head in bf16, so its fp32 values are exact in half the bytes. One decode row reads the
+whole head (dsv4-tiny: 129,280 x 128) for 2 FLOPs a weight: memory-bound, and the bf16 copy halves the stream
+(33 MB instead of 66). Sixteen rows are compute-bound: there oneDNN's fp32 kernel ran at this core's fp32 rate;
+a bf16 row of y (the engine's: the final norm's output) goes through `vdpbf16ps`, two multiplies per lane an
+instruction, and an fp32 row through fused multiply-adds with the accumulators held in registers. Both sum each
+logit in one fixed order whatever the batch (module doc of head_bf16_ir.py; tests/unit/test_cpu_head.py holds
+them bit for bit to that arithmetic), so a row's logits never depend on the rows beside it. Measured side by
+side against MKL and oneDNN: `python bench/bench_cpu_head.py`.
 
-The copy is laid out [blocks, dim, BLOCK]: a block of BLOCK consecutive vocabulary rows, each model channel's
-BLOCK weights contiguous, so a block's accumulators stay in vector registers while its 16 KB stream in order.
+Where llvmlite cannot compile (or the start-up probe in model/cpu_head.py finds the logits off MKL's), the fp32
+head serves: MKL and oneDNN's blocked copy.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from dsv4serve.model.numba_loops import compile_loop, failure
+from dsv4serve.model.head_bf16_ir import BLOCK, module_ir
 
-BLOCK = 64  # vocabulary rows a block (4 AVX-512 registers of fp32 accumulators)
-MAX_ROWS = 3  # the rows these kernels take; from four oneDNN's fp32 kernel wins (module doc)
+log = logging.getLogger(__name__)
 
+WHAT = "bf16 head"  # its name in the log and doctor's line
+FMA_TILE = 4  # rows a tile in head_fma: 16 accumulators + 8 widened weights of AVX-512's 32 registers
+DOT_TILE = 6  # rows a tile in head_dot: 24 accumulators + 4 weights (bench_cpu_head: 4-7 within noise, 6 best)
+NARROW_TILE = 1  # without AVX-512 (16 registers of 8 lanes): one row a tile
 
-def _one_row(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover (runs compiled)
-    """out [blocks * BLOCK] = x [dim] . w [blocks, dim, BLOCK] (bf16 bits as uint16), fp32, in order of dim."""
-    n_blocks, dim, _ = w.shape
-    acc = np.zeros(BLOCK, np.float32)
-    for b in range(n_blocks):
-        for j in range(BLOCK):
-            acc[j] = 0
-        for k in range(dim):
-            xk = x[k]
-            for j in range(BLOCK):
-                acc[j] += xk * np.uint32(np.uint32(w[b, k, j]) << np.uint32(16)).view(np.float32)
-        for j in range(BLOCK):
-            out[b * BLOCK + j] = acc[j]
+_SIGNATURE = ctypes.CFUNCTYPE(
+    None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+    ctypes.c_int64,
+)  # fmt: skip
 
 
-def _few_rows(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover (runs compiled)
-    """out [rows, blocks * BLOCK] = x [rows, dim] . w: each row as `_one_row` sums it; a block's weights widened
-    once for every row."""
-    rows = x.shape[0]
-    n_blocks, dim, _ = w.shape
-    acc = np.zeros((rows, BLOCK), np.float32)
-    wide = np.empty(BLOCK, np.float32)
-    for b in range(n_blocks):
-        acc[:, :] = 0
-        for k in range(dim):
-            for j in range(BLOCK):
-                wide[j] = np.uint32(np.uint32(w[b, k, j]) << np.uint32(16)).view(np.float32)
-            for r in range(rows):
-                xk = x[r, k]
-                for j in range(BLOCK):
-                    acc[r, j] += xk * wide[j]
-        for r in range(rows):
-            for j in range(BLOCK):
-                out[r, b * BLOCK + j] = acc[r, j]
+@dataclass(frozen=True)
+class Kernels:
+    """The compiled kernels (head_bf16_ir's `head_fma`, and `head_dot` where the CPU has AVX512_BF16) and the JIT
+    engine that owns their code."""
+
+    fma: Callable[..., None]
+    dot: Callable[..., None] | None
+    engine: object
 
 
-WHAT = "bf16 head"  # its name in numba_loops' log and doctor's line
-FALLBACK = "the fp32 head serves"
+_failure: list[str] = []  # why the kernels did not compile in this process
 
 
 @functools.cache
-def compiled() -> tuple[Callable[..., None], Callable[..., None]] | None:
-    """The two loops, compiled (or loaded from numba's cache) on the first call; None where numba cannot compile
-    them (logged once): model/cpu_head.py then keeps the fp32 head."""
-    w = np.zeros((1, 2, BLOCK), np.uint16)
-    one_row = compile_loop(_one_row, (np.zeros(2, np.float32), w, np.empty(BLOCK, np.float32)), WHAT, FALLBACK)
-    few_rows = compile_loop(
-        _few_rows, (np.zeros((2, 2), np.float32), w, np.empty((2, BLOCK), np.float32)), WHAT, FALLBACK
+def compiled() -> Kernels | None:
+    """The kernels, compiled for this CPU on the first call (~0.3 s); None where llvmlite cannot (logged once)."""
+    try:
+        kernels = _compile()
+        log.debug("%s: compiled (%s)", WHAT, "fma and dot" if kernels.dot else "fma")
+        return kernels
+    except Exception as exc:  # llvmlite missing or failing on this machine: the fp32 head serves
+        _failure.append(f"{type(exc).__name__}: {exc}")
+        log.warning("llvmlite cannot compile the CPU's %s (%s); the fp32 head serves", WHAT, _failure[-1])
+        return None
+
+
+def failure() -> str | None:
+    """Why the kernels did not compile in this process (None: they did, or were not tried)."""
+    return _failure[-1] if _failure else None
+
+
+def _compile() -> Kernels:
+    import llvmlite.binding as llvm  # lazy: only the CPU's torch path needs it
+
+    llvm.initialize_native_target()
+    llvm.initialize_native_asmprinter()
+    features = llvm.get_host_cpu_features()
+    wide = bool(features.get("avx512f"))
+    dot = wide and bool(features.get("avx512bf16"))
+    source = module_ir(llvm.get_process_triple(), FMA_TILE if wide else NARROW_TILE, DOT_TILE if dot else None)
+    machine = llvm.Target.from_default_triple().create_target_machine(
+        cpu=llvm.get_host_cpu_name(), features=features.flatten(), opt=3, codemodel="jitdefault"
     )
-    return None if one_row is None or few_rows is None else (one_row, few_rows)
+    module = llvm.parse_assembly(source)
+    module.verify()
+    passes = llvm.create_pass_builder(machine, llvm.create_pipeline_tuning_options(speed_level=3))
+    passes.getModulePassManager().run(module, passes)
+    engine = llvm.create_mcjit_compiler(module, machine)
+    engine.finalize_object()
+    fma = _SIGNATURE(engine.get_function_address("head_fma"))
+    return Kernels(fma, _SIGNATURE(engine.get_function_address("head_dot")) if dot else None, engine)
 
 
 def warm_up() -> None:
-    """Compile both loops (or load them from numba's cache) now; raises where numba cannot compile them."""
+    """Compile the kernels (raises where llvmlite cannot) and run each once."""
+    if compiled() is None:
+        raise RuntimeError(f"llvmlite could not compile the {WHAT}: {failure()}")
     packed = pack(torch.zeros(BLOCK, 4))
-    for rows in (1, MAX_ROWS):
-        logits(torch.zeros(rows, 4), packed, BLOCK)
+    for dtype in (torch.float32, torch.bfloat16):
+        logits(torch.zeros(3, 4, dtype=dtype), packed, BLOCK)
 
 
 def exact_in_bf16(weight: torch.Tensor) -> bool:
@@ -94,32 +107,35 @@ def exact_in_bf16(weight: torch.Tensor) -> bool:
 
 
 def pack(weight: torch.Tensor) -> np.ndarray:
-    """An fp32 head [vocab, dim] whose values are bf16 (`exact_in_bf16`) -> its bf16 bits [blocks, dim, BLOCK]
-    uint16, the vocabulary zero-padded to whole blocks."""
+    """An fp32 head [vocab, dim] whose values are bf16 (`exact_in_bf16`), dim even -> its bf16 bits as pairs of
+    channels [blocks, dim / 2, BLOCK] uint32 (channel 2k in the low half), the vocabulary zero-padded to whole
+    blocks."""
     vocab, dim = weight.shape
+    if dim % 2:
+        raise ValueError(f"the bf16 head packs channels in pairs: dim {dim} is odd")
     n_blocks = -(-vocab // BLOCK)
-    bits = torch.zeros(n_blocks * BLOCK, dim, dtype=torch.bfloat16)
+    bits = torch.zeros(n_blocks * BLOCK, dim, dtype=torch.bfloat16, device=weight.device)
     bits[:vocab] = weight.detach().to(torch.bfloat16)
-    blocked = bits.view(torch.int16).view(n_blocks, BLOCK, dim).transpose(1, 2).contiguous()
-    return blocked.numpy().view(np.uint16)
+    pairs = bits.view(torch.int32).view(n_blocks, BLOCK, dim // 2).transpose(1, 2).contiguous()
+    return pairs.numpy().view(np.uint32)
 
 
 def logits(y: torch.Tensor, packed: np.ndarray, vocab: int) -> torch.Tensor:
-    """y [rows, dim] fp32 (1 <= rows <= MAX_ROWS) -> [rows, vocab] fp32 through the packed head."""
+    """y [rows, dim] fp32 or bf16 (rows >= 1) -> [rows, vocab] fp32 through the packed head: bf16 rows through
+    `head_dot` where the CPU has it, every other row through `head_fma` (in fp32)."""
     rows, dim = y.shape
-    if not 1 <= rows <= MAX_ROWS or dim != packed.shape[1] or y.dtype != torch.float32:
+    if rows < 1 or dim != 2 * packed.shape[1] or y.dtype not in (torch.float32, torch.bfloat16) or y.is_cuda:
         raise ValueError(
-            f"the bf16 head takes 1-{MAX_ROWS} fp32 rows of {packed.shape[1]}, not {tuple(y.shape)} {y.dtype}"
+            f"the bf16 head takes CPU rows of {2 * packed.shape[1]} in fp32 or bf16, not {tuple(y.shape)} {y.dtype}"
         )
-    loops = compiled()
-    if loops is None:
-        raise RuntimeError(f"numba could not compile the {WHAT}'s loops: {failure(WHAT)}")
-    one_row, few_rows = loops
-    x = y.detach().contiguous().numpy()
-    out = np.empty((rows, packed.shape[0] * BLOCK), np.float32)
-    if rows == 1:
-        one_row(x[0], packed, out[0])
+    kernels = compiled()
+    if kernels is None:
+        raise RuntimeError(f"llvmlite could not compile the {WHAT}: {failure()}")
+    width = packed.shape[0] * BLOCK
+    out = torch.empty(rows, width, dtype=torch.float32, device=y.device)
+    if y.dtype == torch.bfloat16 and kernels.dot is not None:
+        kernel, x = kernels.dot, y.detach().contiguous()
     else:
-        few_rows(x, packed, out)
-    full = torch.from_numpy(out)
-    return full if full.shape[1] == vocab else full[:, :vocab].contiguous()
+        kernel, x = kernels.fma, y.detach().float().contiguous()
+    kernel(x.data_ptr(), rows, dim, packed.ctypes.data, packed.shape[0], out.data_ptr(), width)
+    return out if width == vocab else out[:, :vocab].contiguous()

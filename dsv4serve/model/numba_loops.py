@@ -1,4 +1,4 @@
-"""The CPU torch path's loops compiled by numba (model/sinkhorn_cpu.py, hadamard_cpu.py, head_bf16_cpu.py): one
+"""The CPU torch path's loops compiled by numba (model/sinkhorn_cpu.py, hadamard_cpu.py, moe_cpu.py, ...): one
 way to compile them, with numba's on-disk cache, once per process, and to stand down where numba cannot.
 
 `compile_loop` compiles a plain-Python loop function without fast-math (the IEEE operations as written: every

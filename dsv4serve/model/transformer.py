@@ -169,7 +169,7 @@ class Transformer(nn.Module):
         self._standalone_pools: dict[torch.dtype, KvPool] = {}
         # split over ranks (dsv4serve/parallel/shard_model.py): embed / head then hold this rank's vocabulary rows
         self.tp: TensorParallel | None = None
-        self._cpu_head: CpuHead | None = None  # the head's CPU copies: bf16 for 1-3 rows, oneDNN-blocked for more
+        self._cpu_head: CpuHead | None = None  # the head's CPU copy: bf16 (a checkpoint's), else oneDNN-blocked
 
     def new_state(self, num: Numerics) -> SequenceState:
         """A sequence in this model's own growable pool, for direct use of the model (tests, benchmarks);
@@ -198,14 +198,14 @@ class Transformer(nn.Module):
         `Numerics.backends` picks the path at each forward. The compressors' fused [wkv; wgate] weights are
         built here too (in bf16 with the compressor on Triton: its projection then runs on the head's
         kernel). The head on torch on the CPU is held K-major (layers.Linear.hold_k_major: MKL's fast layout
-        for one row), with a bf16 copy for one to three rows and a oneDNN-blocked one for more
-        (model/cpu_head.py, its compiled loops built here); routed experts on torch are held as K-major stacks
-        (model/moe_stacked.py), their numba-compiled loop (model/moe_cpu.py), mHC's Sinkhorn rounds and gates and the
-        Hadamard transform on the CPU compiled (or loaded from numba's cache) here (model/sinkhorn_cpu.py,
-        model/hadamard_cpu.py), the compressors' decode update (model/compressor_cpu.py) and the FP8 simulation
-        (model/fp8_cpu.py). With the FP8 GEMM on
-        Triton each attention's wq_a and wkv are then held as one packed weight (model/joined_fp8.py: one launch
-        for both)."""
+        for one row), with a bf16 copy for every batch when its values are bf16 (a checkpoint's), else a
+        oneDNN-blocked one for batches of rows (model/cpu_head.py, the bf16 copy's kernels compiled here); routed
+        experts on torch are held as K-major stacks (model/moe_stacked.py), their numba-compiled loop
+        (model/moe_cpu.py), mHC's Sinkhorn rounds and gates and the Hadamard transform on the CPU compiled (or
+        loaded from numba's cache) here (model/sinkhorn_cpu.py, model/hadamard_cpu.py), the compressors' decode
+        update (model/compressor_cpu.py) and the FP8 simulation (model/fp8_cpu.py). With the FP8 GEMM on Triton
+        each attention's wq_a and wkv are then held as one packed weight (model/joined_fp8.py: one launch for
+        both)."""
         head = self.head.weight
         if backends.head == "torch" and head.device.type == "cpu":
             self.head.hold_k_major()
@@ -359,7 +359,7 @@ class Transformer(nn.Module):
             y = y if y.dtype in (torch.bfloat16, torch.float32) else y.float()  # the kernel upcasts bf16 exactly
             out = head_logits(y, weight, block_m=pick_block_m(y.shape[0], num.batch_invariant))
         elif self._cpu_head is not None and self._cpu_head.source is weight and not num.batch_invariant:
-            out = self._cpu_head(y.float())  # 1-3 rows through its bf16 copy, more through oneDNN's blocked one
+            out = self._cpu_head(y)  # a checkpoint head's bf16 copy (model/cpu_head.py)
         else:
             out = matmul(y.float(), weight.float(), num)
         if self.tp is None:

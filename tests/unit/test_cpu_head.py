@@ -1,21 +1,24 @@
 """The CPU head (model/cpu_head.py) against MKL's product: the same logits within fp32 rounding at every batch
-size the engine runs (one to three rows through the bf16 copy's compiled loops, more through oneDNN's blocked
-copy; without the bf16 copy one row on MKL, two and three padded), each path refused when its probe disagrees
-or it cannot run, and the model using it only on its own head weight."""
+size the engine runs (a checkpoint's head through its bf16 copy's kernels, from fp32 and bf16 rows; a head off
+bf16's grid through oneDNN's blocked copy, one row on MKL, two and three padded), the kernels' arithmetic bit for
+bit, each path refused when its probe disagrees or it cannot run, and the model using it only on its own head
+weight."""
 
 from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 from dsv4serve.model import cpu_head, head_bf16_cpu
 from dsv4serve.model.cpu_head import CpuHead
+from dsv4serve.model.head_bf16_ir import BLOCK
 from dsv4serve.model.numerics import NUMERICS_OFF
 
-VOCAB, DIM = 3_000, 128  # a vocabulary that is no multiple of oneDNN's blocks
+VOCAB, DIM = 3_000, 128  # a vocabulary that is no multiple of oneDNN's blocks, nor of the bf16 copy's
 
 
 def _weight(seed: int = 0) -> torch.Tensor:
@@ -23,51 +26,80 @@ def _weight(seed: int = 0) -> torch.Tensor:
     return torch.randn(VOCAB, DIM, generator=g).to(torch.bfloat16).float()  # as a checkpoint's bf16 head
 
 
+def _has_dot() -> bool:
+    kernels = head_bf16_cpu.compiled()
+    return kernels is not None and kernels.dot is not None
+
+
 @pytest.mark.skipif(not cpu_head.onednn_available(), reason="this torch build has no oneDNN matmul")
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16, 64])
-@pytest.mark.parametrize("bf16", [True, False])
-def test_the_head_gives_mkls_logits_at_every_batch_size(rows, bf16):
-    """bf16: a checkpoint's head (the bf16 copy for 1-3 rows); else a head with values off bf16's grid (no bf16
-    copy: MKL for one row, two and three rows padded for oneDNN)."""
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 16, 64])
+@pytest.mark.parametrize("case", ["bf16 head, fp32 rows", "bf16 head, bf16 rows", "fp32 head"])
+def test_the_head_gives_mkls_logits_at_every_batch_size(rows, case):
+    """A checkpoint's head (values on bf16's grid: the bf16 copy for every batch), from the fp32 rows of the torch
+    path's tests or the bf16 rows the engine's final norm gives; a head off bf16's grid: no bf16 copy, MKL for one
+    row, oneDNN for more (two and three rows padded)."""
+    bf16 = case.startswith("bf16")
     weight = _weight() if bf16 else _weight() + 1e-3
     head = CpuHead.build(weight)
-    assert head is not None and (head._packed is not None) == bf16
+    assert head is not None and (head._packed is not None) == bf16 and (head._blocked is None) == bf16
     y = torch.randn(rows, DIM, generator=torch.Generator().manual_seed(rows))
+    y = y.to(torch.bfloat16) if case.endswith("bf16 rows") else y
     got = head(y)
     assert got.shape == (rows, VOCAB) and got.dtype == torch.float32
-    torch.testing.assert_close(got, F.linear(y, weight), rtol=1e-5, atol=1e-5)
-    # a row's logits do not depend on its neighbours: within the bf16 copy's sizes, and within oneDNN's (the
-    # padding of 2 / 3 rows relies on it)
-    small = (1, 3) if bf16 else (2, 4)
-    if rows >= small[1]:
-        torch.testing.assert_close(head(y[: small[1]])[: small[0]], head(y[: small[0]]), rtol=0, atol=0)
+    torch.testing.assert_close(got, F.linear(y.float(), weight), rtol=1e-5, atol=1e-5)
+    if bf16:  # every row's logits are its own alone, bit for bit, whatever tile of the batch it falls in
+        alone = torch.cat([head(y[i : i + 1]) for i in range(rows)])
+        assert torch.equal(got, alone)
+    elif rows >= 4:  # oneDNN: a row's logits do not depend on its neighbours (the padding of 2 / 3 rows relies on it)
+        torch.testing.assert_close(head(y[:4])[:2], head(y[:2]), rtol=0, atol=0)
 
 
-def test_the_bf16_copy_streams_the_heads_bf16_bits_through_the_compiled_loops(monkeypatch):
-    """The compiled call itself (not a fallback), on a vocabulary that is no multiple of its blocks: the
-    packed copy holds exactly the head's bf16 bits, and its logits are MKL's within fp32 rounding and, bit for
-    bit, the sum over dim in order with each product and each sum rounded to fp32."""
+def _fma_in_order(y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """head_fma's arithmetic: fma(y[k], w[k], acc) over k in order, each rounded once to fp32 (the product of an
+    fp32 and a bf16 value is exact in fp64, and so is its sum with an fp32 acc for these values)."""
+    acc = torch.zeros(y.shape[0], weight.shape[0])
+    yd, wd = y.double(), weight.double()
+    for k in range(y.shape[1]):
+        acc = (acc.double() + yd[:, k : k + 1] * wd[:, k]).float()
+    return acc
+
+
+def _dot_in_pairs(y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """vdpbf16ps' arithmetic (the ISA's): per pair of channels, fma with the odd channel, then with the even one."""
+    acc = torch.zeros(y.shape[0], weight.shape[0])
+    yd, wd = y.double(), weight.double()
+    for k in range(0, y.shape[1], 2):
+        acc = (acc.double() + yd[:, k + 1 : k + 2] * wd[:, k + 1]).float()
+        acc = (acc.double() + yd[:, k : k + 1] * wd[:, k]).float()
+    return acc
+
+
+def test_the_bf16_copy_holds_the_heads_bits_and_its_kernels_sum_as_documented():
+    """The compiled kernels themselves (not a fallback), on a vocabulary that is no multiple of their blocks and
+    on row counts across their tiles and rests: the packed copy holds exactly the head's bf16 bits, in pairs of
+    channels; fp32 rows give, bit for bit, fused multiply-adds over dim in order; bf16 rows (where the CPU has
+    AVX512_BF16) vdpbf16ps' pairs, odd channel first."""
     weight = _weight(3)
     packed = head_bf16_cpu.pack(weight)
-    assert packed.dtype.name == "uint16" and packed.shape == (
-        -(-VOCAB // head_bf16_cpu.BLOCK),
-        DIM,
-        head_bf16_cpu.BLOCK,
-    )
-    unblocked = torch.from_numpy(packed.view("int16")).transpose(1, 2).reshape(-1, DIM)
+    blocks = -(-VOCAB // BLOCK)
+    assert packed.dtype == np.uint32 and packed.shape == (blocks, DIM // 2, BLOCK)
+    unblocked = torch.from_numpy(packed.view(np.int16)).view(blocks, DIM // 2, BLOCK, 2).permute(0, 2, 1, 3)
+    unblocked = unblocked.reshape(blocks * BLOCK, DIM)
     assert torch.equal(unblocked[:VOCAB].view(torch.bfloat16).float(), weight) and not unblocked[VOCAB:].any()
-    for rows in (1, 2, 3):
+    assert head_bf16_cpu.compiled() is not None, head_bf16_cpu.failure()
+    for rows in (1, 3, 4, 5, 6, 7, 13):
         y = torch.randn(rows, DIM, generator=torch.Generator().manual_seed(10 + rows))
         got = head_bf16_cpu.logits(y, packed, VOCAB)
         assert got.shape == (rows, VOCAB) and got.is_contiguous()
-        torch.testing.assert_close(got, F.linear(y, weight), rtol=1e-5, atol=1e-5)
-        in_order = torch.zeros(rows, VOCAB)  # the kernels' arithmetic: over dim in order, product then sum
-        for k in range(DIM):
-            in_order = in_order + y[:, k : k + 1] * weight[:, k]
-        assert torch.equal(got, in_order)
-    for bad in (torch.randn(4, DIM), torch.randn(1, DIM + 1), torch.randn(1, DIM, dtype=torch.float64)):
+        assert torch.equal(got, _fma_in_order(y, weight))
+        yb = y.to(torch.bfloat16)
+        want = _dot_in_pairs(yb, weight) if _has_dot() else _fma_in_order(yb.float(), weight)
+        assert torch.equal(head_bf16_cpu.logits(yb, packed, VOCAB), want)
+    for bad in (torch.randn(0, DIM), torch.randn(1, DIM + 2), torch.randn(1, DIM, dtype=torch.float64)):
         with pytest.raises(ValueError, match="the bf16 head takes"):
             head_bf16_cpu.logits(bad, packed, VOCAB)
+    with pytest.raises(ValueError, match="odd"):
+        head_bf16_cpu.pack(torch.zeros(BLOCK, 3))
 
 
 def test_a_product_off_mkls_or_missing_ops_leave_mkl(monkeypatch):
@@ -75,8 +107,8 @@ def test_a_product_off_mkls_or_missing_ops_leave_mkl(monkeypatch):
     if cpu_head.onednn_available():
         real = cpu_head._onednn
         monkeypatch.setattr(cpu_head, "_onednn", lambda y, b: real(y, b) * 1.01)  # e.g. a wrong blocked layout
-        head = CpuHead.build(weight)
-        assert head is not None and head._blocked is None and head._packed is not None
+        head = CpuHead.build(weight + 1e-3)  # a head off bf16's grid, and oneDNN off MKL's: MKL alone
+        assert head is None
         monkeypatch.undo()
     real_logits = head_bf16_cpu.logits
     monkeypatch.setattr(head_bf16_cpu, "logits", lambda *a: real_logits(*a) * 1.01)
@@ -85,17 +117,17 @@ def test_a_product_off_mkls_or_missing_ops_leave_mkl(monkeypatch):
     monkeypatch.undo()
 
     def broken(*args):
-        raise RuntimeError("numba cannot compile here")
+        raise RuntimeError("llvmlite cannot compile here")
 
     monkeypatch.setattr(head_bf16_cpu, "logits", broken)
     head = CpuHead.build(weight)
     assert head is None or head._packed is None
     monkeypatch.undo()
     monkeypatch.setattr(cpu_head, "onednn_available", lambda: False)
-    head = CpuHead.build(weight)  # the bf16 copy alone: batches of rows on MKL
-    assert head is not None and head._blocked is None
+    head = CpuHead.build(weight)  # the bf16 copy needs no oneDNN
+    assert head is not None and head._blocked is None and head._packed is not None
     y = torch.randn(6, DIM, generator=torch.Generator().manual_seed(6))
-    torch.testing.assert_close(head(y), F.linear(y, weight), rtol=0, atol=0)
+    torch.testing.assert_close(head(y), F.linear(y, weight), rtol=1e-5, atol=1e-5)
     assert CpuHead.build(weight + 1e-3) is None  # neither copy
     assert CpuHead.build(weight.to(torch.bfloat16)) is None  # only an fp32 head (the torch path's)
 
