@@ -13,7 +13,8 @@ its blocked layout runs 7.6 ms (64 rows: 32.3 -> 22.6). oneDNN's one- and two-ro
 four-row one (4.4 / 5.6 against 4.0 ms), so two or three rows are padded to four. The oneDNN calls
 (`torch.ops.mkldnn._reorder_linear_weight` / `_linear_pointwise`, what inductor's CPU freezing pass emits) are
 internal API of the pinned torch (pyproject), so `build` probes them once against MKL's product and leaves them
-out when they are missing or disagree. Batch invariance keeps MKL (the caller runs its rows one at a time).
+out when they are missing or disagree. Under batch invariance only the bf16 copy serves (its rows are summed each
+alone, in one order): without it the caller runs MKL a row at a time.
 
 `build` probes the bf16 copy against MKL too (fp32 and bf16 rows) and leaves it out (logged) when it disagrees
 or cannot compile."""
@@ -75,6 +76,11 @@ class CpuHead:
                 weight.numel() * weight.element_size() / 2**20,
             )
         return cls(weight, blocked, packed)
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether a row's logits are the same whatever rows share its call: the bf16 copy's (head_bf16_ir.py)."""
+        return self._packed is not None
 
     def __call__(self, y: torch.Tensor) -> torch.Tensor:
         """y [M, dim] fp32 or bf16 -> [M, vocab] fp32 (a bf16 y's values exactly)."""

@@ -358,8 +358,12 @@ class Transformer(nn.Module):
 
             y = y if y.dtype in (torch.bfloat16, torch.float32) else y.float()  # the kernel upcasts bf16 exactly
             out = head_logits(y, weight, block_m=pick_block_m(y.shape[0], num.batch_invariant))
-        elif self._cpu_head is not None and self._cpu_head.source is weight and not num.batch_invariant:
-            out = self._cpu_head(y)  # a checkpoint head's bf16 copy (model/cpu_head.py)
+        elif (
+            (head := self._cpu_head) is not None
+            and head.source is weight
+            and (head.batch_invariant or not num.batch_invariant)
+        ):
+            out = head(y)  # model/cpu_head.py: a checkpoint head's bf16 copy (batch invariant), else oneDNN / MKL
         else:
             out = matmul(y.float(), weight.float(), num)
         if self.tp is None:
