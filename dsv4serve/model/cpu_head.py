@@ -3,8 +3,8 @@ oneDNN's blocked weight for a head that is not exact in bf16, MKL where neither 
 
 The head [vocab, dim] is the largest product of a CPU decode step (dsv4-tiny: 129,280 x 128 fp32, 66 MB).
 A checkpoint's head is exact in bf16: it gets a bf16 copy (half the bytes) that every batch size streams through
-model/head_bf16_cpu.py's kernels (one row ~0.8 ms against MKL's ~2.9; sixteen ~2 ms against oneDNN's ~4.7, from
-a bf16 row of y; bench/bench_cpu_head.py), and no other copy: the blocked one below is built only without it.
+model/head_bf16_cpu.py's kernels (from bf16 rows of y: one row 0.9 ms against MKL's 2.7, sixteen 2.4-3.5 ms
+against oneDNN's 5.2-6.1; bench/bench_cpu_head.py), and no other copy: the blocked one below is built only without it.
 
 Otherwise: one row is memory-bound, and MKL's sgemm on the K-major weight (`Linear.hold_k_major`) streams it
 fastest (~2.8 ms, one thread). From a few rows on the product is compute-bound, and there MKL's sgemm on that
@@ -137,7 +137,13 @@ def _bf16_copy(weight: torch.Tensor) -> np.ndarray | None:
         return None
     packed = head_bf16_cpu.pack(weight)
     try:
-        for rows, dtype in ((1, torch.float32), (PROBE_ROWS, torch.float32), (1, torch.bfloat16), (9, torch.bfloat16)):
+        fma_rows, dot_rows = head_bf16_cpu.FMA_TILE + 1, head_bf16_cpu.DOT_TILE + 1  # a whole tile and a rest
+        for rows, dtype in (
+            (1, torch.float32),
+            (fma_rows, torch.float32),
+            (1, torch.bfloat16),
+            (dot_rows, torch.bfloat16),
+        ):
             probe = _probe(weight, rows).to(dtype)
             got = head_bf16_cpu.logits(probe, packed, weight.shape[0])
             ok, err, bound = _agrees(got, F.linear(probe.float(), weight))

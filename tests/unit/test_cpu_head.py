@@ -7,6 +7,7 @@ weight."""
 from __future__ import annotations
 
 import dataclasses
+import platform
 
 import numpy as np
 import pytest
@@ -100,6 +101,22 @@ def test_the_bf16_copy_holds_the_heads_bits_and_its_kernels_sum_as_documented():
             head_bf16_cpu.logits(bad, packed, VOCAB)
     with pytest.raises(ValueError, match="odd"):
         head_bf16_cpu.pack(torch.zeros(BLOCK, 3))
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64-v3 code runs on x86-64 only")
+def test_the_kernels_for_a_cpu_without_avx512_sum_the_same_way(monkeypatch):
+    """The code a CPU with AVX2 and FMA but no AVX-512 gets (one row a tile, no vdpbf16ps), compiled for x86-64-v3
+    and run here: fp32 and bf16 rows alike through fused multiply-adds over dim in order, bit for bit."""
+    narrow = head_bf16_cpu._compile(avx2_only=True)
+    assert narrow.dot is None
+    monkeypatch.setattr(head_bf16_cpu, "compiled", lambda: narrow)
+    weight = _weight(4)
+    packed = head_bf16_cpu.pack(weight)
+    for rows in (1, 3, 8):
+        y = torch.randn(rows, DIM, generator=torch.Generator().manual_seed(20 + rows))
+        assert torch.equal(head_bf16_cpu.logits(y, packed, VOCAB), _fma_in_order(y, weight))
+        yb = y.to(torch.bfloat16)
+        assert torch.equal(head_bf16_cpu.logits(yb, packed, VOCAB), _fma_in_order(yb.float(), weight))
 
 
 def test_a_product_off_mkls_or_missing_ops_leave_mkl(monkeypatch):
