@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from dsv4serve.model.head_bf16_ir import BLOCK, module_ir
+from dsv4serve.model.numba_loops import failure, record_failure
 
 log = logging.getLogger(__name__)
 
@@ -50,25 +51,17 @@ class Kernels:
     engine: object
 
 
-_failure: list[str] = []  # why the kernels did not compile in this process
-
-
 @functools.cache
 def compiled() -> Kernels | None:
-    """The kernels, compiled for this CPU on the first call (~0.3 s); None where llvmlite cannot (logged once)."""
+    """The kernels, compiled for this CPU on the first call (~0.3 s); None where llvmlite cannot (logged once, the
+    reason kept for numba_loops.failure(WHAT))."""
     try:
         kernels = _compile()
         log.debug("%s: compiled (%s)", WHAT, "fma and dot" if kernels.dot else "fma")
         return kernels
     except Exception as exc:  # llvmlite missing or failing on this machine: the fp32 head serves
-        _failure.append(f"{type(exc).__name__}: {exc}")
-        log.warning("llvmlite cannot compile the CPU's %s (%s); the fp32 head serves", WHAT, _failure[-1])
+        log.warning("llvmlite cannot compile the CPU's %s (%s); the fp32 head serves", WHAT, record_failure(WHAT, exc))
         return None
-
-
-def failure() -> str | None:
-    """Why the kernels did not compile in this process (None: they did, or were not tried)."""
-    return _failure[-1] if _failure else None
 
 
 def _compile(avx2_only: bool = False) -> Kernels:
@@ -99,7 +92,7 @@ def _compile(avx2_only: bool = False) -> Kernels:
 def warm_up() -> None:
     """Compile the kernels (raises where llvmlite cannot) and run each once."""
     if compiled() is None:
-        raise RuntimeError(f"llvmlite could not compile the {WHAT}: {failure()}")
+        raise RuntimeError(f"llvmlite could not compile the {WHAT}: {failure(WHAT)}")
     packed = pack(torch.zeros(BLOCK, 4))
     for dtype in (torch.float32, torch.bfloat16):
         logits(torch.zeros(3, 4, dtype=dtype), packed, BLOCK)
@@ -133,7 +126,7 @@ def logits(y: torch.Tensor, packed: np.ndarray, vocab: int) -> torch.Tensor:
         )
     kernels = compiled()
     if kernels is None:
-        raise RuntimeError(f"llvmlite could not compile the {WHAT}: {failure()}")
+        raise RuntimeError(f"llvmlite could not compile the {WHAT}: {failure(WHAT)}")
     width = packed.shape[0] * BLOCK
     out = torch.empty(rows, width, dtype=torch.float32, device=y.device)
     if y.dtype == torch.bfloat16 and kernels.dot is not None:

@@ -41,8 +41,7 @@ def compile_loop(
         loop = _jit(numba, fn)
         loop(*sample)
     except Exception as exc:  # numba missing or failing on this machine: the caller's torch ops serve, slower
-        _failures[what] = f"{type(exc).__name__}: {exc}"
-        log.warning("numba cannot compile the CPU's %s (%s); %s", what, _failures[what], instead)
+        log.warning("numba cannot compile the CPU's %s (%s); %s", what, record_failure(what, exc), instead)
         return None
     _failures.pop(what, None)
     return loop
@@ -54,6 +53,13 @@ def _jit(numba: Any, fn: Callable[..., Any]) -> Callable[..., Any]:
     each module in __pycache__) is keyed by the source file's stamp, not by these options: after changing them,
     delete those files."""
     return numba.njit(fn, cache=True, nogil=True, boundscheck=False, error_model="numpy")
+
+
+def record_failure(what: str, exc: BaseException) -> str:
+    """Note why `what` did not compile (for `failure` and doctor) and return that reason; also the bf16 head's
+    kernels, which llvmlite compiles (model/head_bf16_cpu.py)."""
+    _failures[what] = f"{type(exc).__name__}: {exc}"
+    return _failures[what]
 
 
 def failure(what: str) -> str | None:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from dsv4serve.model import cpu_head, head_bf16_cpu
 from dsv4serve.model.cpu_head import CpuHead
 from dsv4serve.model.head_bf16_ir import BLOCK
+from dsv4serve.model.numba_loops import failure
 from dsv4serve.model.numerics import NUMERICS_OFF
 
 VOCAB, DIM = 3_000, 128  # a vocabulary that is no multiple of oneDNN's blocks, nor of the bf16 copy's
@@ -87,7 +88,7 @@ def test_the_bf16_copy_holds_the_heads_bits_and_its_kernels_sum_as_documented():
     unblocked = torch.from_numpy(packed.view(np.int16)).view(blocks, DIM // 2, BLOCK, 2).permute(0, 2, 1, 3)
     unblocked = unblocked.reshape(blocks * BLOCK, DIM)
     assert torch.equal(unblocked[:VOCAB].view(torch.bfloat16).float(), weight) and not unblocked[VOCAB:].any()
-    assert head_bf16_cpu.compiled() is not None, head_bf16_cpu.failure()
+    assert head_bf16_cpu.compiled() is not None, failure(head_bf16_cpu.WHAT)
     for rows in (1, 3, 4, 5, 6, 7, 13):
         y = torch.randn(rows, DIM, generator=torch.Generator().manual_seed(10 + rows))
         got = head_bf16_cpu.logits(y, packed, VOCAB)
